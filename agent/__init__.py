@@ -1,0 +1,1 @@
+"""The diag agent: a per-node sidecar that watches the ranks' op journals and acts on hangs."""

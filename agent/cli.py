@@ -1,0 +1,86 @@
+"""`diag`: the one command-line entry point. Each subcommand lives in its own module, imported
+only when that subcommand runs, so `diag agent` never pays for (or imports) torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from diag.agent import exitcodes
+
+# name -> (module, one-line help). A module provides `add_arguments(parser)` and `run(args) -> int`.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "agent": (
+        "diag.agent.daemon",
+        "run the per-node sidecar: watch local ranks, detect hangs, act",
+    ),
+    "dump": ("diag.agent.dumpcmd", "capture stacks and journals of ranks now, as an incident"),
+    "merge": (
+        "diag.viewer.cli",
+        "merge an incident's per-rank stacks into flame SVGs and a summary",
+    ),
+    "precheck": (
+        "diag.agent.precheck.cli",
+        "check devices and network before training; name bad nodes",
+    ),
+    "demo": (
+        "diag.agent.demo",
+        "run a local CPU DeepSpeed job with an injected fault under a real agent",
+    ),
+}
+
+
+def _top_help() -> str:
+    width = max(len(n) for n in SUBCOMMANDS)
+    lines = [f"  {n:<{width}}  {h}" for n, (_, h) in SUBCOMMANDS.items()]
+    return (
+        "usage: diag <command> [options]\n\n"
+        "Fault-tolerance and diagnostics agent for distributed PyTorch/DeepSpeed training.\n\n"
+        "commands:\n"
+        + "\n".join(lines)
+        + "\n\nRun `diag <command> --help` for a command's options."
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_top_help())
+        return exitcodes.OK if argv else exitcodes.USAGE
+    if argv[0] == "--version":
+        from importlib.metadata import version
+
+        print(f"diag {version('diag')}")
+        return exitcodes.OK
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"diag: unknown command {name!r}\n\n{_top_help()}", file=sys.stderr)
+        return exitcodes.USAGE
+    module_name, help_text = SUBCOMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(
+        prog=f"diag {name}", description=help_text[0].upper() + help_text[1:] + "."
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)"
+    )
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    logging.basicConfig(
+        level=logging.WARNING - 10 * min(args.verbose + 1, 2),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(module.run(args))
+    except exitcodes.UsageError as e:
+        print(f"diag {name}: error: {e}", file=sys.stderr)
+        return exitcodes.USAGE
+    except KeyboardInterrupt:
+        return exitcodes.INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

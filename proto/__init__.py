@@ -1,0 +1,1 @@
+"""Protocol definitions and generated gRPC stubs of the agent's control channel."""

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Sets up everything the demo and the tests need, from a machine that has only Python and pip:
+# Debian packages (when missing and we are root), a virtualenv in .venv, torch pinned to the
+# CPU build, and diag itself in editable mode. Re-running is cheap: a stamp file records what
+# was installed, and nothing is redone while pyproject.toml and the package list are unchanged.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${DIAG_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+stamp="$venv/.diag-bootstrap"
+want="$(cat "$root/pyproject.toml" "$root/scripts/debian-packages.txt" | sha256sum | cut -d' ' -f1)"
+
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    exit 0
+fi
+
+# Debian packages: only those that are missing; skipped with a note when not root.
+missing=()
+while read -r pkg; do
+    [[ -z "$pkg" || "$pkg" == \#* ]] && continue
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+done < "$root/scripts/debian-packages.txt"
+if ((${#missing[@]})); then
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "bootstrap: installing Debian packages: ${missing[*]}" >&2
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq >/dev/null
+        apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    else
+        echo "bootstrap: not root; tests that need these Debian packages will skip: ${missing[*]}" >&2
+    fi
+fi
+
+if [[ ! -x "$venv/bin/python" ]]; then
+    echo "bootstrap: creating virtualenv $venv" >&2
+    "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+# torch first and pinned: any other spec (or a package that depends on torch) resolves to the
+# multi-GB CUDA build.
+echo "bootstrap: installing torch==2.13.0 and diag[dev] (first run takes a minute)" >&2
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" -e "$root[dev]"
+echo "$want" > "$stamp"
+echo "bootstrap: ready ($venv)" >&2

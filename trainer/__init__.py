@@ -1,0 +1,1 @@
+"""Trainer-side API of diag: attach the collector, flash checkpoints, graceful exit."""

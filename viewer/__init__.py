@@ -1,0 +1,1 @@
+"""Reads incident directories and writes merged cross-rank flame graphs and summaries."""
