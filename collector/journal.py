@@ -258,8 +258,8 @@ class JournalWriter:
 
     def close(self, status: JournalStatus = JournalStatus.CLOSED) -> None:
         with self._lock:
-            if self._mm.closed:
-                return
+            if self._status != JournalStatus.RUNNING:
+                return  # the first verdict on how the writer ended stands
             self._status = status
             self._write_state()
             self._mm.flush()

@@ -1,0 +1,234 @@
+"""Which rank is most likely at fault when others wait: cross-rank comparison of journals.
+
+Collectives are issued in the same order on every member of a group, so per-group sequence
+numbers line up across ranks (the idea behind PyTorch's flight-recorder analysis). When some
+members wait inside collective #N of a group, every other member should be there too. A member
+that is not is the suspect:
+- it is dead;
+- it is behind (its newest op on that group is older than #N) and not inside any collective: it
+  is computing, sleeping, spinning or stuck in something that is not communication;
+- it is behind but waits inside a collective of another group: follow it to that group;
+- it is inside #N but its device has not started it while the others' have (CUDA);
+- it called a different collective as #N (op or size mismatch);
+- it is on another node (we cannot see it from here).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from diag.agent.observation import Observation, OpView, RankSnapshot
+from diag.collector.records import OpState
+
+
+class SuspectKind(enum.Enum):
+    DIED = "died"
+    BEHIND_IDLE = "behind"  # behind in the group and not inside any collective
+    NOT_STARTED = "device-not-started"
+    MISMATCH = "mismatch"
+    REMOTE = "remote"  # a member on another node
+    LAST_ARRIVAL = "last-arrival"  # everybody is inside; the latest to arrive, as a weak hint
+
+
+_SCORES = {
+    SuspectKind.DIED: 1.0,
+    SuspectKind.BEHIND_IDLE: 0.9,
+    SuspectKind.NOT_STARTED: 0.8,
+    SuspectKind.MISMATCH: 0.7,
+    SuspectKind.REMOTE: 0.5,
+    SuspectKind.LAST_ARRIVAL: 0.2,
+}
+
+
+@dataclass(frozen=True)
+class Suspect:
+    rank: int
+    kind: SuspectKind
+    reason: str
+
+    @property
+    def score(self) -> float:
+        return _SCORES[self.kind]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Ranks stuck inside one collective."""
+
+    group: str
+    group_seq: int
+    op: OpView
+    waiting: tuple[int, ...]
+    since: float  # the earliest enqueue among them
+
+    def describe(self) -> str:
+        return f"{self.op.op.label} #{self.group_seq} of group {self.group}"
+
+
+def _fmt_ranks(ranks: Iterable[int]) -> str:
+    return ",".join(str(r) for r in sorted(ranks))
+
+
+def waits(obs: Observation) -> list[Wait]:
+    """Collectives that local ranks are stuck in, oldest first, one per (group, seq)."""
+    by_key: dict[tuple[str, int], list[tuple[RankSnapshot, OpView]]] = {}
+    for r in obs.ranks:
+        if r.alive and r.pending:
+            op = r.pending[0]
+            by_key.setdefault((op.group, op.group_seq), []).append((r, op))
+    out = [
+        Wait(
+            group=g,
+            group_seq=s,
+            op=members[0][1],
+            waiting=tuple(sorted(r.rank for r, _ in members)),
+            since=min(op.t_enqueue for _, op in members),
+        )
+        for (g, s), members in by_key.items()
+    ]
+    out.sort(key=lambda w: w.since)
+    return out
+
+
+def _behind_reason(r: RankSnapshot, w: Wait, now: float) -> str:
+    last = r.last_ops.get(w.group)
+    where = (
+        f"its last op on group {w.group} was #{last.group_seq}"
+        if last
+        else (f"it has issued nothing on group {w.group}")
+    )
+    idle = now - r.last_activity
+    if r.phase:
+        doing = f"in phase {r.phase!r}"
+    elif r.proc_state == "D":
+        doing = "in uninterruptible sleep (D state: I/O or driver)"
+    elif r.cpu_busy >= 0.5:
+        doing = f"busy on CPU ({r.cpu_busy:.0%} of a core) outside any collective"
+    else:
+        doing = "idle outside any collective"
+    return (
+        f"ranks {_fmt_ranks(w.waiting)} wait in {w.describe()} since "
+        f"{now - w.since:.1f} s; rank {r.rank} never joined: {where}, no progress for "
+        f"{idle:.1f} s, {doing}"
+    )
+
+
+def find_suspects(obs: Observation) -> list[Suspect]:
+    """Suspects, most likely first. Empty when no local rank waits in a collective."""
+    now = obs.now
+    found: dict[int, Suspect] = {}
+
+    def add(s: Suspect) -> None:
+        old = found.get(s.rank)
+        if old is None or s.score > old.score:
+            found[s.rank] = s
+
+    by_rank = {r.rank: r for r in obs.ranks}
+    for r in obs.ranks:
+        if r.liveness.value == "died":
+            add(Suspect(r.rank, SuspectKind.DIED, _died_reason(r, obs)))
+
+    for w in waits(obs):
+        members = obs.groups.get(w.group, ())
+        for m in members:
+            if m in w.waiting:
+                continue
+            r = by_rank.get(m)
+            if r is None:
+                add(
+                    Suspect(
+                        m,
+                        SuspectKind.REMOTE,
+                        f"ranks {_fmt_ranks(w.waiting)} wait for it in {w.describe()}; it runs "
+                        "on another node (see that node's agent)",
+                    )
+                )
+                continue
+            if not r.alive:
+                continue  # reported as dead above (or closed: then the others wait in vain)
+            last = r.last_ops.get(w.group)
+            if last is not None and last.group_seq >= w.group_seq:
+                continue  # already past it (p2p orders differ); not the blocker
+            if r.pending:
+                continue  # waiting elsewhere: the wait it is in gets its own analysis
+            add(Suspect(m, SuspectKind.BEHIND_IDLE, _behind_reason(r, w, now)))
+        _mismatches(w, by_rank, add)
+        _not_started(w, by_rank, add)
+
+    if not found:
+        # Everyone is inside the same collective: the transport or a device is stuck. The rank
+        # that arrived last is the only (weak) lead.
+        ws = waits(obs)
+        if ws:
+            w = ws[0]
+            arrivals = [
+                (by_rank[m].pending[0].t_enqueue, m)
+                for m in w.waiting
+                if by_rank.get(m) and by_rank[m].pending
+            ]
+            if len(arrivals) > 1:
+                t, last = max(arrivals)
+                add(
+                    Suspect(
+                        last,
+                        SuspectKind.LAST_ARRIVAL,
+                        f"all local members of group {w.group} are inside {w.describe()}; rank "
+                        f"{last} arrived last ({t - w.since:.2f} s after the first): the "
+                        "collective itself is stuck (network, transport or device)",
+                    )
+                )
+    return sorted(found.values(), key=lambda s: (-s.score, s.rank))
+
+
+def _died_reason(r: RankSnapshot, obs: Observation) -> str:
+    when = f"{obs.now - r.exited_at:.1f} s ago" if r.exited_at is not None else "earlier"
+    doing = (
+        r.pending[0].describe()
+        if r.pending
+        else (f"phase {r.phase!r}" if r.phase else f"step {r.step}")
+    )
+    return f"rank {r.rank} (pid {r.pid}) exited {when} without closing its journal, during {doing}"
+
+
+def _mismatches(w: Wait, by_rank: dict[int, RankSnapshot], add) -> None:
+    ops = [(by_rank[m].pending[0], m) for m in w.waiting if by_rank[m].pending]
+    if len(ops) < 3:
+        return
+    shapes: dict[tuple, list[int]] = {}
+    for op, m in ops:
+        shapes.setdefault((op.op, op.nbytes), []).append(m)
+    if len(shapes) < 2:
+        return
+    majority = max(shapes.items(), key=lambda kv: len(kv[1]))
+    for (code, nbytes), ranks in shapes.items():
+        if ranks is majority[1]:
+            continue
+        for m in ranks:
+            add(
+                Suspect(
+                    m,
+                    SuspectKind.MISMATCH,
+                    f"as #{w.group_seq} of group {w.group} it called {code.label} of {nbytes} "
+                    f"bytes; ranks {_fmt_ranks(majority[1])} called "
+                    f"{majority[0][0].label} of {majority[0][1]} bytes",
+                )
+            )
+
+
+def _not_started(w: Wait, by_rank: dict[int, RankSnapshot], add) -> None:
+    states = {m: by_rank[m].pending[0].state for m in w.waiting if by_rank[m].pending}
+    started = [m for m, s in states.items() if s == OpState.STARTED]
+    if not started:
+        return
+    for m, s in states.items():
+        if s == OpState.ENQUEUED:
+            add(
+                Suspect(
+                    m,
+                    SuspectKind.NOT_STARTED,
+                    f"its device has not started {w.describe()} while ranks "
+                    f"{_fmt_ranks(started)} have: the kernels queued before it are stuck",
+                )
+            )

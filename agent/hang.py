@@ -1,0 +1,265 @@
+"""The agent's decision core: observation and state in, verdict and actions out.
+
+Pure: no clocks (time comes in the observation), no I/O, no logging. The daemon executes the
+actions and logs the events. Rules:
+- a rank died (or failed) without closing its journal: an incident at once;
+- a rank's oldest pending op is older than its limit: a hang;
+- a rank made no progress at all for longer than its limit: a hang (no-progress when no rank
+  waits in a collective);
+- a rank waiting in a collective inherits the longest limit among the members it waits for, so
+  ranks waiting at a barrier while rank 0 evaluates are not called hung;
+- one incident at a time: a new one may open only after progress resumes or the ranks restart.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+from diag.agent.culprit import Suspect, SuspectKind, Wait, find_suspects, waits
+from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.agent.timeouts import Limit, TimeoutPolicy, rank_limit
+
+
+class VerdictKind(enum.Enum):
+    HANG = "hang"  # ranks wait in a collective beyond the limit
+    NO_PROGRESS = "no_progress"  # no rank waits in a collective, yet nothing moves
+    RANK_EXITED = "rank_exited"  # a rank died while the others run
+
+
+class OnHang(enum.Enum):
+    NONE = "none"  # evidence only
+    STOP = "stop"  # evidence, then SIGTERM the local ranks (SIGKILL after a grace period)
+
+
+class ActionKind(enum.Enum):
+    CAPTURE_EVIDENCE = "capture-evidence"
+    PERSIST_CHECKPOINT = "persist-checkpoint"
+    STOP_RANKS = "stop-ranks"
+
+
+class EventKind(enum.Enum):
+    INCIDENT = "incident"
+    RECOVERED = "recovered"  # progress resumed after an incident
+    NEW_ATTEMPT = "new-attempt"  # the ranks restarted
+    JOB_ENDED = "job-ended"
+
+
+class OverdueKind(enum.Enum):
+    PENDING_OP = "pending-op"
+    NO_PROGRESS = "no-progress"
+
+
+@dataclass(frozen=True)
+class Overdue:
+    rank: int
+    kind: OverdueKind
+    age: float
+    limit: Limit
+    op: OpView | None = None
+
+    def describe(self) -> str:
+        what = f"in {self.op.describe()}" if self.op else "without progress"
+        return (
+            f"rank {self.rank} {what} for {self.age:.1f} s > limit {self.limit.seconds:.1f} s "
+            f"({self.limit.basis})"
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: VerdictKind
+    incident_id: str
+    at: float  # monotonic time of the decision
+    culprit: int | None
+    suspects: tuple[Suspect, ...]
+    overdue: tuple[Overdue, ...]
+    waits: tuple[Wait, ...]
+    summary: str
+    expired_at: float | None = None  # when the first limit ran out (for latency accounting)
+
+
+@dataclass(frozen=True)
+class Policy:
+    timeouts: TimeoutPolicy = field(default_factory=TimeoutPolicy)
+    on_hang: OnHang = OnHang.NONE
+    persist_on_incident: bool = False
+
+
+@dataclass(frozen=True)
+class WatchState:
+    attempt: int = -1
+    incident: Verdict | None = None
+    activity_at_incident: tuple[tuple[int, float], ...] = ()
+    job_ended: bool = False
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    verdict: Verdict
+    ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: EventKind
+    message: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: WatchState
+    verdict: Verdict | None = None
+    actions: tuple[Action, ...] = ()
+    events: tuple[Event, ...] = ()
+
+
+def decide(state: WatchState, obs: Observation, policy: Policy) -> Decision:
+    events: list[Event] = []
+    if obs.attempt != state.attempt:
+        if state.attempt >= 0:
+            events.append(Event(EventKind.NEW_ATTEMPT, f"ranks restarted (attempt {obs.attempt})"))
+        state = WatchState(attempt=obs.attempt)
+    if not obs.ranks:
+        return Decision(state, events=tuple(events))
+
+    if state.incident is not None:
+        if _progressed_since(state, obs):
+            events.append(Event(EventKind.RECOVERED, "progress resumed after the incident"))
+            state = replace(state, incident=None, activity_at_incident=())
+        else:
+            return Decision(_job_end(state, obs, events), events=tuple(events))
+
+    verdict = _rank_exit_verdict(obs) or _hang_verdict(obs, policy)
+    if verdict is None:
+        return Decision(_job_end(state, obs, events), events=tuple(events))
+
+    events.append(Event(EventKind.INCIDENT, verdict.summary))
+    actions = [Action(ActionKind.CAPTURE_EVIDENCE, verdict)]
+    if policy.persist_on_incident:
+        actions.append(Action(ActionKind.PERSIST_CHECKPOINT, verdict))
+    alive = tuple(sorted(r.rank for r in obs.ranks if r.alive))
+    if policy.on_hang == OnHang.STOP and alive:
+        actions.append(Action(ActionKind.STOP_RANKS, verdict, alive))
+    state = replace(
+        state,
+        incident=verdict,
+        activity_at_incident=tuple((r.rank, r.last_activity) for r in obs.ranks),
+    )
+    return Decision(state, verdict, tuple(actions), tuple(events))
+
+
+def _progressed_since(state: WatchState, obs: Observation) -> bool:
+    before = dict(state.activity_at_incident)
+    return any(
+        r.alive and r.rank in before and r.last_activity > before[r.rank] for r in obs.ranks
+    ) and not any(r.liveness == Liveness.DIED for r in obs.ranks)
+
+
+def _job_end(state: WatchState, obs: Observation, events: list[Event]) -> WatchState:
+    if not state.job_ended and all(not r.alive for r in obs.ranks):
+        events.append(Event(EventKind.JOB_ENDED, _end_message(obs)))
+        return replace(state, job_ended=True)
+    return state
+
+
+def _end_message(obs: Observation) -> str:
+    counts: dict[str, int] = {}
+    for r in obs.ranks:
+        counts[r.liveness.value] = counts.get(r.liveness.value, 0) + 1
+    return "all local ranks ended: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+
+
+def _incident_id(obs: Observation, kind: VerdictKind, ws: list[Wait]) -> str:
+    # Agents on other nodes see the same stuck collective, so (group, seq) makes the id they
+    # share; directories of one incident are grouped by it when merged.
+    where = f"pg{ws[0].group}-seq{ws[0].group_seq}" if ws else "noop"
+    return f"a{obs.attempt}-{kind.value}-{where}"
+
+
+def _rank_exit_verdict(obs: Observation) -> Verdict | None:
+    dead = [r for r in obs.ranks if r.liveness in (Liveness.DIED, Liveness.FAILED)]
+    if not dead:
+        return None
+    first = min(dead, key=lambda r: (r.exited_at if r.exited_at is not None else obs.now, r.rank))
+    suspects = [s for s in find_suspects(obs) if s.rank != first.rank]
+    how = "failed with an uncaught exception" if first.liveness == Liveness.FAILED else "died"
+    lead = Suspect(
+        first.rank,
+        SuspectKind.DIED,
+        f"rank {first.rank} (pid {first.pid}) {how} first"
+        + (
+            f", during {first.pending[0].describe()}" if first.pending else f" at step {first.step}"
+        ),
+    )
+    others = [r.rank for r in dead if r is not first]
+    tail = f"; ranks {','.join(map(str, others))} ended after it" if others else ""
+    ws = waits(obs)
+    return Verdict(
+        kind=VerdictKind.RANK_EXITED,
+        incident_id=f"a{obs.attempt}-{VerdictKind.RANK_EXITED.value}-rank{first.rank}",
+        at=obs.now,
+        culprit=first.rank,
+        suspects=(lead, *suspects),
+        overdue=(),
+        waits=tuple(ws),
+        summary=f"rank {first.rank} {how}{tail}",
+        expired_at=first.exited_at,
+    )
+
+
+def _limits(obs: Observation, policy: TimeoutPolicy) -> dict[int, Limit]:
+    return {r.rank: rank_limit(r, policy, obs.pg_timeout) for r in obs.ranks if r.alive}
+
+
+def _overdue(r: RankSnapshot, obs: Observation, limits: dict[int, Limit]) -> Overdue | None:
+    limit = limits[r.rank]
+    op = r.oldest_pending
+    if op is not None:
+        # Waiting for members that are in a phase or warming up: their longer limit applies.
+        for m in obs.groups.get(op.group, ()):
+            other = limits.get(m)
+            if other is not None and other.seconds > limit.seconds:
+                limit = Limit(other.seconds, f"{other.basis} on rank {m}, which it waits for")
+        age = obs.now - op.t_enqueue
+        if age > limit.seconds:
+            return Overdue(r.rank, OverdueKind.PENDING_OP, age, limit, op)
+        return None
+    age = obs.now - r.last_activity
+    if age > limit.seconds:
+        return Overdue(r.rank, OverdueKind.NO_PROGRESS, age, limit)
+    return None
+
+
+def _hang_verdict(obs: Observation, policy: Policy) -> Verdict | None:
+    limits = _limits(obs, policy.timeouts)
+    overdue = [o for r in obs.ranks if r.alive if (o := _overdue(r, obs, limits))]
+    if not overdue:
+        return None
+    ws = waits(obs)
+    suspects = find_suspects(obs)
+    if not suspects:
+        # Nobody waits for anybody: the ranks without progress are the suspects themselves.
+        suspects = [
+            Suspect(o.rank, SuspectKind.BEHIND_IDLE, o.describe())
+            for o in sorted(overdue, key=lambda o: -o.age)
+        ]
+    kind = VerdictKind.HANG if ws else VerdictKind.NO_PROGRESS
+    culprit = suspects[0].rank if suspects else None
+    first = max(overdue, key=lambda o: o.age - o.limit.seconds)
+    lead = suspects[0].reason if suspects else first.describe()
+    summary = f"{kind.value}: " + (
+        f"rank {culprit} is the likely culprit: {lead}" if culprit is not None else lead
+    )
+    return Verdict(
+        kind=kind,
+        incident_id=_incident_id(obs, kind, ws),
+        at=obs.now,
+        culprit=culprit,
+        suspects=tuple(suspects),
+        overdue=tuple(sorted(overdue, key=lambda o: o.rank)),
+        waits=tuple(ws),
+        summary=summary,
+        expired_at=obs.now - (first.age - first.limit.seconds),
+    )

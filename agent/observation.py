@@ -1,0 +1,86 @@
+"""What the agent knows about its ranks at one instant: plain data for the decision core.
+
+Times are seconds on the monotonic clock shared by every process of the node (CLOCK_MONOTONIC),
+so the agent can compare a trainer's timestamps with its own `now`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from diag.collector.records import OpCode, OpState
+
+
+class Liveness(enum.Enum):
+    RUNNING = "running"
+    CLOSED = "closed"  # exited after closing its journal normally
+    FAILED = "failed"  # exited through an uncaught exception (the journal says so)
+    DIED = "died"  # the process is gone without a word: killed, crashed, os._exit
+
+
+@dataclass(frozen=True)
+class OpView:
+    group: str  # the process group's name, identical on all member ranks
+    group_seq: int
+    op: OpCode
+    state: OpState
+    nbytes: int
+    t_enqueue: float
+    t_end: float | None = None
+    peer: int = -1  # global rank of the p2p peer
+
+    @property
+    def pending(self) -> bool:
+        return self.state.pending
+
+    def describe(self) -> str:
+        peer = f" peer {self.peer}" if self.peer >= 0 else ""
+        return f"{self.op.label} #{self.group_seq} of group {self.group}{peer}"
+
+
+@dataclass(frozen=True)
+class RankSnapshot:
+    rank: int
+    local_rank: int
+    pid: int
+    node: str
+    liveness: Liveness
+    started_at: float  # when its journal was created
+    last_activity: float  # newest sign of progress: an op issued or finished, a step, a phase
+    step: int  # completed training steps
+    phase: str = ""  # innermost open phase, "" outside phases
+    phase_since: float | None = None
+    exited_at: float | None = None  # when the agent saw the process end
+    pending: tuple[OpView, ...] = ()  # unfinished ops, oldest first
+    last_ops: Mapping[str, OpView] = field(default_factory=dict)  # newest op per group
+    step_durations: tuple[float, ...] = ()  # recent completed steps, oldest first
+    max_op_seconds: float = 0.0  # longest completed op seen recently
+    proc_state: str = ""  # /proc state letter: R, S, D, Z, T ...
+    cpu_busy: float = 0.0  # share of one core used since the last observation
+
+    @property
+    def alive(self) -> bool:
+        return self.liveness == Liveness.RUNNING
+
+    @property
+    def oldest_pending(self) -> OpView | None:
+        return self.pending[0] if self.pending else None
+
+
+@dataclass(frozen=True)
+class Observation:
+    now: float
+    ranks: tuple[RankSnapshot, ...]
+    groups: Mapping[str, tuple[int, ...]]  # group name -> global ranks of its members
+    world_size: int
+    attempt: int = 0
+    pg_timeout: float = 0.0  # the collective timeout torch enforces, 0 if unknown
+    recent_ops: Mapping[int, tuple[OpView, ...]] = field(default_factory=dict)  # rank -> done ops
+
+    def rank(self, rank: int) -> RankSnapshot | None:
+        for r in self.ranks:
+            if r.rank == rank:
+                return r
+        return None

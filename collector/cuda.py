@@ -1,0 +1,87 @@
+"""Device-side timing of collectives on CUDA: event pairs polled by one watcher thread.
+
+A start event is recorded on the current stream before the collective is issued (the collective
+cannot begin before the work queued ahead of it), an end event after `Work.wait()`, which makes the
+current stream wait for the communication stream. The watcher polls `query()`, which never blocks,
+and moves the journal record to STARTED and COMPLETED as the device gets there. A rank whose
+kernel never finishes keeps a pending record forever, which is exactly what the agent looks for.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from diag.collector.journal import JournalWriter
+from diag.collector.records import OpState
+
+_POLL_S = 0.001
+_MAX_UNWAITED = 4096  # works never waited on: forget the oldest beyond this many
+
+
+@dataclass
+class _Pending:
+    seq: int
+    start: Any
+    end: Any | None = None
+    started: bool = False
+
+
+class CudaEventTracker:
+    def __init__(self, writer: JournalWriter) -> None:
+        import torch
+
+        self._torch = torch
+        self._writer = writer
+        self._by_work: dict[int, _Pending] = {}
+        self._polling: list[_Pending] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="diag-cuda-events", daemon=True)
+        self._thread.start()
+
+    def record_start(self) -> Any:
+        ev = self._torch.cuda.Event(enable_timing=False)
+        ev.record()
+        return ev
+
+    def track(self, seq: int, work: Any, start: Any) -> None:
+        p = _Pending(seq=seq, start=start)
+        with self._lock:
+            self._polling.append(p)
+            if work is not None:
+                self._by_work[id(work)] = p
+                if len(self._by_work) > _MAX_UNWAITED:
+                    self._by_work.pop(next(iter(self._by_work)))
+
+    def on_wait(self, work: Any) -> None:
+        with self._lock:
+            p = self._by_work.pop(id(work), None)
+        if p is None:
+            return
+        ev = self._torch.cuda.Event(enable_timing=False)
+        ev.record()
+        p.end = ev
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            with self._lock:
+                pending = list(self._polling)
+            done = []
+            for p in pending:
+                now = time.monotonic_ns()
+                if not p.started and p.start.query():
+                    p.started = True
+                    self._writer.update(p.seq, OpState.STARTED, t_start_ns=now)
+                if p.started and p.end is not None and p.end.query():
+                    self._writer.update(p.seq, OpState.COMPLETED, t_end_ns=now)
+                    done.append(p)
+            if done:
+                with self._lock:
+                    gone = {id(p) for p in done}
+                    self._polling = [p for p in self._polling if id(p) not in gone]

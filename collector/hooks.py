@@ -1,0 +1,248 @@
+"""Instruments torch.distributed: every collective and point-to-point op becomes a journal record.
+
+We patch the methods of `torch._C._distributed_c10d.ProcessGroup` rather than the functions of
+`torch.distributed`. Every Python-level entry point (torch.distributed.all_reduce, DeepSpeed's
+`deepspeed.comm`, which keeps its own references to torch functions, ZeRO's all_gather_into_tensor,
+...) ends in one of these methods, so one patch sees them all, whenever it is applied.
+
+Completion on CPU comes from the Work's future (a callback on the backend's thread); on CUDA from
+events polled by a watcher thread (cuda.py), because a CUDA future completes when the kernel is
+queued, not when it finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from diag.collector.completion import HostWorkTracker
+from diag.collector.journal import JournalWriter
+from diag.collector.records import DType, OpCode, OpFlag, OpState, RecordKind
+
+log = logging.getLogger(__name__)
+
+# ProcessGroup method -> (op code, index of the argument whose tensors give the message size).
+# The message size follows nccl-tests: the larger of input and output.
+_METHODS: dict[str, OpCode] = {
+    "allreduce": OpCode.ALL_REDUCE,
+    "allreduce_coalesced": OpCode.ALL_REDUCE_COALESCED,
+    "broadcast": OpCode.BROADCAST,
+    "reduce": OpCode.REDUCE,
+    "allgather": OpCode.ALL_GATHER,
+    "_allgather_base": OpCode.ALL_GATHER_BASE,
+    "all_gather_single": OpCode.ALL_GATHER_BASE,
+    "allgather_coalesced": OpCode.ALL_GATHER_COALESCED,
+    "allgather_into_tensor_coalesced": OpCode.ALL_GATHER_COALESCED,
+    "all_gather_single_coalesced": OpCode.ALL_GATHER_COALESCED,
+    "reduce_scatter": OpCode.REDUCE_SCATTER,
+    "_reduce_scatter_base": OpCode.REDUCE_SCATTER_BASE,
+    "reduce_scatter_single": OpCode.REDUCE_SCATTER_BASE,
+    "reduce_scatter_tensor_coalesced": OpCode.REDUCE_SCATTER_COALESCED,
+    "reduce_scatter_single_coalesced": OpCode.REDUCE_SCATTER_COALESCED,
+    "alltoall": OpCode.ALL_TO_ALL,
+    "alltoall_base": OpCode.ALL_TO_ALL_BASE,
+    "all_to_all_single": OpCode.ALL_TO_ALL_BASE,
+    "gather": OpCode.GATHER,
+    "scatter": OpCode.SCATTER,
+    "barrier": OpCode.BARRIER,
+    "monitored_barrier": OpCode.MONITORED_BARRIER,
+    "send": OpCode.SEND,
+    "recv": OpCode.RECV,
+    "recv_anysource": OpCode.RECV_ANYSOURCE,
+}
+
+
+@dataclass
+class _Group:
+    index: int
+    ranks: tuple[int, ...]
+    seq: int = 0
+    p2p_seq: dict[int, int] = field(default_factory=dict)
+
+
+def _tensor_info(obj: Any, torch: Any) -> tuple[int, str, bool]:
+    """(bytes, dtype name, on CUDA) of a tensor or of a (nested) list of tensors."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size(), str(obj.dtype), obj.is_cuda
+    if isinstance(obj, (list, tuple)) and obj:
+        total, dtype, cuda = 0, "", False
+        for item in obj:
+            n, d, c = _tensor_info(item, torch)
+            total += n
+            dtype = dtype or d
+            cuda = cuda or c
+        return total, dtype, cuda
+    return 0, "", False
+
+
+def _group_timeout_s(pg: Any, torch: Any) -> float:
+    for device in ("cuda", "cpu"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except Exception:  # backend absent for that device, or no options exposed
+            continue
+    return 0.0
+
+
+class Instrumentation:
+    """Owns the patches of one process. Create through `install`; `uninstall` restores torch."""
+
+    def __init__(
+        self, writer: JournalWriter, on_new_group: Callable[[int, Any, tuple[int, ...]], None]
+    ) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch = torch
+        self._dist = dist
+        self.writer = writer
+        self._on_new_group = on_new_group
+        self._groups: dict[int, _Group] = {}
+        self._lock = threading.Lock()
+        self._originals: dict[str, Callable] = {}
+        self._cuda = None  # created on the first CUDA op
+        self._host = HostWorkTracker(writer)
+        self.pg_timeout_s = 0.0
+
+    # -- patching ----------------------------------------------------------------------------
+
+    def install(self) -> None:
+        pg_class = self._torch._C._distributed_c10d.ProcessGroup
+        for name, code in _METHODS.items():
+            orig = getattr(pg_class, name, None)
+            if orig is None or name in self._originals:
+                continue
+            self._originals[name] = orig
+            setattr(pg_class, name, self._wrap(orig, code))
+        work_class = self._torch._C._distributed_c10d.Work
+        self._originals["Work.wait"] = work_class.wait
+        work_class.wait = self._wrap_wait(work_class.wait)
+
+    def uninstall(self) -> None:
+        pg_class = self._torch._C._distributed_c10d.ProcessGroup
+        for name, orig in self._originals.items():
+            if name == "Work.wait":
+                self._torch._C._distributed_c10d.Work.wait = orig
+            else:
+                setattr(pg_class, name, orig)
+        self._originals.clear()
+        if self._cuda is not None:
+            self._cuda.stop()
+
+    def _wrap(self, orig: Callable, code: OpCode) -> Callable:
+        def op(pg: Any, *args: Any, **kwargs: Any) -> Any:
+            return self._run(orig, code, pg, args, kwargs)
+
+        op.__wrapped__ = orig  # type: ignore[attr-defined]
+        op.__name__ = getattr(orig, "__name__", code.label)
+        return op
+
+    def _wrap_wait(self, orig: Callable) -> Callable:
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                result = orig(work, *args, **kwargs)
+            except BaseException:
+                self._host.on_wait(work, failed=True)
+                raise
+            self._host.on_wait(work)
+            if self._cuda is not None:
+                self._cuda.on_wait(work)
+            return result
+
+        wait.__wrapped__ = orig  # type: ignore[attr-defined]
+        return wait
+
+    # -- one op ------------------------------------------------------------------------------
+
+    def _group(self, pg: Any) -> _Group:
+        g = self._groups.get(id(pg))
+        if g is not None:
+            return g
+        with self._lock:
+            g = self._groups.get(id(pg))
+            if g is None:
+                try:
+                    ranks = tuple(self._dist.get_process_group_ranks(pg))
+                except Exception:  # a group torch does not know (e.g. made outside c10d)
+                    ranks = ()
+                g = _Group(index=len(self._groups), ranks=ranks)
+                if not self.pg_timeout_s:
+                    self.pg_timeout_s = _group_timeout_s(pg, self._torch)
+                self._on_new_group(g.index, pg, ranks)
+                self._groups[id(pg)] = g
+        return g
+
+    def _run(self, orig: Callable, code: OpCode, pg: Any, args: tuple, kwargs: dict) -> Any:
+        t0 = time.monotonic_ns()
+        g = self._group(pg)
+        peer = -1
+        flags = OpFlag.NONE
+        if code.is_p2p:
+            flags |= OpFlag.P2P
+            group_peer = args[1] if len(args) > 1 and isinstance(args[1], int) else -1
+            peer = g.ranks[group_peer] if 0 <= group_peer < len(g.ranks) else group_peer
+            gseq = g.p2p_seq.get(peer, 0) + 1
+            g.p2p_seq[peer] = gseq
+        else:
+            g.seq += 1
+            gseq = g.seq
+        n0, dtype, cuda = _tensor_info(args[0], self._torch) if args else (0, "", False)
+        n1 = _tensor_info(args[1], self._torch)[0] if len(args) > 1 else 0
+        if cuda:
+            flags |= OpFlag.CUDA
+        seq = self.writer.append(
+            RecordKind.OP,
+            state=OpState.ENQUEUED,
+            op=code,
+            dtype=DType.from_name(dtype) if dtype else DType.NONE,
+            flags=flags,
+            group=g.index,
+            peer=peer,
+            group_seq=gseq,
+            nbytes=max(n0, n1),
+            t_enqueue_ns=t0,
+            live=True,
+        )
+        start_event = self._cuda_tracker().record_start() if cuda else None
+        try:
+            work = orig(pg, *args, **kwargs)
+        except BaseException:
+            self.writer.update(seq, OpState.FAILED, t_end_ns=time.monotonic_ns())
+            raise
+        if cuda:
+            self._cuda_tracker().track(seq, work, start_event)
+        elif work is not None:
+            self._track_future(seq, work)
+        else:
+            # Inside a coalescing block the backend returns no work per op; the block's own
+            # work covers it. We cannot observe it, so close the record now rather than leave
+            # a phantom pending op.
+            self.writer.update(seq, OpState.COMPLETED, t_end_ns=time.monotonic_ns())
+        return work
+
+    def _track_future(self, seq: int, work: Any) -> None:
+        writer = self.writer
+
+        def done(fut: Any) -> None:
+            state = OpState.COMPLETED
+            try:
+                fut.value()
+            except Exception:
+                state = OpState.FAILED
+            writer.update(seq, state, t_end_ns=time.monotonic_ns())
+
+        try:
+            work.get_future().add_done_callback(done)
+        except RuntimeError:  # "getFuture not implemented": seen at wait() or by polling
+            self._host.track(seq, work)
+
+    def _cuda_tracker(self):
+        if self._cuda is None:
+            from diag.collector.cuda import CudaEventTracker
+
+            self._cuda = CudaEventTracker(self.writer)
+        return self._cuda

@@ -1,0 +1,74 @@
+"""Where journals live and who this process is: read from the environment the launchers set.
+
+torchrun, the deepspeed launcher and dlrover-run all export RANK, WORLD_SIZE, LOCAL_RANK and
+LOCAL_WORLD_SIZE; the agent and the trainer agree on the directory through DIAG_RUN_DIR (in a pod:
+an emptyDir shared by the trainer and the sidecar, ideally memory-backed).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_DIR_ENV = "DIAG_RUN_DIR"
+
+
+def default_run_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """DIAG_RUN_DIR, else a directory in /dev/shm (journals are mmapped: tmpfs keeps them off disk),
+    else the temp directory. Agent and trainer use the same rule, so they meet without config."""
+    if env.get(RUN_DIR_ENV):
+        return Path(env[RUN_DIR_ENV])
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return Path("/dev/shm/diag")
+    return Path(os.environ.get("TMPDIR", "/tmp")) / "diag"
+
+
+def job_name(env: Mapping[str, str] = os.environ) -> str:
+    for key in ("DIAG_JOB", "ELASTIC_JOB_NAME", "DLROVER_JOB_NAME", "TORCHELASTIC_RUN_ID"):
+        value = env.get(key, "")
+        if value and value != "none":
+            return value
+    return "job"
+
+
+def node_name(env: Mapping[str, str] = os.environ) -> str:
+    return env.get("DIAG_NODE") or env.get("NODE_NAME") or socket.gethostname()
+
+
+def launcher_name(env: Mapping[str, str] = os.environ) -> str:
+    if any(k.startswith("DLROVER_") for k in env):
+        return "dlrover-run"
+    if "TORCHELASTIC_RUN_ID" in env:
+        return "torchrun"
+    if "CROSS_RANK" in env or "DEEPSPEED_LAUNCHER" in env:
+        return "deepspeed"
+    return "unknown"
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    attempt: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> RankIdentity:
+        missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
+        if missing:
+            raise RuntimeError(
+                f"diag: {', '.join(missing)} not set; start the job with torchrun, the deepspeed "
+                "launcher or dlrover-run, or call attach() after init_process_group()"
+            )
+        world = int(env["WORLD_SIZE"])
+        return cls(
+            rank=int(env["RANK"]),
+            world_size=world,
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        )

@@ -1,0 +1,219 @@
+"""`attach()`: instrument this rank so the agent can see what it is doing.
+
+    import diag.trainer
+    engine, *_ = deepspeed.initialize(...)
+    diag.trainer.attach(engine)          # collectives, steps and checkpoints are now journaled
+    with diag.trainer.phase("eval"):      # phases have their own hang limits in the agent
+        evaluate()
+
+Works the same under torchrun, the deepspeed launcher and dlrover-run: the identity comes from
+the environment they set. Never imports the agent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from diag.collector.journal import DEFAULT_CAPACITY, JournalStatus, JournalWriter
+from diag.collector.meta import GroupInfo, JournalMeta, journal_path, write_meta
+from diag.collector.rundir import (
+    RankIdentity,
+    default_run_dir,
+    job_name,
+    launcher_name,
+    node_name,
+)
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_session: Session | None = None
+
+
+class Session:
+    """The instrumentation of one process: its journal, its patches, its engine hooks."""
+
+    def __init__(self, run_dir: Path, job: str, ident: RankIdentity, capacity: int) -> None:
+        import psutil
+
+        from diag.collector.hooks import Instrumentation
+
+        self.path = journal_path(run_dir, job, ident.rank)
+        self.writer = JournalWriter(
+            self.path,
+            rank=ident.rank,
+            world_size=ident.world_size,
+            local_rank=ident.local_rank,
+            attempt=ident.attempt,
+            capacity=capacity,
+        )
+        self._meta_lock = threading.Lock()
+        self.meta = JournalMeta(
+            job=job,
+            rank=ident.rank,
+            world_size=ident.world_size,
+            local_rank=ident.local_rank,
+            local_world_size=ident.local_world_size,
+            pid=os.getpid(),
+            pid_start_time=psutil.Process().create_time(),
+            node=node_name(),
+            attempt=ident.attempt,
+            run_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
+            launcher=launcher_name(),
+        )
+        write_meta(self.path, self.meta)
+        self.instrumentation = Instrumentation(self.writer, self._on_new_group)
+        self.instrumentation.install()
+        self._last_step = 0
+
+    def _on_new_group(self, index: int, pg: Any, ranks: tuple[int, ...]) -> None:
+        try:
+            backend = pg._get_backend_name() if hasattr(pg, "_get_backend_name") else ""
+        except Exception:
+            backend = ""
+        info = GroupInfo(
+            index=index,
+            name=str(getattr(pg, "group_name", index)),
+            ranks=ranks,
+            backend=str(backend),
+            desc=str(getattr(pg, "group_desc", "")),
+        )
+        with self._meta_lock:
+            device = self.meta.device
+            if "nccl" in info.backend:
+                device = "cuda"
+            self.meta = replace(
+                self.meta,
+                groups=(*self.meta.groups, info),
+                pg_timeout_s=self.meta.pg_timeout_s or self.instrumentation.pg_timeout_s,
+                device=device,
+            )
+            write_meta(self.path, self.meta)
+
+    # -- progress ----------------------------------------------------------------------------
+
+    def step(self, n: int | None = None) -> None:
+        self._last_step = self._last_step + 1 if n is None else n
+        self.writer.step(self._last_step)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.writer.phase_begin(name)
+        try:
+            yield
+        finally:
+            self.writer.phase_end(name)
+
+    def hook_engine(self, engine: Any) -> None:
+        """Step boundaries from a DeepSpeed engine (its global step advances at the end of each
+        gradient-accumulation boundary) and checkpoint save/load as phases."""
+        if getattr(engine, "_diag_hooked", False):
+            return
+        orig_step = engine.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            result = orig_step(*args, **kwargs)
+            global_steps = int(getattr(engine, "global_steps", 0))
+            if global_steps != self._last_step:
+                self.step(global_steps)
+            return result
+
+        engine.step = step
+        for method, phase_name in (("save_checkpoint", "checkpoint"), ("load_checkpoint", "load")):
+            orig = getattr(engine, method, None)
+            if orig is not None:
+                setattr(engine, method, self._in_phase(orig, phase_name))
+        engine._diag_hooked = True
+
+    def _in_phase(self, fn: Any, name: str) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self.phase(name):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    def close(self, status: JournalStatus = JournalStatus.CLOSED) -> None:
+        self.writer.close(status)
+
+
+def attach(
+    engine: Any = None,
+    *,
+    run_dir: str | os.PathLike[str] | None = None,
+    job: str | None = None,
+    capacity: int = DEFAULT_CAPACITY,
+) -> Session:
+    """Instruments the current process (once; later calls only add the engine's hooks)."""
+    global _session
+    with _lock:
+        if _session is None:
+            ident = _identity()
+            directory = Path(run_dir) if run_dir is not None else default_run_dir()
+            _session = Session(directory, job or job_name(), ident, capacity)
+            _install_exit_hooks(_session)
+            log.info("diag: journaling rank %d to %s", ident.rank, _session.path)
+        if engine is not None:
+            _session.hook_engine(engine)
+        return _session
+
+
+def current() -> Session | None:
+    return _session
+
+
+def step(n: int | None = None) -> None:
+    """Marks a training-step boundary (not needed when attach() was given the engine)."""
+    if _session is not None:
+        _session.step(n)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """A named phase (eval, checkpoint, data loading...) whose hang limit the agent sets apart."""
+    if _session is None:
+        yield
+        return
+    with _session.phase(name):
+        yield
+
+
+def mark(name: str) -> None:
+    if _session is not None:
+        _session.writer.mark(name)
+
+
+def _identity() -> RankIdentity:
+    ident = None
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        ident = RankIdentity.from_env()
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            base = ident or RankIdentity(dist.get_rank(), dist.get_world_size(), 0, 1, 0)
+            ident = replace(base, rank=dist.get_rank(), world_size=dist.get_world_size())
+    except ImportError:
+        pass
+    if ident is None:
+        ident = RankIdentity.from_env()  # raises with a message saying what to do
+    return ident
+
+
+def _install_exit_hooks(session: Session) -> None:
+    atexit.register(session.close, JournalStatus.CLOSED)
+    previous = sys.excepthook
+
+    def excepthook(tp: Any, value: Any, tb: Any) -> None:
+        session.close(JournalStatus.FAILED)
+        previous(tp, value, tb)
+
+    sys.excepthook = excepthook
