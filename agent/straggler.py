@@ -32,7 +32,7 @@ class StragglerScore:
 
 
 def straggler_scores(
-    recent_ops: Mapping[int, Sequence[OpView]], min_ops: int = 5
+    recent_ops: Mapping[int, Sequence[OpView]], min_ops: int = 20
 ) -> list[StragglerScore]:
     """Scores per rank from recently completed collectives, worst first."""
     arrivals: dict[tuple[str, int], dict[int, float]] = {}

@@ -254,7 +254,7 @@ def test_straggler_scores_name_the_rank_that_arrives_last() -> None:
             op(s, 1.0 * s + late + 0.001 * r, OpState.COMPLETED, t_end=1.0 * s + 0.5)
             for s in range(1, 11)
         )
-    scores = straggler_scores(recent)
+    scores = straggler_scores(recent, min_ops=5)
     top = scores[0]
     assert top.rank == 2 and top.is_straggler and top.late_share == 1.0
     assert top.wait_caused == pytest.approx(0.4 - 0.001, abs=0.01)
@@ -263,4 +263,4 @@ def test_straggler_scores_name_the_rank_that_arrives_last() -> None:
         r: tuple(op(s, 10.0 * s + 0.001 * ((r + s) % 4), OpState.COMPLETED) for s in range(1, 11))
         for r in range(4)
     }
-    assert not any(s.is_straggler for s in straggler_scores(balanced))
+    assert not any(s.is_straggler for s in straggler_scores(balanced, min_ops=5))

@@ -1,0 +1,165 @@
+"""Carries out the core's actions: capture evidence, persist checkpoints, stop ranks.
+
+Other parts of the agent (checkpoint persistence, node taints, metrics) subscribe through
+`IncidentListener`s, called in order after the evidence is on disk and before ranks are stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from diag.agent.evidence import EvidenceResult, EvidenceTarget, capture, verdict_document
+from diag.agent.hang import Action, ActionKind, Verdict
+from diag.agent.observer import Observer
+from diag.agent.pyspy import DumpTarget
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IncidentReport:
+    verdict: Verdict
+    evidence: EvidenceResult | None
+    job: str
+    node: str
+
+
+IncidentListener = Callable[[IncidentReport], None]
+PersistHook = Callable[[Verdict], None]
+
+
+class Executor:
+    def __init__(
+        self,
+        observer: Observer,
+        timeline: Path,
+        node: str,
+        *,
+        stop_grace: float = 10.0,
+        native_stacks: bool = True,
+        pyspy_timeout: float = 10.0,
+    ) -> None:
+        self.observer = observer
+        self.timeline = timeline
+        self.node = node
+        self.stop_grace = stop_grace
+        self.native_stacks = native_stacks
+        self.pyspy_timeout = pyspy_timeout
+        self.listeners: list[IncidentListener] = []
+        self.persist_hooks: list[PersistHook] = []
+        self.reports: list[IncidentReport] = []
+        self._stoppers: list[threading.Thread] = []
+
+    def execute(self, action: Action) -> None:
+        if action.kind == ActionKind.CAPTURE_EVIDENCE:
+            self._capture(action.verdict)
+        elif action.kind == ActionKind.PERSIST_CHECKPOINT:
+            for hook in self.persist_hooks:
+                try:
+                    hook(action.verdict)
+                except Exception:
+                    log.exception("checkpoint persistence failed")
+        elif action.kind == ActionKind.STOP_RANKS:
+            self._stop(action.ranks)
+
+    def _targets(self) -> list[EvidenceTarget]:
+        return [
+            EvidenceTarget(
+                DumpTarget(
+                    rank=t.meta.rank,
+                    world_size=t.meta.world_size,
+                    pid=t.meta.pid,
+                    local_rank=t.meta.local_rank,
+                    node=t.meta.node,
+                ),
+                journal=t.path,
+            )
+            for t in sorted(self.observer.current(), key=lambda t: t.rank)
+        ]
+
+    def _capture(self, verdict: Verdict) -> None:
+        targets = self._targets()
+        job = (targets and self.observer.current()[0].meta.job) or (self.observer.job or "")
+        world = max((t.dump.world_size for t in targets), default=0)
+        doc = verdict_document(
+            verdict,
+            kind=verdict.kind.value,
+            incident_id=f"{job}-{verdict.incident_id}" if job else verdict.incident_id,
+            job=job,
+            node=self.node,
+            world_size=world,
+            detected_at=dt.datetime.now(dt.UTC),
+            summary=verdict.summary,
+        )
+        result: EvidenceResult | None = None
+        try:
+            result = capture(
+                targets,
+                self.timeline,
+                doc,
+                native=self.native_stacks,
+                pyspy_timeout=self.pyspy_timeout,
+            )
+            log.warning(
+                "evidence of %d ranks in %s (on disk after %.2f s, native stacks after %.2f s)",
+                len(targets),
+                result.path,
+                result.on_disk_seconds,
+                result.total_seconds,
+            )
+        except OSError as e:
+            log.error("could not write the incident under %s: %s", self.timeline, e)
+        report = IncidentReport(verdict, result, job, self.node)
+        self.reports.append(report)
+        for listener in self.listeners:
+            try:
+                listener(report)
+            except Exception:
+                log.exception("incident listener %r failed", listener)
+
+    def _stop(self, ranks: tuple[int, ...]) -> None:
+        procs = []
+        for t in self.observer.current():
+            if t.rank not in ranks:
+                continue
+            try:
+                p = psutil.Process(t.meta.pid)
+                if abs(p.create_time() - t.meta.pid_start_time) <= 0.05:
+                    procs.append((t.rank, p))
+            except psutil.NoSuchProcess:
+                continue
+        if not procs:
+            return
+        thread = threading.Thread(
+            target=stop_processes, args=(procs, self.stop_grace), name="diag-stop", daemon=True
+        )
+        thread.start()
+        self._stoppers.append(thread)
+
+    def join(self, timeout: float | None = None) -> None:
+        for t in self._stoppers:
+            t.join(timeout)
+
+
+def stop_processes(procs: list[tuple[int, psutil.Process]], grace: float) -> None:
+    """SIGTERM, then SIGKILL whatever is still there after `grace` seconds."""
+    for rank, p in procs:
+        log.warning("stopping rank %d (pid %d): SIGTERM", rank, p.pid)
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs([p for _, p in procs], timeout=grace)
+    for p in alive:
+        log.warning("pid %d ignored SIGTERM for %.0f s: SIGKILL", p.pid, grace)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()  # psutil checks the PID still names the same process

@@ -1,0 +1,219 @@
+"""The agent's configuration, read once at the entry point: flags > environment > file > default.
+
+Every option has a flag (`--hang-timeout`), an environment variable (`DIAG_HANG_TIMEOUT`) and a
+key in the `[agent]` table of a TOML file given with `--config` (`hang_timeout = 120`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from diag.agent.exitcodes import UsageError
+from diag.agent.hang import OnHang, Policy
+from diag.agent.timeouts import TimeoutPolicy
+from diag.collector.rundir import default_run_dir, node_name
+
+DEFAULT_TIMELINE = "/root/timeline"  # where xpu_timer writes, so DLRover users find it there
+
+
+class Until(enum.Enum):
+    FOREVER = "forever"  # a sidecar: run until the pod stops
+    INCIDENT = "incident"  # exit after handling the first incident
+    JOB_END = "job-end"  # exit when every local rank has ended
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    run_dir: Path
+    timeline: Path
+    node: str
+    job: str | None = None
+    interval: float = 0.5
+    policy: Policy = field(default_factory=Policy)
+    until: Until = Until.FOREVER
+    stop_grace: float = 10.0
+    native_stacks: bool = True
+    pyspy_timeout: float = 10.0
+    metrics_port: int | None = None
+    metrics_host: str = "0.0.0.0"
+
+
+@dataclass(frozen=True)
+class _Opt:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "DIAG_" + self.name.upper()
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise ValueError(f"must be > 0, got {text}")
+    return value
+
+
+def _phases(text: str) -> dict[str, float]:
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, seconds = part.partition("=")
+        if not sep or not name:
+            raise ValueError(f"expected NAME=SECONDS, got {part!r}")
+        out[name.strip()] = _positive(seconds)
+    return out
+
+
+def _bool(text: str) -> bool:
+    low = str(text).strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port < 65536:
+        raise ValueError(f"not a TCP port: {text}")
+    return port
+
+
+OPTIONS = (
+    _Opt(
+        "run_dir",
+        Path,
+        None,
+        "directory of the ranks' op journals (shared with the trainer; "
+        "default: $DIAG_RUN_DIR, else /dev/shm/diag)",
+    ),
+    _Opt("timeline", Path, DEFAULT_TIMELINE, "where incident directories are written"),
+    _Opt("job", str, None, "watch only journals of this job (default: all in the run dir)"),
+    _Opt("node", str, None, "this node's name in incidents (default: $NODE_NAME or hostname)"),
+    _Opt(
+        "hang_timeout",
+        _positive,
+        300.0,
+        "ceiling of the hang limit in seconds; the limit adapts "
+        "below it and stays under torch's collective timeout",
+    ),
+    _Opt("hang_floor", _positive, 10.0, "floor of the adaptive hang limit in seconds"),
+    _Opt("hang_factor", _positive, 5.0, "adaptive limit = factor x slowest recent step/op"),
+    _Opt("warmup_steps", int, 2, "steps before the adaptive limit applies"),
+    _Opt("warmup_timeout", _positive, 900.0, "hang limit during the warm-up steps"),
+    _Opt("phase_timeout", _phases, {}, "per-phase limits, NAME=SECONDS[,NAME=SECONDS]"),
+    _Opt("default_phase_timeout", _positive, 1800.0, "limit inside phases not listed"),
+    _Opt(
+        "on_hang",
+        str,
+        "none",
+        "what to do after the evidence is on disk",
+        choices=tuple(m.value for m in OnHang),
+    ),
+    _Opt("stop_grace", _positive, 10.0, "seconds between SIGTERM and SIGKILL when stopping ranks"),
+    _Opt("interval", _positive, 0.5, "seconds between checks (deaths are seen at once)"),
+    _Opt("until", str, "forever", "when the agent exits", choices=tuple(m.value for m in Until)),
+    _Opt("native_stacks", _bool, True, "include native frames in stack dumps (py-spy --native)"),
+    _Opt("pyspy_timeout", _positive, 10.0, "seconds allowed for one stack dump"),
+    _Opt("metrics_port", _port, None, "serve Prometheus metrics on this port (0: any free port)"),
+    _Opt("metrics_host", str, "0.0.0.0", "address the metrics server binds"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML file with an [agent] table")
+    for opt in OPTIONS:
+        default = opt.default if not isinstance(opt.default, dict) else ""
+        parser.add_argument(
+            opt.flag,
+            dest=opt.name,
+            default=None,
+            choices=opt.choices,
+            help=f"{opt.help} [env {opt.env}; default {default}]",
+        )
+
+
+def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> AgentConfig:
+    file_values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        file_values = _read_file(args.config)
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        raw, source = getattr(args, opt.name, None), opt.flag
+        if raw is None and opt.env in env:
+            raw, source = env[opt.env], opt.env
+        if raw is None and opt.name in file_values:
+            raw, source = file_values[opt.name], f"{args.config}: {opt.name}"
+        if raw is None:
+            values[opt.name] = opt.default
+            continue
+        if opt.choices and str(raw) not in opt.choices:
+            raise UsageError(f"{source}: {raw!r} is not one of {', '.join(opt.choices)}")
+        try:
+            values[opt.name] = (
+                _phases(",".join(f"{k}={v}" for k, v in raw.items()))
+                if isinstance(raw, dict)
+                else opt.parse(str(raw))
+            )
+        except ValueError as e:
+            raise UsageError(f"{source}: {e}") from e
+    try:
+        timeouts = TimeoutPolicy(
+            ceiling=values["hang_timeout"],
+            floor=min(values["hang_floor"], values["hang_timeout"]),
+            factor=values["hang_factor"],
+            warmup_steps=values["warmup_steps"],
+            warmup_timeout=values["warmup_timeout"],
+            phase_timeouts=values["phase_timeout"],
+            default_phase_timeout=values["default_phase_timeout"],
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    return AgentConfig(
+        run_dir=values["run_dir"] or default_run_dir(env),
+        timeline=values["timeline"],
+        node=values["node"] or node_name(env),
+        job=values["job"],
+        interval=values["interval"],
+        policy=Policy(timeouts=timeouts, on_hang=OnHang(values["on_hang"])),
+        until=Until(values["until"]),
+        stop_grace=values["stop_grace"],
+        native_stacks=values["native_stacks"],
+        pyspy_timeout=values["pyspy_timeout"],
+        metrics_port=values["metrics_port"],
+        metrics_host=values["metrics_host"],
+    )
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise UsageError(f"--config {path}: no such file") from e
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"--config {path}: not valid TOML: {e}") from e
+    table = raw.get("agent", raw)
+    known = {o.name for o in OPTIONS}
+    out = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise UsageError(f"--config {path}: unknown option {key!r} in [agent]")
+        out[name] = value
+    return out

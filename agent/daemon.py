@@ -1,0 +1,123 @@
+"""`diag agent`: the sidecar's main loop. Observe, decide (pure core), execute, repeat.
+
+The loop sleeps in poll() on the ranks' pidfds between checks, so a rank's death wakes it at once;
+everything else is seen within one `--interval`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import time
+from types import FrameType
+
+from diag.agent import config as config_mod
+from diag.agent import exitcodes
+from diag.agent.actions import Executor
+from diag.agent.config import AgentConfig, Until
+from diag.agent.hang import EventKind, WatchState, decide
+from diag.agent.observer import Observer
+from diag.agent.pyspy import can_trace
+
+log = logging.getLogger(__name__)
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.observer = Observer(cfg.run_dir, cfg.job)
+        self.executor = Executor(
+            self.observer,
+            cfg.timeline,
+            cfg.node,
+            stop_grace=cfg.stop_grace,
+            native_stacks=cfg.native_stacks,
+            pyspy_timeout=cfg.pyspy_timeout,
+        )
+        self.state = WatchState()
+        self.incidents = 0
+        self._stop = threading.Event()
+        self.observations = 0
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def step(self, now: float) -> list[EventKind]:
+        obs = self.observer.observe(now)
+        self.observations += 1
+        decision = decide(self.state, obs, self.cfg.policy)
+        self.state = decision.state
+        for e in decision.events:
+            level = logging.WARNING if e.kind == EventKind.INCIDENT else logging.INFO
+            log.log(level, "%s: %s", e.kind.value, e.message)
+        for action in decision.actions:
+            self.executor.execute(action)
+        if decision.verdict is not None:
+            self.incidents += 1
+        return [e.kind for e in decision.events]
+
+    def run(self) -> int:
+        cfg = self.cfg
+        log.info(
+            "watching %s (timeline %s, hang limit <= %gs, on hang: %s)",
+            cfg.run_dir,
+            cfg.timeline,
+            cfg.policy.timeouts.ceiling,
+            cfg.policy.on_hang.value,
+        )
+        if not can_trace():
+            log.warning(
+                "no ptrace permission: stack dumps will fail; run as root or add SYS_PTRACE"
+            )
+        try:
+            while not self._stop.is_set():
+                kinds = self.step(time.monotonic())
+                if cfg.until == Until.INCIDENT and self.incidents:
+                    break
+                if cfg.until == Until.JOB_END and EventKind.JOB_ENDED in kinds:
+                    break
+                self.observer.wait(cfg.interval)
+        finally:
+            self.executor.join(timeout=cfg.stop_grace + 5)
+            self.observer.close()
+        return exitcodes.HANG_DETECTED if self.incidents and cfg.until != Until.FOREVER else 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    config_mod.add_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args)
+    _check_dirs(cfg)
+    agent = Agent(cfg)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %d: stopping", signum)
+        agent.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return agent.run()
+
+
+def _check_dirs(cfg: AgentConfig) -> None:
+    try:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise exitcodes.UsageError(
+            f"cannot create the run directory {cfg.run_dir}: {e.strerror}; set --run-dir or "
+            "DIAG_RUN_DIR to a directory shared with the trainer"
+        ) from e
+    try:
+        cfg.timeline.mkdir(parents=True, exist_ok=True)
+        probe = cfg.timeline / ".diag-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise exitcodes.UsageError(
+            f"cannot write incidents to {cfg.timeline}: {e.strerror}; set --timeline or "
+            "DIAG_TIMELINE to a writable directory"
+        ) from e

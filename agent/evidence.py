@@ -1,0 +1,228 @@
+"""Evidence of an incident, captured once, before anything is killed: every local rank's stacks
+(py-spy, in parallel), journal tails, a machine snapshot, and the verdict, as an incident directory.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from diag.agent.hang import Verdict
+from diag.agent.incident import VERDICT_FILE, VERDICT_FORMAT, IncidentDir, utc_iso
+from diag.agent.machine import machine_snapshot
+from diag.agent.pyspy import DumpTarget, dump_all
+from diag.collector.journal import JournalFormatError, JournalReader
+from diag.collector.meta import JournalMeta, read_meta, write_atomic
+from diag.viewer.stacks import RankDump
+
+log = logging.getLogger(__name__)
+
+JOURNAL_TAIL_SUFFIX = ".journal.json"
+
+
+@dataclass(frozen=True)
+class EvidenceTarget:
+    dump: DumpTarget
+    journal: Path | None = None
+
+
+@dataclass(frozen=True)
+class EvidenceResult:
+    path: Path
+    dumps: tuple[RankDump, ...]
+    started: float  # monotonic
+    on_disk: float  # the incident directory exists with Python stacks of every rank
+    finished: float  # native stacks added too
+
+    @property
+    def on_disk_seconds(self) -> float:
+        return self.on_disk - self.started
+
+    @property
+    def total_seconds(self) -> float:
+        return self.finished - self.started
+
+
+def verdict_document(
+    verdict: Verdict | None,
+    *,
+    kind: str,
+    incident_id: str,
+    job: str,
+    node: str,
+    world_size: int,
+    detected_at: dt.datetime,
+    summary: str,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "format": VERDICT_FORMAT,
+        "incident_id": incident_id,
+        "kind": kind,
+        "job": job,
+        "node": node,
+        "world_size": world_size,
+        "detected_at": utc_iso(detected_at),
+        "culprit": None,
+        "suspects": [],
+        "summary": summary,
+    }
+    if verdict is not None:
+        doc["culprit"] = verdict.culprit
+        doc["suspects"] = [
+            {"rank": s.rank, "kind": s.kind.value, "reason": s.reason, "score": s.score}
+            for s in verdict.suspects
+        ]
+        doc["overdue"] = [
+            {
+                "rank": o.rank,
+                "kind": o.kind.value,
+                "age_s": round(o.age, 3),
+                "limit_s": round(o.limit.seconds, 3),
+                "limit_basis": o.limit.basis,
+                "op": o.op.describe() if o.op else None,
+            }
+            for o in verdict.overdue
+        ]
+        doc["waits"] = [
+            {
+                "group": w.group,
+                "group_seq": w.group_seq,
+                "op": w.op.op.label,
+                "nbytes": w.op.nbytes,
+                "waiting_ranks": list(w.waiting),
+                "waiting_s": round(verdict.at - w.since, 3),
+            }
+            for w in verdict.waits
+        ]
+        if verdict.expired_at is not None:
+            doc["limit_expired_s_before_verdict"] = round(verdict.at - verdict.expired_at, 3)
+    if extra:
+        doc.update(extra)
+    return doc
+
+
+def journal_tail_document(path: Path, now: float, tail: int) -> dict[str, Any]:
+    try:
+        reader = JournalReader(path)
+    except JournalFormatError as e:
+        return {"journal": str(path), "error": str(e)}
+    try:
+        meta: JournalMeta | None = read_meta(path)
+    except (OSError, ValueError):
+        meta = None
+    try:
+        groups = {g.index: g.name for g in meta.groups} if meta else {}
+        state = reader.state()
+        records = []
+        for rec in reader.tail(tail):
+            t = max(rec.t_enqueue_ns, rec.t_start_ns, rec.t_end_ns) * 1e-9
+            records.append(
+                {
+                    "seq": rec.seq,
+                    "kind": rec.kind.name.lower(),
+                    "state": rec.state.name.lower(),
+                    "op": rec.op.label if rec.kind.name == "OP" else None,
+                    "group": groups.get(rec.group, rec.group) if rec.group >= 0 else None,
+                    "group_seq": rec.group_seq,
+                    "peer": rec.peer if rec.peer >= 0 else None,
+                    "nbytes": rec.nbytes,
+                    "dtype": rec.dtype.name.lower(),
+                    "t_enqueue": rec.t_enqueue_ns * 1e-9 or None,
+                    "t_start": rec.t_start_ns * 1e-9 or None,
+                    "t_end": rec.t_end_ns * 1e-9 or None,
+                    "age_s": round(now - t, 4) if t else None,
+                    "step": rec.step,
+                    "name": rec.name or None,
+                }
+            )
+        return {
+            "journal": str(path),
+            "meta": asdict(meta) if meta else None,
+            "status": state.status.name.lower(),
+            "step": state.step,
+            "phase": state.phase or None,
+            "head": reader.head(),
+            "monotonic_now": now,
+            "records": records,
+        }
+    finally:
+        reader.close()
+
+
+def capture(
+    targets: list[EvidenceTarget],
+    timeline: Path,
+    verdict_doc: dict[str, Any],
+    *,
+    native: bool = True,
+    pyspy_timeout: float = 10.0,
+    journal_tail: int = 256,
+) -> EvidenceResult:
+    """Two passes: Python stacks of all ranks (~10 ms each) go to disk with the journals and the
+    verdict at once; native stacks (slower: py-spy loads the libraries' symbols) then replace them
+    rank by rank. A crash or a kill between the passes still leaves a complete incident."""
+    started = time.monotonic()
+    when = dt.datetime.now(dt.UTC)
+    dump_targets = [t.dump for t in targets]
+    incident = IncidentDir.create(timeline, verdict_doc["kind"], verdict_doc["node"], when)
+    doc = dict(verdict_doc)
+    try:
+        dumps = dump_all(dump_targets, native=False, timeout=pyspy_timeout, parallel=len(targets))
+        python_done = time.monotonic()
+        for t in targets:
+            if t.journal is not None:
+                name = f"{t.dump.rank:05d}-{t.dump.world_size:05d}{JOURNAL_TAIL_SUFFIX}"
+                incident.write_json(name, journal_tail_document(t.journal, started, journal_tail))
+        snap = machine_snapshot({t.dump.rank: t.dump.pid for t in targets}, timeline)
+        incident.write_json("machine.json", snap.to_dict())
+        for d in dumps:
+            incident.write_text(d.file_name, d.to_json())
+        doc["evidence"] = _evidence_doc(
+            targets, dumps, python_done - started, native_pending=native
+        )
+        incident.write_json(VERDICT_FILE, doc)
+        path = incident.commit()
+    except BaseException:
+        incident.abandon()
+        raise
+    on_disk = time.monotonic()
+    if native:
+        natives = dump_all(dump_targets, native=True, timeout=pyspy_timeout)
+        merged = []
+        for py, nat in zip(dumps, natives, strict=True):
+            if nat.error and not py.error:
+                merged.append(py)  # keep the Python stack rather than an empty native one
+                continue
+            write_atomic(path / nat.file_name, nat.to_json().encode())
+            merged.append(nat)
+        dumps = merged
+        doc["evidence"] = _evidence_doc(
+            targets, dumps, time.monotonic() - started, native_pending=False,
+            native_failures={n.rank: n.error for n in natives if n.error},
+        )  # fmt: skip
+        write_atomic(path / VERDICT_FILE, json.dumps(doc, indent=1).encode())
+    return EvidenceResult(path, tuple(dumps), started, on_disk, time.monotonic())
+
+
+def _evidence_doc(
+    targets: list[EvidenceTarget],
+    dumps: list[RankDump],
+    seconds: float,
+    *,
+    native_pending: bool,
+    native_failures: dict[int, str] | None = None,
+) -> dict[str, Any]:
+    return {
+        "ranks": sorted(t.dump.rank for t in targets),
+        "stack_failures": {d.rank: d.error for d in dumps if d.error},
+        "native_failures": native_failures or {},
+        "native": any(d.native for d in dumps),
+        "native_pending": native_pending,
+        "stack_seconds": round(seconds, 3),
+    }

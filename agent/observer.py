@@ -1,0 +1,276 @@
+"""Turns the journals in the run directory into an Observation for the decision core.
+
+Reads incrementally: each poll decodes only the records written since the last one, plus the
+slots of ops still pending (their state changes in place). Keeps a short history per rank (step
+durations, completed ops) for adaptive limits and straggler scores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.agent.procs import ProcessWatch
+from diag.collector.journal import JournalFormatError, JournalReader, JournalStatus
+from diag.collector.meta import JOURNAL_SUFFIX, JournalMeta, read_meta
+from diag.collector.records import OpState, Record, RecordKind
+
+log = logging.getLogger(__name__)
+
+_NS = 1e-9
+_HISTORY_STEPS = 16
+_HISTORY_OPS = 256
+_LEFTOVER_IDLE_S = 600.0  # an unseen writer this idle before we started is a leftover
+_UNSETTLED_TRIES = 20
+_SETTLED_STEP = 2  # polls before giving up on a slot left half-written by a dead writer
+
+
+@dataclass
+class RankTracker:
+    path: Path
+    reader: JournalReader
+    meta: JournalMeta
+    next_seq: int = 0
+    pending: dict[int, Record] = field(default_factory=dict)
+    unsettled: dict[int, int] = field(default_factory=dict)
+    last_ops: dict[str, OpView] = field(default_factory=dict)
+    step_ends: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_STEPS + 1))
+    done_ops: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_OPS))
+    op_seconds: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_OPS))
+    last_activity: float = 0.0
+    lost: int = 0  # records the ring overwrote before we read them
+
+    @property
+    def rank(self) -> int:
+        return self.meta.rank
+
+    def group_name(self, index: int) -> str:
+        g = self.meta.group(index)
+        if g is None:
+            with contextlib.suppress(OSError, ValueError):  # a group made after our last read
+                self.meta = read_meta(self.path)
+            g = self.meta.group(index)
+        return g.name if g is not None else f"#{index}"
+
+    def view(self, rec: Record) -> OpView:
+        return OpView(
+            group=self.group_name(rec.group),
+            group_seq=rec.group_seq,
+            op=rec.op,
+            state=rec.state,
+            nbytes=rec.nbytes,
+            t_enqueue=rec.t_enqueue_ns * _NS,
+            t_end=rec.t_end_ns * _NS if rec.t_end_ns else None,
+            peer=rec.peer,
+        )
+
+    def poll(self) -> None:
+        head = self.reader.head()
+        cap = self.reader.header.capacity
+        if head - self.next_seq > cap:
+            self.lost += head - self.next_seq - cap
+            self.next_seq = head - cap
+        seqs = [*self.unsettled, *self.pending, *range(self.next_seq, head)]
+        self.next_seq = max(self.next_seq, head)
+        for seq in seqs:
+            rec = self.reader.read(seq)
+            if rec is None:
+                if head - seq >= cap:  # overwritten: that op is long gone
+                    self.pending.pop(seq, None)
+                    self.unsettled.pop(seq, None)
+                elif seq not in self.pending:
+                    tries = self.unsettled.get(seq, 0) + 1
+                    if tries > _UNSETTLED_TRIES:
+                        self.unsettled.pop(seq, None)
+                    else:
+                        self.unsettled[seq] = tries
+                continue
+            self.unsettled.pop(seq, None)
+            self._apply(rec)
+
+    def _apply(self, rec: Record) -> None:
+        t = max(rec.t_enqueue_ns, rec.t_start_ns, rec.t_end_ns) * _NS
+        self.last_activity = max(self.last_activity, t)
+        if rec.kind == RecordKind.STEP:
+            self.step_ends.append(rec.t_end_ns * _NS)
+            return
+        if rec.kind != RecordKind.OP:
+            return
+        v = self.view(rec)
+        prev = self.last_ops.get(v.group)
+        if prev is None or (v.group_seq, v.peer) >= (prev.group_seq, prev.peer) or v.peer >= 0:
+            self.last_ops[v.group] = v
+        if rec.state.pending:
+            self.pending[rec.seq] = rec
+            return
+        self.pending.pop(rec.seq, None)
+        if v.t_end is not None and rec.state == OpState.COMPLETED and rec.step >= _SETTLED_STEP:
+            # Ops of the first steps are dominated by start-up skew: not a basis for limits
+            # or straggler scores.
+            self.done_ops.append(v)
+            self.op_seconds.append(v.t_end - v.t_enqueue)
+
+    def step_durations(self) -> tuple[float, ...]:
+        ends = list(self.step_ends)
+        return tuple(b - a for a, b in itertools.pairwise(ends))
+
+
+class Observer:
+    """Owns the journal readers and the process watch of one agent."""
+
+    def __init__(self, run_dir: Path, job: str | None = None) -> None:
+        self.run_dir = run_dir
+        self.job = job
+        self.procs = ProcessWatch()
+        self.trackers: dict[Path, RankTracker] = {}
+        self._stale: set[tuple[Path, tuple[int, int]]] = set()
+        self._warned_invisible: set[int] = set()
+        self._started = time.monotonic()
+
+    def discover(self) -> None:
+        if not self.run_dir.is_dir():
+            return
+        for path in self.run_dir.glob(f"*{JOURNAL_SUFFIX}"):
+            t = self.trackers.get(path)
+            if t is not None and not t.reader.replaced():
+                continue
+            if t is not None:
+                self._drop(path)
+            self._open(path)
+
+    def _open(self, path: Path) -> None:
+        try:
+            reader = JournalReader(path)
+        except JournalFormatError as e:
+            key = (path, (0, 0))
+            if key not in self._stale:
+                log.warning("ignoring %s", e)
+                self._stale.add(key)
+            return
+        key = (path, reader.inode)
+        if key in self._stale:
+            reader.close()
+            return
+        try:
+            meta = read_meta(path)
+        except (OSError, ValueError) as e:
+            log.debug("journal %s has no readable meta yet (%s)", path, e)
+            reader.close()
+            return
+        if self.job and meta.job != self.job:
+            reader.close()
+            self._stale.add(key)
+            return
+        info = self.procs.watch(meta.pid, meta.pid_start_time)
+        if not info.visible:
+            status = reader.state().status
+            created = reader.header.created_mono_ns * _NS
+            if status != JournalStatus.RUNNING or created < self._started - _LEFTOVER_IDLE_S:
+                # Left by a process that ended before we started (or of another PID namespace
+                # long gone): not ours to judge.
+                reader.close()
+                self._stale.add(key)
+                self.procs.forget(meta.pid)
+                return
+            if meta.pid not in self._warned_invisible:
+                self._warned_invisible.add(meta.pid)
+                log.warning(
+                    "rank %d: PID %d is not visible to the agent; share the PID namespace with "
+                    "the trainer (shareProcessNamespace: true) for liveness checks and stacks",
+                    meta.rank,
+                    meta.pid,
+                )
+        tracker = RankTracker(path=path, reader=reader, meta=meta)
+        tracker.last_activity = reader.header.created_mono_ns * _NS
+        self.trackers[path] = tracker
+        log.info("watching rank %d (pid %d) via %s", meta.rank, meta.pid, path.name)
+
+    def _drop(self, path: Path) -> None:
+        t = self.trackers.pop(path)
+        self.procs.forget(t.meta.pid)
+        t.reader.close()
+
+    def current(self) -> list[RankTracker]:
+        """Trackers of the newest attempt (a restart leaves older journals behind)."""
+        if not self.trackers:
+            return []
+        newest = max(t.meta.attempt for t in self.trackers.values())
+        return [t for t in self.trackers.values() if t.meta.attempt == newest]
+
+    def wait(self, timeout: float) -> list[int]:
+        return self.procs.wait(timeout)
+
+    def observe(self, now: float) -> Observation:
+        self.discover()
+        ranks = []
+        groups: dict[str, tuple[int, ...]] = {}
+        recent: dict[int, tuple[OpView, ...]] = {}
+        pg_timeout = 0.0
+        trackers = sorted(self.current(), key=lambda t: t.rank)
+        for t in trackers:
+            t.poll()
+            ranks.append(self._snapshot(t, now))
+            for g in t.meta.groups:
+                groups.setdefault(g.name, g.ranks)
+            recent[t.rank] = tuple(t.done_ops)
+            pg_timeout = max(pg_timeout, t.meta.pg_timeout_s)
+        world = max((t.meta.world_size for t in trackers), default=0)
+        attempt = trackers[0].meta.attempt if trackers else 0
+        return Observation(
+            now=now,
+            ranks=tuple(ranks),
+            groups=groups,
+            world_size=world,
+            attempt=attempt,
+            pg_timeout=pg_timeout,
+            recent_ops=recent,
+        )
+
+    def _snapshot(self, t: RankTracker, now: float) -> RankSnapshot:
+        state = t.reader.state()
+        info = self.procs.refresh(t.meta.pid, now)
+        exited_at = info.exited_at if info is not None else None
+        if exited_at is None:
+            liveness = Liveness.RUNNING
+        elif state.status == JournalStatus.CLOSED:
+            liveness = Liveness.CLOSED
+        elif state.status == JournalStatus.FAILED:
+            liveness = Liveness.FAILED
+        else:
+            liveness = Liveness.DIED
+        last = t.last_activity
+        if state.step_mono_ns:
+            last = max(last, state.step_mono_ns * _NS)
+        if state.phase_mono_ns:
+            last = max(last, state.phase_mono_ns * _NS)
+        pending = tuple(t.view(r) for _, r in sorted(t.pending.items()))
+        return RankSnapshot(
+            rank=t.rank,
+            local_rank=t.meta.local_rank,
+            pid=t.meta.pid,
+            node=t.meta.node,
+            liveness=liveness,
+            started_at=t.reader.header.created_mono_ns * _NS,
+            last_activity=last,
+            step=state.step,
+            phase=state.phase,
+            phase_since=state.phase_mono_ns * _NS if state.phase else None,
+            exited_at=exited_at,
+            pending=pending,
+            last_ops=dict(t.last_ops),
+            step_durations=t.step_durations(),
+            max_op_seconds=max(t.op_seconds, default=0.0),
+            proc_state=info.state if info is not None else "",
+            cpu_busy=info.cpu_busy if info is not None else 0.0,
+        )
+
+    def close(self) -> None:
+        for path in list(self.trackers):
+            self._drop(path)
+        self.procs.close()

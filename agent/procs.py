@@ -1,0 +1,165 @@
+"""The rank processes as the kernel sees them: alive or not, since when, in which state.
+
+Deaths are noticed through pidfds (Linux >= 5.3): the agent's loop sleeps in poll() on them and
+wakes the moment a rank exits, so it knows which rank died first even when the launcher tears the
+others down a few milliseconds later. A PID is matched with its start time so that a reused PID
+is never taken for the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import time
+from dataclasses import dataclass
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+_START_TIME_SLACK = 0.05  # psutil rounds create_time to 10 ms ticks
+
+
+@dataclass
+class ProcInfo:
+    pid: int
+    visible: bool  # False when this agent cannot see the PID (no shared PID namespace)
+    exited_at: float | None = None
+    state: str = ""
+    cpu_busy: float = 0.0
+
+
+class ProcessWatch:
+    def __init__(self) -> None:
+        self._poll = select.poll()
+        self._fds: dict[int, int] = {}  # fd -> pid
+        self._info: dict[int, ProcInfo] = {}
+        self._procs: dict[int, psutil.Process] = {}
+        self._cpu: dict[int, tuple[float, float]] = {}
+
+    def watch(self, pid: int, start_time: float) -> ProcInfo:
+        info = self._info.get(pid)
+        if info is not None:
+            return info
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - start_time) > _START_TIME_SLACK:
+                raise psutil.NoSuchProcess(pid)  # the PID now belongs to someone else
+        except psutil.NoSuchProcess:
+            info = ProcInfo(pid, visible=False)
+            self._info[pid] = info
+            return info
+        except psutil.AccessDenied:
+            info = ProcInfo(pid, visible=False)
+            self._info[pid] = info
+            return info
+        info = ProcInfo(pid, visible=True)
+        self._info[pid] = info
+        self._procs[pid] = proc
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            fd = -1  # pidfds unsupported: deaths are found by the periodic check instead
+        if fd >= 0:
+            self._fds[fd] = pid
+            self._poll.register(fd, select.POLLIN)
+        return info
+
+    def forget(self, pid: int) -> None:
+        for fd, p in list(self._fds.items()):
+            if p == pid:
+                self._poll.unregister(fd)
+                os.close(fd)
+                del self._fds[fd]
+        self._info.pop(pid, None)
+        self._procs.pop(pid, None)
+        self._cpu.pop(pid, None)
+
+    def wait(self, timeout: float) -> list[int]:
+        """Sleeps up to `timeout` seconds or until a watched process exits; returns the PIDs that
+        exited, each stamped with the monotonic time of the wake-up."""
+        if not self._fds:
+            time.sleep(max(timeout, 0))
+            return self._check_all()
+        events = self._poll.poll(max(timeout, 0) * 1000)
+        now = time.monotonic()
+        dead = []
+        for fd, _ in events:
+            pid = self._fds.pop(fd, None)
+            if pid is None:
+                continue
+            self._poll.unregister(fd)
+            os.close(fd)
+            info = self._info.get(pid)
+            if info is not None and info.exited_at is None:
+                info.exited_at = now
+                dead.append(pid)
+        return dead + self._check_all()
+
+    def _check_all(self) -> list[int]:
+        dead = []
+        now = time.monotonic()
+        for pid, info in self._info.items():
+            if not info.visible or info.exited_at is not None:
+                continue
+            proc = self._procs.get(pid)
+            try:
+                gone = proc is None or not proc.is_running() or proc.status() == "zombie"
+            except psutil.NoSuchProcess:
+                gone = True
+            if gone:
+                info.exited_at = now
+                dead.append(pid)
+        return dead
+
+    def refresh(self, pid: int, now: float) -> ProcInfo | None:
+        """Updates the /proc state and CPU share of a live process."""
+        info = self._info.get(pid)
+        if info is None or not info.visible or info.exited_at is not None:
+            return info
+        info.state = proc_state(pid)
+        if info.state in ("Z", "X", ""):
+            info.exited_at = info.exited_at or now
+            return info
+        proc = self._procs[pid]
+        try:
+            t = proc.cpu_times()
+            used = t.user + t.system
+        except psutil.NoSuchProcess:
+            info.exited_at = now
+            return info
+        prev = self._cpu.get(pid)
+        self._cpu[pid] = (now, used)
+        if prev is not None and now > prev[0]:
+            info.cpu_busy = max(0.0, (used - prev[1]) / (now - prev[0]))
+        return info
+
+    def close(self) -> None:
+        for fd in list(self._fds):
+            self._poll.unregister(fd)
+            os.close(fd)
+        self._fds.clear()
+
+
+def proc_state(pid: int) -> str:
+    """The state letter from /proc/PID/stat ("R", "S", "D", "Z", ...); "" when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return ""
+    # The command name may contain spaces and parentheses: the state follows the last ')'.
+    return raw[raw.rfind(b")") + 2 : raw.rfind(b")") + 3].decode()
+
+
+def proc_state_word(pid: int) -> str:
+    """e.g. "S (sleeping)", "D (disk sleep)", from /proc/PID/status."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
