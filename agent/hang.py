@@ -4,8 +4,8 @@ Pure: no clocks (time comes in the observation), no I/O, no logging. The daemon 
 actions and logs the events. Rules:
 - a rank died (or failed) without closing its journal: an incident at once;
 - a rank's oldest pending op is older than its limit: a hang;
-- a rank made no progress at all for longer than its limit: a hang (no-progress when no rank
-  waits in a collective);
+- a rank outside any collective made no progress for longer than the ceiling: no-progress (a
+  rank that others wait for is caught sooner, through their pending ops);
 - a rank waiting in a collective inherits the longest limit among the members it waits for, so
   ranks waiting at a barrier while rank 0 evaluates are not called hung;
 - one incident at a time: a new one may open only after progress resumes or the ranks restart.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from diag.agent.culprit import Suspect, SuspectKind, Wait, find_suspects, waits
 from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.agent.timeouts import Limit, TimeoutPolicy, rank_limit
+from diag.agent.timeouts import Limit, TimeoutPolicy, effective_ceiling, rank_limit
 
 
 class VerdictKind(enum.Enum):
@@ -213,7 +213,9 @@ def _limits(obs: Observation, policy: TimeoutPolicy) -> dict[int, Limit]:
     return {r.rank: rank_limit(r, policy, obs.pg_timeout) for r in obs.ranks if r.alive}
 
 
-def _overdue(r: RankSnapshot, obs: Observation, limits: dict[int, Limit]) -> Overdue | None:
+def _overdue(
+    r: RankSnapshot, obs: Observation, limits: dict[int, Limit], policy: TimeoutPolicy
+) -> Overdue | None:
     limit = limits[r.rank]
     op = r.oldest_pending
     if op is not None:
@@ -226,6 +228,12 @@ def _overdue(r: RankSnapshot, obs: Observation, limits: dict[int, Limit]) -> Ove
         if age > limit.seconds:
             return Overdue(r.rank, OverdueKind.PENDING_OP, age, limit, op)
         return None
+    # A rank outside any collective blocks nobody until the others wait for it, and then their
+    # pending ops trip the adaptive limit. On its own it may legitimately compute, save or log
+    # for a long time, so it is held to the ceiling (or its phase limit, if longer).
+    ceiling = effective_ceiling(policy, obs.pg_timeout)
+    if limit.seconds < ceiling:
+        limit = Limit(ceiling, "ceiling (no collective in flight)")
     age = obs.now - r.last_activity
     if age > limit.seconds:
         return Overdue(r.rank, OverdueKind.NO_PROGRESS, age, limit)
@@ -234,7 +242,7 @@ def _overdue(r: RankSnapshot, obs: Observation, limits: dict[int, Limit]) -> Ove
 
 def _hang_verdict(obs: Observation, policy: Policy) -> Verdict | None:
     limits = _limits(obs, policy.timeouts)
-    overdue = [o for r in obs.ranks if r.alive if (o := _overdue(r, obs, limits))]
+    overdue = [o for r in obs.ranks if r.alive if (o := _overdue(r, obs, limits, policy.timeouts))]
     if not overdue:
         return None
     ws = waits(obs)

@@ -236,10 +236,10 @@ class Observer:
         state = t.reader.state()
         info = self.procs.refresh(t.meta.pid, now)
         exited_at = info.exited_at if info is not None else None
-        if exited_at is None:
+        if state.status == JournalStatus.CLOSED:
+            liveness = Liveness.CLOSED  # finished (maybe still tearing down): not judged any more
+        elif exited_at is None:
             liveness = Liveness.RUNNING
-        elif state.status == JournalStatus.CLOSED:
-            liveness = Liveness.CLOSED
         elif state.status == JournalStatus.FAILED:
             liveness = Liveness.FAILED
         else:

@@ -181,6 +181,8 @@ def test_straggler_that_progresses_is_not_a_hang() -> None:
 
 def test_no_collective_in_flight_is_no_progress() -> None:
     ranks = [rank(r, last=NOW - 30, last_seq=10) for r in range(2)]
+    assert _decide(obs(*ranks)).verdict is None  # idle, but below the 60 s ceiling
+    ranks = [rank(r, last=NOW - 61, last_seq=10) for r in range(2)]
     v = _decide(obs(*ranks)).verdict
     assert v is not None and v.kind == VerdictKind.NO_PROGRESS
     assert {s.rank for s in v.suspects} == {0, 1}

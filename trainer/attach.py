@@ -210,6 +210,7 @@ def _identity() -> RankIdentity:
 
 def _install_exit_hooks(session: Session) -> None:
     atexit.register(session.close, JournalStatus.CLOSED)
+    _close_on_destroy(session)
     previous = sys.excepthook
 
     def excepthook(tp: Any, value: Any, tb: Any) -> None:
@@ -217,3 +218,27 @@ def _install_exit_hooks(session: Session) -> None:
         previous(tp, value, tb)
 
     sys.excepthook = excepthook
+
+
+def _close_on_destroy(session: Session) -> None:
+    """Destroying the default process group ends the rank's communication: the journal is closed
+    then, not at interpreter exit, so the agent does not judge a rank tearing down (which can
+    take seconds) as stuck."""
+    try:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+    except ImportError:
+        return
+    orig = c10d.destroy_process_group
+    if getattr(orig, "_diag_wrapped", False):
+        return
+
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None:
+            session.close(JournalStatus.CLOSED)
+        return orig(group)
+
+    destroy_process_group._diag_wrapped = True  # type: ignore[attr-defined]
+    destroy_process_group.__wrapped__ = orig  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group

@@ -35,7 +35,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--straggle", type=float, default=0.3, help="extra seconds per step")
     p.add_argument("--eval-every", type=int, default=0, help="rank 0 evaluates every N steps")
     p.add_argument("--eval-seconds", type=float, default=0.0)
-    p.add_argument("--first-step-delay", type=float, default=0.0, help="a slow first step")
+    p.add_argument("--first-step-delay", type=float, default=0.0, help="rank 0 is slow in step 0")
     p.add_argument("--pg-timeout", type=float, default=600.0)
     p.add_argument("--no-attach", action="store_true", help="run without diag (for benchmarks)")
     p.add_argument("--seed", type=int, default=1234)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     faulty = args.fault != "none" and rank == args.fault_rank
     t0 = time.monotonic()
     for step in range(args.steps):
-        if step == 0 and args.first_step_delay:
+        if step == 0 and args.first_step_delay and rank == 0:
             time.sleep(args.first_step_delay)
         if faulty and (step == args.fault_step or (args.fault == "straggler" and step > 0)):
             inject(args.fault, args.straggle)
