@@ -46,7 +46,10 @@ class DemoOptions:
     timeout: float = 240.0
     workdir: Path | None = None
     job_args: tuple[str, ...] = ()  # extra demo_job flags (tests use them for eval phases etc.)
+    # A launcher command ending where the module name goes (e.g. the deepspeed launcher's
+    # `... --module`); empty: torchrun.
     merge: bool = True
+    launcher: tuple[str, ...] = ()
 
 
 @dataclass
@@ -111,10 +114,12 @@ def run_demo(opts: DemoOptions, out=sys.stdout) -> DemoResult:
         "--on-hang", opts.on_hang, "--until", "job-end", "--interval", "0.25", "--stop-grace",
         "5", "-v",
     ]  # fmt: skip
-    job_cmd = [
+    launcher = list(opts.launcher) or [
         py, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc), "--master-addr",
         "127.0.0.1", "--master-port", str(_free_port()), "--max-restarts", "0", "-m",
-        "diag.trainer.demo_job", "--steps", str(opts.steps), "--zero", str(opts.zero), "--fault",
+    ]  # fmt: skip
+    job_cmd = [
+        *launcher, "diag.trainer.demo_job", "--steps", str(opts.steps), "--zero", str(opts.zero), "--fault",
         opts.fault, "--fault-rank", str(opts.fault_rank), "--fault-step", str(opts.fault_step),
         "--straggle", str(opts.straggle), *opts.job_args,
     ]  # fmt: skip

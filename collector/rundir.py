@@ -69,6 +69,6 @@ class RankIdentity:
             rank=int(env["RANK"]),
             world_size=world,
             local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or world),
             attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         )

@@ -41,5 +41,9 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 echo "bootstrap: installing torch==2.13.0 and diag[dev] (first run takes a minute)" >&2
 "${pip[@]}" "torch==2.13.0"
 "${pip[@]}" -e "$root[dev]"
+# dlrover-run, for the launcher tests. Without its dependencies: it would pull the deprecated
+# `pynvml` shim, which shadows nvidia-ml-py and makes every `import torch` warn. What it needs
+# at run time (psutil, grpcio, protobuf, deprecated) is already there.
+"${pip[@]}" --no-deps "dlrover==0.6.1"
 echo "$want" > "$stamp"
 echo "bootstrap: ready ($venv)" >&2

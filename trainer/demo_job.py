@@ -39,6 +39,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pg-timeout", type=float, default=600.0)
     p.add_argument("--no-attach", action="store_true", help="run without diag (for benchmarks)")
     p.add_argument("--seed", type=int, default=1234)
+    # The deepspeed launcher passes this; the rank comes from the environment either way.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

@@ -1,0 +1,145 @@
+"""The command line: clear errors for bad input, configuration precedence, and `diag dump` on
+really stuck processes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from diag.agent import config as config_mod
+from diag.agent.exitcodes import USAGE, UsageError
+from diag.agent.hang import OnHang
+from diag.collector.journal import JournalReader
+from diag.viewer.stacks import RankDump
+
+DIAG = [sys.executable, "-m", "diag.agent.cli"]
+
+
+def _diag(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*DIAG, *args], capture_output=True, text=True, timeout=timeout, env=env or dict(os.environ)
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((), "usage: diag <command>"),
+        (("frobnicate",), "unknown command 'frobnicate'"),
+        (("agent", "--hang-timeout", "-5"), "--hang-timeout: must be > 0"),
+        (("agent", "--hang-timeout", "5", "--hang-floor", "9"), None),  # floor is clamped
+        (("agent", "--phase-timeout", "eval"), "expected NAME=SECONDS"),
+        (("agent", "--on-hang", "explode"), "invalid choice"),
+        (("agent", "--config", "/nonexistent/diag.toml"), "no such file"),
+        (("dump", "--pid", "999999999"), "--pid 999999999: no such process"),
+    ],
+)
+def test_bad_input_is_a_clear_error_without_traceback(
+    args: tuple, message: str | None, tmp_path: Path
+) -> None:
+    if message is None:
+        # Accepted: the floor is capped at the ceiling. Run briefly to prove it starts.
+        p = subprocess.Popen(
+            [*DIAG, *args, "--run-dir", str(tmp_path / "run"), "--timeline", str(tmp_path / "tl")],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(1.5)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=20)
+        assert p.returncode == 0, err
+        return
+    r = _diag(*args, "--timeline", str(tmp_path)) if args[:1] == ("dump",) else _diag(*args)
+    out = r.stdout + r.stderr
+    assert r.returncode == USAGE, out
+    assert message in out
+    assert "Traceback" not in out
+
+
+def test_unwritable_timeline_is_a_clear_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    r = _diag("agent", "--run-dir", str(tmp_path / "run"), "--timeline", str(blocker / "x"))
+    assert r.returncode == USAGE and "cannot write incidents" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_config_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "diag.toml"
+    cfg.write_text(
+        '[agent]\nhang_timeout = 40\nhang-floor = 4\non_hang = "stop"\n'
+        "phase_timeout = { eval = 99 }\n"
+    )
+    parser = argparse.ArgumentParser()
+    config_mod.add_arguments(parser)
+    args = parser.parse_args(["--config", str(cfg), "--hang-floor", "3"])
+    c = config_mod.load(args, env={"DIAG_HANG_TIMEOUT": "50", "DIAG_RUN_DIR": str(tmp_path)})
+    assert c.policy.timeouts.ceiling == 50  # env beats file
+    assert c.policy.timeouts.floor == 3  # flag beats file
+    assert c.policy.on_hang == OnHang.STOP  # file beats default
+    assert c.policy.timeouts.phase_timeouts == {"eval": 99.0}
+    assert c.run_dir == tmp_path
+    cfg.write_text("[agent]\nhang_timeot = 40\n")
+    with pytest.raises(UsageError, match="unknown option 'hang_timeot'"):
+        config_mod.load(parser.parse_args(["--config", str(cfg)]), env={})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_dump_captures_every_journaled_rank_of_a_stuck_job(tmp_path: Path) -> None:
+    run_dir, timeline = tmp_path / "run", tmp_path / "timeline"
+    env = dict(os.environ, DIAG_RUN_DIR=str(run_dir), DIAG_JOB="dumptest", OMP_NUM_THREADS="1")
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "diag.trainer.demo_job", "--fault", "hang",
+         "--fault-rank", "1", "--fault-step", "2", "--steps", "10"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        # Wait until rank 0 is stuck in a collective that rank 1 never joins.
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            journals = sorted(run_dir.glob("*rank00000.journal"))
+            if journals:
+                tail = JournalReader(journals[0]).tail(1)
+                if tail and tail[0].pending and tail[0].step >= 2:
+                    break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the job never got stuck")
+        r = _diag(
+            "dump",
+            "--run-dir",
+            str(run_dir),
+            "--timeline",
+            str(timeline),
+            "--job",
+            "dumptest",
+            env=env,
+        )
+        assert r.returncode == 0, r.stderr
+        incident = Path(r.stdout.split()[0])
+        verdict = json.loads((incident / "verdict.json").read_text())
+        assert verdict["kind"] == "manual" and verdict["evidence"]["ranks"] == [0, 1]
+        dumps = {d.rank: d for d in map(RankDump.load, incident.glob("*.stack.json"))}
+        assert sorted(dumps) == [0, 1]
+        assert "inject" in [f.func for t in dumps[1].threads for f in t.frames]
+        assert dumps[0].native and any(f.native for t in dumps[0].threads for f in t.frames)
+        assert (incident / "00000-00002.journal.json").exists()
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)
