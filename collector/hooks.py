@@ -5,9 +5,11 @@ We patch the methods of `torch._C._distributed_c10d.ProcessGroup` rather than th
 `deepspeed.comm`, which keeps its own references to torch functions, ZeRO's all_gather_into_tensor,
 ...) ends in one of these methods, so one patch sees them all, whenever it is applied.
 
-Completion on CPU comes from the Work's future (a callback on the backend's thread); on CUDA from
-events polled by a watcher thread (cuda.py), because a CUDA future completes when the kernel is
-queued, not when it finishes.
+Completion on CPU is seen when `Work.wait()` returns (sync ops wait at once) or, for async works
+nobody has waited on yet, by polling `is_completed()` (completion.py). Future callbacks would also
+do, but they run on the backend's thread and cost a GIL hand-off per op (~150 us measured on 2
+gloo ranks). On CUDA, completion comes from events polled by a watcher thread (cuda.py), because
+a CUDA future completes when the kernel is queued, not when it finishes.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class Instrumentation:
         self._on_new_group = on_new_group
         self._groups: dict[int, _Group] = {}
         self._lock = threading.Lock()
-        self._originals: dict[str, Callable] = {}
+        self._originals: dict[tuple[type, str], Any] = {}
         self._cuda = None  # created on the first CUDA op
         self._host = HostWorkTracker(writer)
         self.pg_timeout_s = 0.0
@@ -111,25 +113,26 @@ class Instrumentation:
     # -- patching ----------------------------------------------------------------------------
 
     def install(self) -> None:
-        pg_class = self._torch._C._distributed_c10d.ProcessGroup
+        # Keep the raw class attributes for uninstall: pybind11 stores methods as descriptors, and
+        # what getattr returns (the unbound function) would not bind `self` if put back.
+        c10d = self._torch._C._distributed_c10d
+        pg_class, work_class = c10d.ProcessGroup, c10d.Work
         for name, code in _METHODS.items():
-            orig = getattr(pg_class, name, None)
-            if orig is None or name in self._originals:
+            if name not in vars(pg_class) or (pg_class, name) in self._originals:
                 continue
-            self._originals[name] = orig
-            setattr(pg_class, name, self._wrap(orig, code))
-        work_class = self._torch._C._distributed_c10d.Work
-        self._originals["Work.wait"] = work_class.wait
-        work_class.wait = self._wrap_wait(work_class.wait)
+            self._originals[(pg_class, name)] = vars(pg_class)[name]
+            setattr(pg_class, name, self._wrap(getattr(pg_class, name), code))
+        if (work_class, "wait") not in self._originals:
+            self._originals[(work_class, "wait")] = vars(work_class)["wait"]
+            work_class.wait = self._wrap_wait(work_class.wait)
 
     def uninstall(self) -> None:
-        pg_class = self._torch._C._distributed_c10d.ProcessGroup
-        for name, orig in self._originals.items():
-            if name == "Work.wait":
-                self._torch._C._distributed_c10d.Work.wait = orig
-            else:
-                setattr(pg_class, name, orig)
+        for (cls, name), raw in self._originals.items():
+            setattr(cls, name, raw)
         self._originals.clear()
+
+    def close(self) -> None:
+        self.uninstall()
         if self._cuda is not None:
             self._cuda.stop()
 
@@ -216,29 +219,13 @@ class Instrumentation:
         if cuda:
             self._cuda_tracker().track(seq, work, start_event)
         elif work is not None:
-            self._track_future(seq, work)
+            self._host.track(seq, work)
         else:
             # Inside a coalescing block the backend returns no work per op; the block's own
             # work covers it. We cannot observe it, so close the record now rather than leave
             # a phantom pending op.
             self.writer.update(seq, OpState.COMPLETED, t_end_ns=time.monotonic_ns())
         return work
-
-    def _track_future(self, seq: int, work: Any) -> None:
-        writer = self.writer
-
-        def done(fut: Any) -> None:
-            state = OpState.COMPLETED
-            try:
-                fut.value()
-            except Exception:
-                state = OpState.FAILED
-            writer.update(seq, state, t_end_ns=time.monotonic_ns())
-
-        try:
-            work.get_future().add_done_callback(done)
-        except RuntimeError:  # "getFuture not implemented": seen at wait() or by polling
-            self._host.track(seq, work)
 
     def _cuda_tracker(self):
         if self._cuda is None:

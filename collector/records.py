@@ -89,7 +89,6 @@ class DType(enum.IntEnum):
 
 class OpFlag(enum.IntFlag):
     NONE = 0
-    ASYNC = 1  # the caller asked for a work handle (async_op=True)
     P2P = 2
     COALESCED = 4
     CUDA = 8  # timed by CUDA events rather than host callbacks

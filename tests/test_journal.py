@@ -151,7 +151,7 @@ def _write_forever(path: str, capacity: int, ready) -> None:
             RecordKind.OP,
             state=OpState.ENQUEUED,
             op=OpCode.BROADCAST,
-            flags=OpFlag.ASYNC,
+            flags=OpFlag.P2P,
             group_seq=i,
             nbytes=3 * i,
             name=f"n{i % 1000}",

@@ -45,6 +45,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def inject(fault: str, straggle: float) -> None:
+    if fault != "straggler":
+        # Wall-clock time of the fault, for the detection-latency benchmark.
+        print(f"diag-demo: injecting {fault} at {time.time():.3f}", flush=True)
     if fault == "hang":
         time.sleep(10**6)
     elif fault == "exit":
