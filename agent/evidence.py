@@ -202,10 +202,12 @@ def capture(
             write_atomic(path / nat.file_name, nat.to_json().encode())
             merged.append(nat)
         dumps = merged
+        on_disk_seconds = doc["evidence"]["on_disk_seconds"]
         doc["evidence"] = _evidence_doc(
             targets, dumps, time.monotonic() - started, native_pending=False,
             native_failures={n.rank: n.error for n in natives if n.error},
         )  # fmt: skip
+        doc["evidence"]["on_disk_seconds"] = on_disk_seconds
         write_atomic(path / VERDICT_FILE, json.dumps(doc, indent=1).encode())
     return EvidenceResult(path, tuple(dumps), started, on_disk, time.monotonic())
 
