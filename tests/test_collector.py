@@ -124,3 +124,36 @@ def test_phase_step_and_close(journals: dict[int, Path]) -> None:
     assert st.status == JournalStatus.CLOSED and st.step == 1 and st.phase == ""
     meta = read_meta(journals[0])
     assert meta.job == "ctest" and meta.pg_timeout_s == 1800.0 and meta.groups[0].backend
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_zero_collectives_are_journaled(stage: int, tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, DIAG_RUN_DIR=str(tmp_path), DIAG_JOB=f"zero{stage}", OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(port), "-m", "diag.trainer.demo_job", "--steps", "3",
+         "--zero", str(stage)],
+        env=env, timeout=150, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for rank in range(2):
+        r = JournalReader(tmp_path / f"zero{stage}-rank0000{rank}.journal")
+        recs = r.tail(r.header.capacity)
+        ops = {x.op for x in recs if x.kind == RecordKind.OP}
+        assert all(x.state == OpState.COMPLETED for x in recs if x.kind == RecordKind.OP)
+        assert r.state().step == 3 and r.state().status == JournalStatus.CLOSED
+        steps = [x for x in recs if x.kind == RecordKind.STEP]
+        assert len(steps) == 3
+        if stage == 3:  # parameters are gathered and gradients reduce-scattered
+            assert {OpCode.ALL_GATHER_BASE, OpCode.REDUCE_SCATTER_BASE} <= ops
+        else:  # gradients are reduced, updated partitions gathered
+            assert ops & {OpCode.ALL_REDUCE, OpCode.REDUCE_SCATTER_BASE, OpCode.REDUCE}
+            assert ops & {OpCode.ALL_GATHER_BASE, OpCode.ALL_GATHER, OpCode.BROADCAST}
