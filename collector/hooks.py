@@ -23,7 +23,7 @@ from typing import Any
 
 from diag.collector.completion import HostWorkTracker
 from diag.collector.journal import JournalWriter
-from diag.collector.records import DType, OpCode, OpFlag, OpState, RecordKind
+from diag.collector.records import DType, OpCode, OpFlag, OpState
 
 log = logging.getLogger(__name__)
 
@@ -66,19 +66,33 @@ class _Group:
     p2p_seq: dict[int, int] = field(default_factory=dict)
 
 
-def _tensor_info(obj: Any, torch: Any) -> tuple[int, str, bool]:
-    """(bytes, dtype name, on CUDA) of a tensor or of a (nested) list of tensors."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size(), str(obj.dtype), obj.is_cuda
+_P2P = frozenset(c for c in OpCode if c.is_p2p)
+_DTYPES: dict[Any, DType] = {}  # torch dtype -> our code, filled on first sight
+
+
+def _dtype_code(dtype: Any) -> DType:
+    code = _DTYPES.get(dtype)
+    if code is None:
+        code = _DTYPES[dtype] = DType.from_name(str(dtype))
+    return code
+
+
+def _tensor_info(obj: Any, tensor_type: type) -> tuple[int, Any, bool]:
+    """(bytes, torch dtype, on CUDA) of a tensor or of a (nested) list of tensors. Hot path."""
+    if isinstance(obj, tensor_type):
+        return obj.numel() * obj.element_size(), obj.dtype, obj.is_cuda
     if isinstance(obj, (list, tuple)) and obj:
-        total, dtype, cuda = 0, "", False
+        first = obj[0]
+        if len(obj) == 1 and isinstance(first, tensor_type):
+            return first.numel() * first.element_size(), first.dtype, first.is_cuda
+        total, dtype, cuda = 0, None, False
         for item in obj:
-            n, d, c = _tensor_info(item, torch)
+            n, d, c = _tensor_info(item, tensor_type)
             total += n
             dtype = dtype or d
             cuda = cuda or c
         return total, dtype, cuda
-    return 0, "", False
+    return 0, None, False
 
 
 def _group_timeout_s(pg: Any, torch: Any) -> float:
@@ -100,6 +114,7 @@ class Instrumentation:
         import torch.distributed as dist
 
         self._torch = torch
+        self._tensor_type = torch.Tensor
         self._dist = dist
         self.writer = writer
         self._on_new_group = on_new_group
@@ -181,10 +196,10 @@ class Instrumentation:
 
     def _run(self, orig: Callable, code: OpCode, pg: Any, args: tuple, kwargs: dict) -> Any:
         t0 = time.monotonic_ns()
-        g = self._group(pg)
+        g = self._groups.get(id(pg)) or self._group(pg)
         peer = -1
         flags = OpFlag.NONE
-        if code.is_p2p:
+        if code in _P2P:
             flags |= OpFlag.P2P
             group_peer = args[1] if len(args) > 1 and isinstance(args[1], int) else -1
             peer = g.ranks[group_peer] if 0 <= group_peer < len(g.ranks) else group_peer
@@ -193,22 +208,20 @@ class Instrumentation:
         else:
             g.seq += 1
             gseq = g.seq
-        n0, dtype, cuda = _tensor_info(args[0], self._torch) if args else (0, "", False)
-        n1 = _tensor_info(args[1], self._torch)[0] if len(args) > 1 else 0
+        tensor = self._tensor_type
+        n0, dtype, cuda = _tensor_info(args[0], tensor) if args else (0, None, False)
+        n1 = _tensor_info(args[1], tensor)[0] if len(args) > 1 else 0
         if cuda:
             flags |= OpFlag.CUDA
-        seq = self.writer.append(
-            RecordKind.OP,
-            state=OpState.ENQUEUED,
-            op=code,
-            dtype=DType.from_name(dtype) if dtype else DType.NONE,
-            flags=flags,
-            group=g.index,
-            peer=peer,
-            group_seq=gseq,
-            nbytes=max(n0, n1),
-            t_enqueue_ns=t0,
-            live=True,
+        seq = self.writer.append_op(
+            code,
+            _dtype_code(dtype) if dtype is not None else DType.NONE,
+            flags,
+            g.index,
+            peer,
+            gseq,
+            n0 if n0 > n1 else n1,
+            t0,
         )
         start_event = self._cuda_tracker().record_start() if cuda else None
         try:
