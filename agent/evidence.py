@@ -186,6 +186,7 @@ def capture(
         doc["evidence"] = _evidence_doc(
             targets, dumps, python_done - started, native_pending=native
         )
+        doc["evidence"]["on_disk_seconds"] = round(time.monotonic() - started, 3)
         incident.write_json(VERDICT_FILE, doc)
         path = incident.commit()
     except BaseException:
