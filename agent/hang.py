@@ -232,9 +232,17 @@ def _overdue(r: RankSnapshot, obs: Observation, limits: dict[int, Limit]) -> Ove
     return None
 
 
+def overdue_ranks(
+    obs: Observation, timeouts: TimeoutPolicy
+) -> tuple[dict[int, Limit], tuple[Overdue, ...]]:
+    """Every live rank's current limit, and the ranks over it: what the hang rule sees now."""
+    limits = _limits(obs, timeouts)
+    overdue = tuple(o for r in obs.ranks if r.alive if (o := _overdue(r, obs, limits)))
+    return limits, overdue
+
+
 def _hang_verdict(obs: Observation, policy: Policy) -> Verdict | None:
-    limits = _limits(obs, policy.timeouts)
-    overdue = [o for r in obs.ranks if r.alive if (o := _overdue(r, obs, limits))]
+    _, overdue = overdue_ranks(obs, policy.timeouts)
     if not overdue:
         return None
     ws = waits(obs)
