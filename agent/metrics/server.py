@@ -13,9 +13,10 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST
-
 log = logging.getLogger(__name__)
+
+# The classic text format, which every Prometheus since 2.0 reads (and xpu_timer serves).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _Server(ThreadingHTTPServer):
@@ -36,7 +37,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             try:
-                body, ctype, status = self.server.render(), CONTENT_TYPE_LATEST, 200
+                body, ctype, status = self.server.render(), CONTENT_TYPE, 200
             except Exception:
                 log.exception("rendering metrics failed")
                 body, ctype, status = b"rendering metrics failed\n", "text/plain", 500
