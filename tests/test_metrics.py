@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from diag.agent import config as config_mod
@@ -20,6 +20,7 @@ from diag.agent.metrics import families as f
 from diag.agent.metrics.checkpoint import CheckpointMetrics
 from diag.agent.metrics.collectives import bus_bandwidth, bus_factor, new_completions, op_kind
 from diag.agent.metrics.exporter import AgentMetrics
+from diag.agent.metrics.exposition import render_text
 from diag.agent.metrics.gpu import GpuReading, gpu_families
 from diag.agent.metrics.host import HostCollector
 from diag.agent.metrics.precheck import PrecheckFileCollector
@@ -389,6 +390,28 @@ def test_every_declared_family_is_exposed_by_the_exporter_or_a_listed_adapter() 
             continue  # no NVML here; gpu_families() is tested with readings
         assert fam.name in helps or any(n in exposed for n in fam.exposed), fam.name
     assert len({fam.name for fam in f.FAMILIES}) == len(f.FAMILIES)
+
+
+def test_lean_exposition_writes_what_prometheus_client_writes() -> None:
+    reg = CollectorRegistry(auto_describe=False)
+    ckpt = CheckpointMetrics(lambda: 'we"ird\\job\nname', "n1", lambda: 5.0)
+    ckpt.update(rank=0, memory_step=3, save_seconds=0.25)
+    reg.register(ckpt)
+    h = Histogram(
+        "diag_x_seconds", "a help\nwith a newline", ["op"], registry=reg, buckets=(0.1, 1)
+    )
+    h.labels("all_reduce").observe(0.5)
+    m = make_metrics()
+    m.update(observation(snap(0), snap(1), recent={0: (done(1, 0, 0.1),)}), WatchState())
+    for registry in (reg, m.registry):
+        # Host and agent values move between two reads; compare the rest.
+        assert stable(render_text(registry)) == stable(generate_latest(registry))
+
+
+def stable(text: bytes) -> bytes:
+    return b"".join(
+        ln for ln in text.splitlines(True) if b"diag_host_" not in ln and b"diag_agent_" not in ln
+    )
 
 
 # -- configuration --------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from prometheus_client import (
     Counter,
     Histogram,
     disable_created_metrics,
-    generate_latest,
 )
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
@@ -32,6 +31,7 @@ from diag.agent.hang import Verdict, VerdictKind, WatchState
 from diag.agent.metrics import families as f
 from diag.agent.metrics.checkpoint import CheckpointMetrics
 from diag.agent.metrics.collectives import Bandwidth, bus_bandwidth, new_completions, op_kind
+from diag.agent.metrics.exposition import render_text
 from diag.agent.metrics.gpu import GpuCollector, Nvml, open_nvml
 from diag.agent.metrics.host import HostCollector
 from diag.agent.metrics.precheck import PrecheckFileCollector
@@ -192,7 +192,7 @@ class AgentMetrics:
 
     def render(self) -> bytes:
         """The scrape: every family, plus xpu_timer's hang gauge when asked for."""
-        body = generate_latest(self.registry)
+        body = render_text(self.registry)
         if self.xpu_timer is not None:
             d = self.derived()
             body += render(self.xpu_timer, d.ranks if d else ()).encode()
