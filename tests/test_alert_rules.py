@@ -161,3 +161,11 @@ def test_dashboard_has_a_panel_for_every_family() -> None:
         assert g["x"] + g["w"] <= 24, p["title"]
         for t in p.get("targets", ()):
             assert t["datasource"]["uid"] == "${datasource}", p["title"]
+
+
+def test_readme_lists_every_family() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Metrics") :]
+    listed = set(re.findall(r"^\| `([A-Za-z0-9_]+)` \|", section, flags=re.M))
+    declared = {fam.exposed[0] if fam.kind == f.Kind.COUNTER else fam.name for fam in f.FAMILIES}
+    assert listed == declared

@@ -20,7 +20,7 @@ from diag.agent.metrics import families as f
 from diag.agent.metrics.checkpoint import CheckpointMetrics
 from diag.agent.metrics.collectives import bus_bandwidth, bus_factor, new_completions, op_kind
 from diag.agent.metrics.exporter import AgentMetrics
-from diag.agent.metrics.exposition import render_text
+from diag.agent.metrics.exposition import TextWriter, render_text
 from diag.agent.metrics.gpu import GpuReading, gpu_families
 from diag.agent.metrics.host import HostCollector
 from diag.agent.metrics.precheck import PrecheckFileCollector
@@ -406,6 +406,9 @@ def test_lean_exposition_writes_what_prometheus_client_writes() -> None:
     for registry in (reg, m.registry):
         # Host and agent values move between two reads; compare the rest.
         assert stable(render_text(registry)) == stable(generate_latest(registry))
+        writer = TextWriter()  # the second time from its cache of label strings
+        assert stable(writer.render(registry)) == stable(writer.render(registry))
+        assert stable(writer.render(registry)) == stable(generate_latest(registry))
 
 
 def stable(text: bytes) -> bytes:

@@ -31,7 +31,7 @@ from diag.agent.hang import Verdict, VerdictKind, WatchState
 from diag.agent.metrics import families as f
 from diag.agent.metrics.checkpoint import CheckpointMetrics
 from diag.agent.metrics.collectives import Bandwidth, bus_bandwidth, new_completions, op_kind
-from diag.agent.metrics.exposition import render_text
+from diag.agent.metrics.exposition import TextWriter
 from diag.agent.metrics.gpu import GpuCollector, Nvml, open_nvml
 from diag.agent.metrics.host import HostCollector
 from diag.agent.metrics.precheck import PrecheckFileCollector
@@ -105,6 +105,7 @@ class AgentMetrics:
         self._last_iteration = 0.0
         self._last_incident: float | None = None
         self._lock = threading.Lock()
+        self._writer = TextWriter()
         self._init_job(self._job)
 
     @property
@@ -192,7 +193,7 @@ class AgentMetrics:
 
     def render(self) -> bytes:
         """The scrape: every family, plus xpu_timer's hang gauge when asked for."""
-        body = render_text(self.registry)
+        body = self._writer.render(self.registry)
         if self.xpu_timer is not None:
             d = self.derived()
             body += render(self.xpu_timer, d.ranks if d else ()).encode()

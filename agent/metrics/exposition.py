@@ -24,19 +24,40 @@ def _escape_help(text: str) -> str:
     return text.replace("\\", r"\\").replace("\n", r"\n")
 
 
+class TextWriter:
+    """Keeps the label strings it formatted: the same series come back at every scrape."""
+
+    MAX_CACHED = 20_000  # far above one node's series; a safety net, not a working limit
+
+    def __init__(self) -> None:
+        self._labels: dict[tuple[tuple[str, str], ...], str] = {}
+
+    def _label_text(self, labels: dict[str, str]) -> str:
+        key = tuple(labels.items())
+        text = self._labels.get(key)
+        if text is None:
+            if len(self._labels) >= self.MAX_CACHED:
+                self._labels.clear()
+            text = ",".join(f'{k}="{_escape_value(v)}"' for k, v in sorted(key))
+            self._labels[key] = text
+        return text
+
+    def render(self, registry: Collector) -> bytes:
+        out: list[str] = []
+        for fam in registry.collect():
+            name = fam.name + "_total" if fam.type == "counter" else fam.name
+            out.append(f"# HELP {name} {_escape_help(fam.documentation)}\n")
+            out.append(f"# TYPE {name} {_TYPES.get(fam.type, 'untyped')}\n")
+            for s in fam.samples:
+                if s.name.endswith("_created"):
+                    continue
+                value = floatToGoString(s.value)
+                if s.labels:
+                    out.append(f"{s.name}{{{self._label_text(s.labels)}}} {value}\n")
+                else:
+                    out.append(f"{s.name} {value}\n")
+        return "".join(out).encode()
+
+
 def render_text(registry: Collector) -> bytes:
-    out: list[str] = []
-    for fam in registry.collect():
-        name = fam.name + "_total" if fam.type == "counter" else fam.name
-        out.append(f"# HELP {name} {_escape_help(fam.documentation)}\n")
-        out.append(f"# TYPE {name} {_TYPES.get(fam.type, 'untyped')}\n")
-        for s in fam.samples:
-            if s.name.endswith("_created"):
-                continue
-            value = floatToGoString(s.value)
-            if s.labels:
-                labels = ",".join(f'{k}="{_escape_value(v)}"' for k, v in sorted(s.labels.items()))
-                out.append(f"{s.name}{{{labels}}} {value}\n")
-            else:
-                out.append(f"{s.name} {value}\n")
-    return "".join(out).encode()
+    return TextWriter().render(registry)
