@@ -126,10 +126,13 @@ def dashboard_builder():
     spec = importlib.util.spec_from_file_location("build_dashboard", GRAFANA / "build_dashboard.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while being built
+    sys.path.insert(0, str(GRAFANA))  # it imports diag_panels from its own folder
     try:
         spec.loader.exec_module(module)
     finally:
+        sys.path.remove(str(GRAFANA))
         del sys.modules[spec.name]
+        sys.modules.pop("diag_panels", None)
     return module
 
 
