@@ -16,6 +16,7 @@ import contextlib
 import datetime as dt
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -249,6 +250,7 @@ def run(args: argparse.Namespace, files: contextlib.ExitStack) -> int:
         lines.append(f"  {group:<28} {n}")
     lines.append(f"  {'total':<28} {sum(groups.values())}")
     print("\n".join(lines))
+    shutil.rmtree(tmp, ignore_errors=True)  # kept only when something failed, for its logs
     return 0
 
 
