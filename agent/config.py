@@ -17,6 +17,9 @@ from typing import Any
 
 from diag.agent.exitcodes import UsageError
 from diag.agent.hang import OnHang, Policy
+from diag.agent.metrics.precheck import DEFAULT_NAME as PRECHECK_FILE
+from diag.agent.metrics.xputimer import PORT_ENV as XPU_TIMER_PORT_ENV
+from diag.agent.metrics.xputimer import XpuTimerIdentity
 from diag.agent.timeouts import TimeoutPolicy
 from diag.collector.rundir import default_run_dir, node_name
 
@@ -43,6 +46,8 @@ class AgentConfig:
     pyspy_timeout: float = 10.0
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
+    xpu_timer: XpuTimerIdentity | None = None  # expose XPU_TIMER_COMMON_HANG when set
+    precheck_metrics: Path | None = None  # textfile of `diag precheck --metrics-file`
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,20 @@ OPTIONS = (
     _Opt("pyspy_timeout", _positive, 10.0, "seconds allowed for one stack dump"),
     _Opt("metrics_port", _port, None, "serve Prometheus metrics on this port (0: any free port)"),
     _Opt("metrics_host", str, "0.0.0.0", "address the metrics server binds"),
+    _Opt(
+        "xpu_timer_compat",
+        _bool,
+        False,
+        "also expose xpu_timer's XPU_TIMER_COMMON_HANG gauge, so DLRover's hang diagnosis acts "
+        f"on our detection (metrics port defaults to ${XPU_TIMER_PORT_ENV}, which DLRover scrapes)",
+    ),
+    _Opt(
+        "precheck_metrics",
+        Path,
+        None,
+        "re-export this `diag precheck --metrics-file` textfile "
+        f"(default: <run dir>/{PRECHECK_FILE})",
+    ),
 )
 
 
@@ -185,8 +204,15 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         )
     except ValueError as e:
         raise UsageError(str(e)) from e
+    run_dir = values["run_dir"] or default_run_dir(env)
+    metrics_port = values["metrics_port"]
+    xpu_timer = None
+    if values["xpu_timer_compat"]:
+        xpu_timer = XpuTimerIdentity.from_env(env, values["job"])
+        if metrics_port is None:
+            metrics_port = _xpu_timer_port(env)
     return AgentConfig(
-        run_dir=values["run_dir"] or default_run_dir(env),
+        run_dir=run_dir,
         timeline=values["timeline"],
         node=values["node"] or node_name(env),
         job=values["job"],
@@ -196,9 +222,24 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         stop_grace=values["stop_grace"],
         native_stacks=values["native_stacks"],
         pyspy_timeout=values["pyspy_timeout"],
-        metrics_port=values["metrics_port"],
+        metrics_port=metrics_port,
         metrics_host=values["metrics_host"],
+        xpu_timer=xpu_timer,
+        precheck_metrics=values["precheck_metrics"] or run_dir / PRECHECK_FILE,
     )
+
+
+def _xpu_timer_port(env: Mapping[str, str]) -> int:
+    raw = env.get(XPU_TIMER_PORT_ENV)
+    if raw is None:
+        raise UsageError(
+            "--xpu-timer-compat needs a metrics port: set --metrics-port (DIAG_METRICS_PORT) or "
+            f"{XPU_TIMER_PORT_ENV}, the port DLRover's agent scrapes"
+        )
+    try:
+        return _port(raw)
+    except ValueError as e:
+        raise UsageError(f"{XPU_TIMER_PORT_ENV}: {e}") from e
 
 
 def _read_file(path: Path) -> dict[str, Any]:

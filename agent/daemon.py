@@ -18,6 +18,8 @@ from diag.agent import exitcodes
 from diag.agent.actions import Executor
 from diag.agent.config import AgentConfig, Until
 from diag.agent.hang import EventKind, WatchState, decide
+from diag.agent.metrics.exporter import AgentMetrics
+from diag.agent.metrics.server import MetricsServer
 from diag.agent.observer import Observer
 from diag.agent.pyspy import can_trace
 
@@ -40,15 +42,28 @@ class Agent:
         self.incidents = 0
         self._stop = threading.Event()
         self.observations = 0
+        self.metrics: AgentMetrics | None = None
+        if cfg.metrics_port is not None:
+            self.metrics = AgentMetrics(
+                cfg.node,
+                cfg.policy.timeouts,
+                job=cfg.job,
+                xpu_timer=cfg.xpu_timer,
+                precheck_file=cfg.precheck_metrics,
+            )
+            self.executor.listeners.append(self.metrics.on_incident)
 
     def request_stop(self) -> None:
         self._stop.set()
 
     def step(self, now: float) -> list[EventKind]:
+        t0 = time.perf_counter()
         obs = self.observer.observe(now)
         self.observations += 1
         decision = decide(self.state, obs, self.cfg.policy)
         self.state = decision.state
+        if self.metrics is not None:
+            self.metrics.update(obs, self.state, decision.verdict)
         for e in decision.events:
             level = logging.WARNING if e.kind == EventKind.INCIDENT else logging.INFO
             log.log(level, "%s: %s", e.kind.value, e.message)
@@ -56,6 +71,8 @@ class Agent:
             self.executor.execute(action)
         if decision.verdict is not None:
             self.incidents += 1
+        if self.metrics is not None:
+            self.metrics.iteration_done(time.perf_counter() - t0)
         return [e.kind for e in decision.events]
 
     def run(self) -> int:
@@ -71,6 +88,7 @@ class Agent:
             log.warning(
                 "no ptrace permission: stack dumps will fail; run as root or add SYS_PTRACE"
             )
+        server = self._serve_metrics()
         try:
             while not self._stop.is_set():
                 kinds = self.step(time.monotonic())
@@ -82,7 +100,25 @@ class Agent:
         finally:
             self.executor.join(timeout=cfg.stop_grace + 5)
             self.observer.close()
+            if server is not None:
+                server.close()
+            if self.metrics is not None:
+                self.metrics.close()
         return exitcodes.HANG_DETECTED if self.incidents and cfg.until != Until.FOREVER else 0
+
+    def _serve_metrics(self) -> MetricsServer | None:
+        cfg = self.cfg
+        if self.metrics is None or cfg.metrics_port is None:
+            return None
+        try:
+            server = MetricsServer(self.metrics.render, cfg.metrics_host, cfg.metrics_port)
+        except OSError as e:
+            raise exitcodes.UsageError(
+                f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e.strerror}; "
+                "choose another --metrics-port (0 picks a free one)"
+            ) from e
+        log.info("serving metrics on http://%s:%d/metrics", cfg.metrics_host, server.port)
+        return server.start()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

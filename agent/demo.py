@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,8 @@ class DemoOptions:
     # `... --module`); empty: torchrun.
     merge: bool = True
     launcher: tuple[str, ...] = ()
+    metrics_port: int | None = None  # the agent serves /metrics here (0: any free port)
+    agent_args: tuple[str, ...] = ()  # extra `diag agent` flags
 
 
 @dataclass
@@ -93,7 +96,8 @@ def _progress(run_dir: Path) -> str:
     return " ".join(parts) or "starting"
 
 
-def run_demo(opts: DemoOptions, out=sys.stdout) -> DemoResult:
+def run_demo(opts: DemoOptions, out=sys.stdout, stop: threading.Event | None = None) -> DemoResult:
+    """Runs the job and the agent until the job ends, `opts.timeout` passes or `stop` is set."""
     if opts.fault not in FAULTS:
         raise exitcodes.UsageError(f"--fault must be one of {', '.join(FAULTS)}")
     if not 2 <= opts.nproc <= 64:
@@ -112,8 +116,10 @@ def run_demo(opts: DemoOptions, out=sys.stdout) -> DemoResult:
         str(timeline), "--job", JOB, "--hang-timeout", str(opts.hang_timeout), "--hang-floor",
         str(opts.hang_floor), "--warmup-timeout", str(max(opts.hang_timeout, 60.0)),
         "--on-hang", opts.on_hang, "--until", "job-end", "--interval", "0.25", "--stop-grace",
-        "5", "-v",
+        "5", "-v", *opts.agent_args,
     ]  # fmt: skip
+    if opts.metrics_port is not None:
+        agent_cmd += ["--metrics-port", str(opts.metrics_port)]
     launcher = list(opts.launcher) or [
         py, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc), "--master-addr",
         "127.0.0.1", "--master-port", str(_free_port()), "--max-restarts", "0", "-m",
@@ -143,6 +149,9 @@ def run_demo(opts: DemoOptions, out=sys.stdout) -> DemoResult:
         deadline = t0 + opts.timeout
         last_print = 0.0
         while time.monotonic() < deadline and (job.poll() is None or agent.poll() is None):
+            if stop is not None and stop.is_set():
+                print("diag demo: stopped by the caller", file=out, flush=True)
+                break
             if job.poll() is not None and agent.poll() is None:
                 # The job is over; give the agent a moment to notice, then stop it.
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -303,6 +312,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=d.timeout, help="give up after this many seconds"
     )
     parser.add_argument("--workdir", type=Path, help="keep everything here (default: a temp dir)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="the agent serves Prometheus metrics on this port during the demo",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -311,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
         fault_step=args.fault_step, steps=args.steps, zero=args.zero,
         hang_timeout=args.hang_timeout, hang_floor=args.hang_floor, straggle=args.straggle,
         on_hang=args.on_hang, timeout=args.timeout, workdir=args.workdir,
+        metrics_port=args.metrics_port,
     )  # fmt: skip
     if shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
         raise exitcodes.UsageError("py-spy is not installed; run ./scripts/bootstrap.sh")

@@ -240,9 +240,17 @@ def _overdue(
     return None
 
 
+def overdue_ranks(
+    obs: Observation, timeouts: TimeoutPolicy
+) -> tuple[dict[int, Limit], tuple[Overdue, ...]]:
+    """Every live rank's current limit, and the ranks over it: what the hang rule sees now."""
+    limits = _limits(obs, timeouts)
+    overdue = tuple(o for r in obs.ranks if r.alive if (o := _overdue(r, obs, limits, timeouts)))
+    return limits, overdue
+
+
 def _hang_verdict(obs: Observation, policy: Policy) -> Verdict | None:
-    limits = _limits(obs, policy.timeouts)
-    overdue = [o for r in obs.ranks if r.alive if (o := _overdue(r, obs, limits, policy.timeouts))]
+    _, overdue = overdue_ranks(obs, policy.timeouts)
     if not overdue:
         return None
     ws = waits(obs)

@@ -78,6 +78,7 @@ class Observation:
     attempt: int = 0
     pg_timeout: float = 0.0  # the collective timeout torch enforces, 0 if unknown
     recent_ops: Mapping[int, tuple[OpView, ...]] = field(default_factory=dict)  # rank -> done ops
+    job: str = ""  # the job of the ranks' journals
 
     def rank(self, rank: int) -> RankSnapshot | None:
         for r in self.ranks:

@@ -230,6 +230,7 @@ class Observer:
             attempt=attempt,
             pg_timeout=pg_timeout,
             recent_ops=recent,
+            job=trackers[0].meta.job if trackers else (self.job or ""),
         )
 
     def _snapshot(self, t: RankTracker, now: float) -> RankSnapshot:
