@@ -1,11 +1,15 @@
 """The merged prefix tree of all ranks' stacks, one per view.
 
 Every node is a frame reached along one path from the root; it carries the set of ranks that
-reach it (a bitset) and the number of stacks through it (its width). Each stack starts with the
-process state of its rank (`State@S (sleeping)`, when known), then its thread (`Thread@name`),
-so that ranks in another state and different threads stay apart, then its frames. A rank with
-no stack in a view ends in a marker instead: its state alone (D state: nothing was taken), or
-`State@error: ...`, or `State@no native stack`.
+reach it (a bitset) and the number of stacks through it (its width). Each stack starts with its
+thread (`Thread@name`), so that threads stay apart, then its frames, and ends in a cap with the
+process state of its rank (`State@S (sleeping)`), when known: ranks in different states still
+share every frame, and the caps show who is sleeping and who spins. A rank with no stack in a
+view has a marker instead: its state alone (D state: nothing was taken), `State@error: ...` or
+`State@no native stack`.
+
+A rank's signature is the set of nodes where its stacks end, below the cap: ranks with equal
+signatures have identical stacks, whatever their state.
 
 Building goes by distinct stack, not by rank: the dumps share frame tuples (see FrameInterner),
 so 16k ranks stuck in a handful of places cost a handful of tree walks.
@@ -44,7 +48,7 @@ class StackTree:
     count: list[int]  # stacks through the node: its width
     own: list[int]  # stacks that end at the node
     bits: list[int]  # ranks that reach the node
-    # rank -> the nodes its stacks end at, sorted: ranks with equal signatures have equal stacks
+    # rank -> the nodes its stacks end at (below the state cap), sorted
     signatures: dict[int, tuple[int, ...]]
 
     def __len__(self) -> int:
@@ -89,15 +93,15 @@ def view_stacks(dump: RankDump, view: View) -> Iterator[tuple[ThreadStack, bool]
             yield t, True
 
 
-def markers(dump: RankDump, view: View, has_stacks: bool) -> list[str]:
-    """What stands for a rank's missing stacks, under its state."""
+def marker(dump: RankDump, view: View, has_stacks: bool) -> str | None:
+    """What stands for a rank's missing stacks (None: its stacks or its state say it all)."""
     if dump.error:
-        return [error_text(dump.error)]
+        return error_text(dump.error)
     if has_stacks:
-        return []
+        return None
     if view is View.CPP and dump.threads:
-        return [NO_NATIVE]
-    return [] if dump.process_state else ["no stack"]
+        return NO_NATIVE
+    return None if dump.process_state else "no stack"
 
 
 class _Builder:
@@ -155,42 +159,50 @@ class _Builder:
 
 def build_tree(dumps: Sequence[RankDump], view: View, world_size: int) -> StackTree:
     b = _Builder()
-    groups: dict[tuple[int, ...], list[int]] = {}  # distinct path -> ranks (one per stack)
-    bases: dict[str, tuple[int, ...]] = {}
+    # distinct path -> (length of the stack before its state cap, ranks: one per stack)
+    groups: dict[tuple[int, ...], tuple[int, list[int]]] = {}
+    caps: dict[str, tuple[int, ...]] = {}
     # (state, thread name, id(frames), native) -> (frames, path); `frames` keeps the id unique
     paths: dict[tuple[str, str, int, bool], tuple[tuple[Frame, ...], tuple[int, ...]]] = {}
+
+    def add(path: tuple[int, ...], stack_len: int, rank: int) -> None:
+        found = groups.get(path)
+        if found is None:
+            found = groups[path] = (stack_len, [])
+        found[1].append(rank)
+
     for d in dumps:
         state = d.process_state
-        base = bases.get(state)
-        if base is None:
-            base = bases[state] = (b.fid(state_info(state)),) if state else ()
+        cap = caps.get(state)
+        if cap is None:
+            cap = caps[state] = (b.fid(state_info(state)),) if state else ()
         has_stacks = False
         for thread, native in view_stacks(d, view):
             key = (state, thread.name, id(thread.frames), native)
             found = paths.get(key)
             if found is None:
                 frames = b.frame_path(thread.frames, native)
-                path = (*base, b.fid(thread_info(thread.name)), *frames) if frames else ()
+                path = (b.fid(thread_info(thread.name)), *frames, *cap) if frames else ()
                 found = paths[key] = (thread.frames, path)
             path = found[1]
             if path:
                 has_stacks = True
-                ranks = groups.get(path)
-                if ranks is None:
-                    ranks = groups[path] = []
-                ranks.append(d.rank)
-        marks = markers(d, view, has_stacks)
-        for m in marks:
-            groups.setdefault((*base, b.fid(state_info(m))), []).append(d.rank)
-        if not has_stacks and not marks:
-            groups.setdefault(base, []).append(d.rank)
+                add(path, len(path) - len(cap), d.rank)
+        mark = marker(d, view, has_stacks)
+        if mark is not None:
+            add((b.fid(state_info(mark)), *cap), 1, d.rank)
+        elif not has_stacks:  # D state: the state is all there is
+            add(cap, 1, d.rank)
 
     sig: dict[int, list[int]] = {d.rank: [] for d in dumps}
-    for path, ranks in groups.items():
+    for path, (stack_len, ranks) in groups.items():
         node = b.insert(path)
         b.ranks[node].extend(ranks)
+        end = node
+        for _ in range(len(path) - stack_len):
+            end = b.parent[end]
         for r in ranks:
-            sig[r].append(node)
+            sig[r].append(end)
 
     n = len(b.parent)
     own = [len(r) for r in b.ranks]
