@@ -6,6 +6,8 @@ import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
 from diag.viewer.stacks import Frame, RankDump, ThreadStack
 
 APP = "/srv/app/train.py"
@@ -95,3 +97,76 @@ def odd_one_out(world: int, odd: int) -> list[RankDump]:
         )
         out.append(rank_dump(r, world, thread(common(*inner))))
     return out
+
+
+F = descriptor_pb2.FieldDescriptorProto
+
+
+def _stacktrace_class():
+    """xpu_timer's Stacktrace message (the fields we read), built with the real protobuf
+    library from a descriptor, to produce the bytes xpu_timer writes."""
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name="xpu_test_hosting.proto", package="xpu_timer.server", syntax="proto3"
+    )
+
+    def message(name, *fields):
+        m = fdp.message_type.add(name=name)
+        for fname, number, ftype, repeated, type_name in fields:
+            f = m.field.add(name=fname, number=number, type=ftype)
+            f.label = F.LABEL_REPEATED if repeated else F.LABEL_OPTIONAL
+            if type_name:
+                f.type_name = f".xpu_timer.server.{type_name}"
+
+    s, msg = F.TYPE_STRING, F.TYPE_MESSAGE
+    message(
+        "PySpyFrame",
+        ("func_name", 1, s, False, ""),
+        ("file_name", 2, s, False, ""),
+        ("module", 3, s, False, ""),
+    )
+    message(
+        "PySpyStacktrace",
+        ("pid", 1, F.TYPE_UINT32, False, ""),
+        ("thread_id", 2, F.TYPE_UINT64, False, ""),
+        ("thread_name", 3, s, False, ""),
+        ("os_thread_id", 4, F.TYPE_UINT32, False, ""),
+        ("active", 5, F.TYPE_BOOL, False, ""),
+        ("owns_gil", 6, F.TYPE_BOOL, False, ""),
+        ("frames", 7, msg, True, "PySpyFrame"),
+    )
+    message(
+        "PstackFrame",
+        ("func_name", 1, s, False, ""),
+        ("file_name", 2, s, False, ""),
+        ("origin", 3, s, False, ""),
+    )
+    message(
+        "PstackStacktrace",
+        ("pid", 1, F.TYPE_UINT32, False, ""),
+        ("thread_name", 2, s, False, ""),
+        ("frames", 3, msg, True, "PstackFrame"),
+    )
+    message(
+        "DeviceStatus", ("block_range", 1, s, False, ""), ("hang_step", 6, F.TYPE_INT32, False, "")
+    )
+    message(
+        "Stacktrace",
+        ("stacktrace", 1, msg, True, "PstackStacktrace"),
+        ("py_stacktrace", 2, msg, True, "PySpyStacktrace"),
+        ("pid", 3, F.TYPE_INT32, False, ""),
+        ("rank", 4, F.TYPE_INT32, False, ""),
+        ("pstack_stdout", 5, s, False, ""),
+        ("pstack_stderr", 6, s, False, ""),
+        ("pyspy_stdout", 7, s, False, ""),
+        ("pyspy_stderr", 8, s, False, ""),
+        ("device_status", 10, msg, True, "DeviceStatus"),
+        ("process_state", 11, s, False, ""),
+    )
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("xpu_timer.server.Stacktrace")
+    )
+
+
+Stacktrace = _stacktrace_class()

@@ -57,7 +57,7 @@ class FlameOptions:
     width: int = 1200
     frame_height: int = 16
     min_width: float = 0.1  # px; thinner frames merge into "other" cells
-    suspect_min_width: float = 4.0  # px; frames carrying suspect ranks stay this wide
+    suspect_min_width: float = 8.0  # px; frames carrying top suspects stay this wide
 
 
 @dataclass(frozen=True)

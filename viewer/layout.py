@@ -24,7 +24,7 @@ OTHER = -1  # the node of an "other" cell
 class LayoutOptions:
     width: float = 1180.0  # pixels for the whole tree
     min_width: float = 0.1
-    suspect_min_width: float = 4.0
+    suspect_min_width: float = 8.0
 
 
 @dataclass(frozen=True)

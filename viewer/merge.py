@@ -142,7 +142,8 @@ def _header(
         tag = " (suspect)" if c.suspect else ""
         shown.append(f"#{c.index}: {c.size} ranks [{ranksets.fold(c.bits, 6)}]{tag}")
     more = f" · +{len(vc.classes) - 4} more" if len(vc.classes) > 4 else ""
-    lines.append(f"{len(vc.classes)} classes of identical stacks: " + " · ".join(shown) + more)
+    n_classes = f"{len(vc.classes)} class{'es' if len(vc.classes) != 1 else ''}"
+    lines.append(f"{n_classes} of identical stacks: " + " · ".join(shown) + more)
     warnings = []
     if sus:
         top = ", ".join(f"{s.rank} ({s.score:.2f})" for s in sus[:8])
