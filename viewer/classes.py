@@ -174,10 +174,16 @@ def equivalence_classes(tree: StackTree) -> ViewClasses:
     return ViewClasses(view=tree.view, classes=tuple(classes))
 
 
+# How much an odd stack in a view counts. Waiting ranks' native leaves differ with timing alone
+# (spinning, yielding, sleeping), their Python stacks hardly: a rank odd only in its native
+# stack is half as suspect.
+VIEW_WEIGHT = {View.PY: 1.0, View.CPP: 0.5}
+
+
 def suspects(views: Sequence[ViewClasses], culprits: Iterable[int]) -> tuple[Suspect, ...]:
     """Minority-class ranks of every view plus the verdict's culprits, best first. Evidence from
-    several views adds up as independent: score = 1 - prod(1 - s), so a rank odd in both its
-    Python and its native stacks ranks above one whose native leaf alone differs."""
+    several views adds up as independent: score = 1 - prod(1 - weight * s), so a rank odd in
+    both its Python and its native stacks ranks above one whose native leaf alone differs."""
     found: dict[int, tuple[float, list[str]]] = {}
 
     def add(rank: int, score: float, reason: str) -> None:
@@ -199,7 +205,7 @@ def suspects(views: Sequence[ViewClasses], culprits: Iterable[int]) -> tuple[Sus
                 f"({c.size} rank{'s' if c.size > 1 else ''} vs {largest} in class 1)"
             )
             for r in ranksets.ranks_of(c.bits):
-                add(r, c.score, reason)
+                add(r, VIEW_WEIGHT[v.view] * c.score, reason)
     ordered = sorted(found.items(), key=lambda kv: (kv[1][0], kv[0]))
     return tuple(
         Suspect(rank=r, score=round(1 - doubt, 6), reasons=tuple(rs)) for r, (doubt, rs) in ordered

@@ -95,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
         )
     except IncidentError as e:
         raise exitcodes.UsageError(str(e)) from e
+    except OSError as e:
+        raise exitcodes.UsageError(
+            f"{e}; check --path, or give --out a directory the outputs can be written to"
+        ) from e
     print(result.summary_txt.read_text(), end="")
     print()
     print(f"wrote into {result.out_dir}:")

@@ -23,6 +23,7 @@ from diag.viewer.tree import StackTree
 
 PAD = 10  # left and right margins, px
 CHAR_WIDTH = 6.95  # advance of an 11.5 px monospace glyph
+HEADER_CHAR_WIDTH = 7.25  # of a 12 px one
 TIP_RANGES = 48  # rank runs in a tooltip before it abbreviates
 SEARCH_RANGES = 4096  # rank runs kept per frame for `rank:N` search
 HINT = (
@@ -180,12 +181,12 @@ def render_svg(
         f'<text id="title" x="{opts.width / 2}" y="24">{_x(header.title)}</text>\n',
     ]
     y = 30
-    for line in header.lines:
-        y += 16
-        out.append(f'<text class="sub" x="{PAD}" y="{y}">{_x(line)}</text>\n')
-    for line in header.warnings:
-        y += 16
-        out.append(f'<text class="sub warn" x="{PAD}" y="{y}">{_x(line)}</text>\n')
+    fits = int((opts.width - 2 * PAD) / HEADER_CHAR_WIDTH)
+    for cls, lines in (("sub", header.lines), ("sub warn", header.warnings)):
+        for line in lines:
+            y += 16
+            shown = line if len(line) <= fits else line[: fits - 3] + "..."
+            out.append(f'<text class="{cls}" x="{PAD}" y="{y}">{_x(shown)}</text>\n')
     y += 24
     out.append('<g class="legend">')
     lx = PAD
