@@ -8,8 +8,9 @@ frame varying at random among three, 0.5% of ranks with a frame of their own, an
 stuck elsewhere. It also writes the same stacks as a per-rank folded file (one line per rank).
 
 Then, each in a child process of its own (wall time; peak RSS from wait4):
-- ours: `merge_incident` on the directory, end to end: read every dump, build both views, the
-  classes and suspects, write two SVGs, two folded files and the summary;
+- ours: `merge_incident` on the directory, end to end: read every dump (in one process per CPU
+  when there are thousands), build both views, the classes and suspects, write two SVGs, two
+  folded files and the summary;
 - flamegraph.pl on the per-rank folded file: the same 16k stacks, merged and drawn by Perl;
 - flamegraph.pl on the two merged folded files ours wrote (drawing only), next to our own
   drawing time for the same trees.
@@ -286,7 +287,8 @@ def main() -> int:
             f"{r['merged_s'] / st['draw']:>6.2f}"
         )
     print("x: flamegraph.pl divided by ours (above 1: ours is faster / smaller); times are the")
-    print(f"median of {REPEAT} runs (wall s, and CPU s = user + sys), MiB the largest peak RSS")
+    print(f"median of {REPEAT} runs (wall s, and CPU s = user + sys of the process and its")
+    print("workers), MiB the largest peak RSS of any one process of the run")
     return 0
 
 

@@ -10,7 +10,7 @@ import pytest
 from mergekit import APP, Stacktrace, common, native, py, rank_dump, thread, write_incident
 
 from diag.viewer.merge import merge_incident
-from diag.viewer.sources import DumpFormat, dump_files, load_dump
+from diag.viewer.sources import DumpFormat, dump_files, load_dump, load_dumps
 from diag.viewer.stacks import FrameInterner
 from diag.viewer.xpu_stacktrace import WireError, parse_stacktrace
 
@@ -215,3 +215,15 @@ def test_native_frames_of_pyspy_keep_their_library(tmp_path: Path):
     (f,) = dump_files(tmp_path)
     dump = load_dump(f, FrameInterner())
     assert dump.native and dump.threads[0].frames[-1] == native("0x7f00dead", "/lib/libc.so.6")
+
+
+def test_parallel_loading_gives_the_same_dumps(tmp_path: Path):
+    world = 24
+    dumps = [rank_dump(r, world, thread(common(py("barrier", r % 3)))) for r in range(world)]
+    d = write_incident(tmp_path / "inc", dumps)
+    (d / "00023-00024.stack.json").write_text("{broken")
+    files = dump_files(d)
+    serial = load_dumps(files, workers=1)
+    parallel = load_dumps(files, workers=3, parallel_from=1)
+    assert parallel == serial
+    assert parallel[:23] == dumps[:23] and "bad JSON" in parallel[23].error

@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--width", type=int, default=1200, help="SVG width in pixels (default 1200)"
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="processes that parse dump files when there are thousands "
+        "(default: one per CPU, at most 8)",
+    )
+    parser.add_argument(
         "--minwidth",
         type=float,
         default=0.1,
@@ -84,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         raise exitcodes.UsageError(f"--width {args.width} is too narrow; use 200 pixels or more")
     if args.minwidth < 0:
         raise exitcodes.UsageError("--minwidth cannot be negative")
+    if args.jobs is not None and args.jobs < 1:
+        raise exitcodes.UsageError("--jobs must be 1 or more")
     try:
         if args.list:
             return _list(path)
@@ -92,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
             incident=args.incident,
             out_dir=args.out,
             flame=FlameOptions(width=args.width, min_width=args.minwidth),
+            workers=args.jobs,
         )
     except IncidentError as e:
         raise exitcodes.UsageError(str(e)) from e

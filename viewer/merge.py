@@ -21,8 +21,8 @@ from diag.viewer.classes import RankClass, Suspect, ViewClasses, equivalence_cla
 from diag.viewer.flame import FlameHeader, FlameOptions, render_svg
 from diag.viewer.folded import write_folded
 from diag.viewer.incidents import Incident, IncidentError, find_incidents, pick_incident
-from diag.viewer.sources import DumpFile, load_dump
-from diag.viewer.stacks import FrameInterner, RankDump
+from diag.viewer.sources import DumpFile, default_workers, load_dumps
+from diag.viewer.stacks import RankDump
 from diag.viewer.summary import VIEW_TITLES, MergeReport, ViewReport, to_json, to_text
 from diag.viewer.tree import StackTree, View, build_tree
 
@@ -71,45 +71,48 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def load_incident(inc: Incident) -> tuple[list[RankDump], int, Counter]:
+def load_incident(inc: Incident, workers: int = 1) -> tuple[list[RankDump], int, Counter]:
     """All dumps of one incident, checked to be of one run: one world size, each rank once."""
-    interner = FrameInterner()
-    dumps: dict[int, tuple[RankDump, DumpFile]] = {}
-    formats: Counter = Counter()
     worlds: dict[int, Path] = {}
+    files: list[DumpFile] = []
     for d in inc.dirs:
         if d.verdict is not None and d.verdict.world_size:
             worlds.setdefault(d.verdict.world_size, d.path / "verdict.json")
         for f in d.dumps:
             if f.world_size not in worlds:
                 worlds[f.world_size] = f.path
-            dump = load_dump(f, interner)
-            if dump is None:
-                continue
-            if dump.rank in dumps:
-                other = dumps[dump.rank][1].path
-                raise IncidentError(
-                    f"rank {dump.rank} has two dumps in incident {inc.incident_id}: {other} and "
-                    f"{f.path}; remove the stale one or merge the directories one at a time"
-                )
-            dumps[dump.rank] = (dump, f)
-            formats[f.format.value] += 1
+            files.append(f)
     if len(worlds) > 1:
         seen = "; ".join(f"{w} in {p}" for w, p in sorted(worlds.items()))
         raise IncidentError(
             f"the files of incident {inc.incident_id} disagree on the world size ({seen}): they "
             "come from different runs; point --path at one incident directory"
         )
+    seen_at: dict[int, DumpFile] = {}
+    for f in files:
+        if f.rank in seen_at:
+            raise IncidentError(
+                f"rank {f.rank} has two dumps in incident {inc.incident_id}: {seen_at[f.rank].path}"
+                f" and {f.path}; remove the stale one or merge the directories one at a time"
+            )
+        seen_at[f.rank] = f
+    dumps: list[RankDump] = []
+    formats: Counter = Counter()
+    for f, dump in zip(files, load_dumps(files, workers), strict=True):
+        if dump is not None:
+            dumps.append(dump)
+            formats[f.format.value] += 1
     if not dumps:
         raise IncidentError(
             f"incident {inc.incident_id} ({', '.join(str(d.path) for d in inc.dirs)}) has no "
             "readable dump file"
         )
     world = next(iter(worlds))
-    bad = [r for r in dumps if r >= world]
+    bad = [d.rank for d in dumps if d.rank >= world]
     if bad:
         raise IncidentError(f"rank {bad[0]} is out of range for world size {world}")
-    return [dumps[r][0] for r in sorted(dumps)], world, formats
+    dumps.sort(key=lambda d: d.rank)
+    return dumps, world, formats
 
 
 def _out_dir(inc: Incident) -> Path:
@@ -160,16 +163,18 @@ def merge_incident(
     incident: str | None = None,
     out_dir: Path | None = None,
     flame: FlameOptions | None = None,
+    workers: int | None = None,
 ) -> MergeResult:
     """Merges the newest incident at `path` (or the one named `incident`) and writes
     py_stack.svg, cpp_stack.svg, py_stack.folded, cpp_stack.folded, summary.txt and
     summary.json into its directory (`out_dir` to write elsewhere). Several nodes' directories
-    of one incident are written to `merged-<incident id>` beside them.
+    of one incident are written to `merged-<incident id>` beside them. `workers`: processes
+    that parse dump files when there are thousands (default: one per CPU, at most 8).
     Raises IncidentError when the path holds nothing to merge or mixes runs."""
     path = Path(path)
     t0 = time.perf_counter()
     inc = pick_incident(find_incidents(path), incident, path)
-    dumps, world, formats = load_incident(inc)
+    dumps, world, formats = load_incident(inc, default_workers() if workers is None else workers)
     t1 = time.perf_counter()
     out = Path(out_dir) if out_dir is not None else _out_dir(inc)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,12 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import multiprocessing
 import os
 import re
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,3 +147,39 @@ def load_dump(f: DumpFile, interner: FrameInterner) -> RankDump | None:
         threads=threads,
         error="" if threads else "py-spy listed no thread",
     )
+
+
+# Below this many files, starting worker processes costs more than it saves.
+PARALLEL_FROM = 2048
+
+
+def _load_chunk(files: list[DumpFile]) -> list[RankDump | None]:
+    interner = FrameInterner()
+    return [load_dump(f, interner) for f in files]
+
+
+def default_workers() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8))
+
+
+def load_dumps(
+    files: Sequence[DumpFile], workers: int = 1, parallel_from: int = PARALLEL_FROM
+) -> list[RankDump | None]:
+    """`load_dump` of each file, in order. With `workers` > 1 and enough files, parsing runs in
+    that many processes (JSON parsing holds the GIL); each returns its share pickled, where
+    stacks shared by many ranks travel once."""
+    if workers <= 1 or len(files) < parallel_from:
+        return _load_chunk(list(files))
+    size = -(-len(files) // workers)
+    chunks = [list(files[i : i + size]) for i in range(0, len(files), size)]
+    # fork starts in milliseconds, spawn in a quarter second; but forking a process that runs
+    # other threads (a daemon calling us) can deadlock the child, so only a lone thread forks.
+    single = threading.active_count() == 1
+    method = "fork" if single and "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=ctx) as pool:
+        return [d for part in pool.map(_load_chunk, chunks) for d in part]
