@@ -195,9 +195,11 @@ def test_unreadable_files_show_as_failed_ranks(tmp_path: Path):
     assert result.ranks == "0-3"
     summary = json.loads(result.summary_json.read_text())
     assert [e["rank"] for e in summary["errors"]] == [2, 3]
+    assert "      no stack: State@error: unreadable xpu_timer .stacktrace file" in (
+        result.summary_txt.read_text()
+    )
     assert (
-        "rank 2: no stack: unreadable diag.stack/1 file 00002-00004.stack.json"
-        in result.summary_txt.read_text()
+        "rank 2: no stack: unreadable diag.stack/1 file: bad JSON" in result.summary_txt.read_text()
     )
 
 

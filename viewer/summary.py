@@ -117,6 +117,9 @@ def _class_lines(c: RankClass) -> list[str]:
     flag = f"   SUSPECT (score {c.score:.2f})" if c.suspect else ""
     ranks = ranksets.fold(c.bits, TEXT_RANGES)
     lines = [f"  class {c.index}: {_plural(c.size, 'rank')} {ranks}{flag}"]
+    if c.thread == c.leaf:  # a marker: the rank has no stack in this view
+        lines.append(f"      no stack: {c.leaf}")
+        return lines
     d = c.divergence
     if d is not None and c.index > 1:
         where = f"after {d.after}" if d.after else "at the root"

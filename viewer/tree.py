@@ -33,7 +33,7 @@ class View(str, enum.Enum):
 
 
 NO_NATIVE = "no native stack"
-_DIGITS = re.compile(r"\d+")
+_VARYING = re.compile(r"0x[0-9a-fA-F]+|\d{3,}")  # pids, addresses: they differ per rank
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,10 @@ class StackTree:
 
 
 def error_text(error: str) -> str:
-    """A dump error as a marker: first line, numbers blanked, so that ranks failing the same
-    way merge (pids and addresses differ per rank)."""
+    """A dump error as a marker: first line, pids and addresses blanked, so that ranks failing
+    the same way merge."""
     first = (error.strip().splitlines() or ["?"])[0]
-    return "error: " + _DIGITS.sub("N", first)[:100]
+    return "error: " + _VARYING.sub("N", first)[:100]
 
 
 def view_stacks(dump: RankDump, view: View) -> Iterator[tuple[ThreadStack, bool]]:
