@@ -143,7 +143,8 @@ def _header(
     shown = []
     for c in vc.classes[:4]:
         tag = " (suspect)" if c.suspect else ""
-        shown.append(f"#{c.index}: {c.size} ranks [{ranksets.fold(c.bits, 6)}]{tag}")
+        size = f"{c.size} rank{'s' if c.size != 1 else ''}"
+        shown.append(f"#{c.index}: {size} [{ranksets.fold(c.bits, 6)}]{tag}")
     more = f" · +{len(vc.classes) - 4} more" if len(vc.classes) > 4 else ""
     n_classes = f"{len(vc.classes)} class{'es' if len(vc.classes) != 1 else ''}"
     lines.append(f"{n_classes} of identical stacks: " + " · ".join(shown) + more)
