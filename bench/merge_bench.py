@@ -38,7 +38,7 @@ from pathlib import Path
 from diag.viewer.stacks import dump_file_name
 
 FRAMES = 64
-REPEAT = 3
+REPEAT = 5
 PY_FRAMES = 40
 ODD_RANK_FRACTION = 0.37  # the odd rank sits about here in the rank range
 SITE = "/usr/local/lib/python3.11/site-packages"
@@ -185,10 +185,9 @@ def measured(cmd: list[str], out_path: Path | None = None) -> tuple[float, float
     return t1 - t0, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, data
 
 
-def repeated(cmd: list[str], out_path: Path | None = None) -> tuple[float, float, float, bytes]:
-    """Median wall and CPU time of REPEAT runs, their largest peak RSS, the last output: the
-    machine is shared, so one run says little."""
-    runs = [measured(cmd, out_path) for _ in range(REPEAT)]
+def summarize(runs: list[tuple[float, float, float, bytes]]) -> tuple[float, float, float, bytes]:
+    """Median wall and CPU time, largest peak RSS, last output: the machine is shared, one run
+    says little."""
     return (
         statistics.median(r[0] for r in runs),
         statistics.median(r[1] for r in runs),
@@ -197,10 +196,9 @@ def repeated(cmd: list[str], out_path: Path | None = None) -> tuple[float, float
     )
 
 
-def flamegraph_pl(perl: str, fg: Path, folded: Path, out: Path) -> tuple[float, float, float]:
+def flamegraph_pl(perl: str, fg: Path, folded: Path, out: Path):
     cmd = [perl, str(fg), "--minwidth", "0.1", "--width", "1200", str(folded)]
-    wall, cpu, mib, _ = repeated(cmd, out_path=out)
-    return wall, cpu, mib
+    return measured(cmd, out_path=out)
 
 
 def main() -> int:
@@ -221,17 +219,20 @@ def main() -> int:
         for world in args.ranks:
             d, odd = write_incident(root, world)
             os.sync()  # let the writeback of the fresh dumps not land in our read time
-            ours_s, ours_cpu, ours_mb, out = repeated([sys.executable, "-c", OURS, str(d)])
-            info = json.loads(out)
             per_rank = root / f"per-rank-{world}.folded"
-            pr_s, pr_cpu, pr_mb = flamegraph_pl(perl, fg, per_rank, root / f"per-rank-{world}.svg")
-            merged_s = merged_mb = 0.0
-            for view in ("py", "cpp"):
-                s_, _, mb = flamegraph_pl(
-                    perl, fg, d / f"{view}_stack.folded", d / f"{view}_stack.flamegraph-pl.svg"
-                )
-                merged_s += s_
-                merged_mb = max(merged_mb, mb)
+            ours_runs, pr_runs, merged_runs = [], [], []
+            for _ in range(REPEAT):  # interleaved, so that both sides meet the same load
+                ours_runs.append(measured([sys.executable, "-c", OURS, str(d)]))
+                pr_runs.append(flamegraph_pl(perl, fg, per_rank, root / f"per-rank-{world}.svg"))
+                views = [
+                    flamegraph_pl(perl, fg, d / f"{v}_stack.folded", d / f"{v}.flamegraph-pl.svg")
+                    for v in ("py", "cpp")
+                ]
+                merged_runs.append((sum(r[0] for r in views), 0.0, max(r[2] for r in views), b""))
+            ours_s, ours_cpu, ours_mb, out = summarize(ours_runs)
+            info = json.loads(out)
+            pr_s, pr_cpu, pr_mb, _ = summarize(pr_runs)
+            merged_s, _, merged_mb, _ = summarize(merged_runs)
             rows.append(
                 {
                     "world": world,

@@ -13,8 +13,8 @@ import re
 import zlib
 from dataclasses import dataclass
 from functools import cache
+from html import escape
 from importlib import resources
-from xml.sax.saxutils import escape, quoteattr
 
 from diag.viewer import ranksets
 from diag.viewer.labels import FrameKind
@@ -74,7 +74,8 @@ def _asset(name: str) -> str:
 
 
 def _x(text: str) -> str:
-    return escape(_XML_BAD.sub("?", text))
+    """Text made safe for XML content and double-quoted attributes."""
+    return escape(_XML_BAD.sub("?", text), quote=True)
 
 
 def _shade(ranges: tuple[tuple[int, int], ...], key: str) -> str:
@@ -137,7 +138,7 @@ class _Cells:
         cls = f"f k-{kind.value}" + (" s" if c.suspect else "")
         y = self.top + (self.max_depth - c.depth) * self.fh
         shown = _fit(short, c.w)
-        extra = f" data-s={quoteattr(_XML_BAD.sub('?', short))}" if shown != short else ""
+        extra = f' data-s="{_x(short)}"' if shown != short else ""
         return (
             f'<g class="{cls}" data-r="{ri}"{extra}><title>{_x(chr(10).join(tip))}</title>'
             f'<rect x="{PAD + c.x:.2f}" y="{y}" width="{c.w:.2f}" height="{self.fh - 1}" '

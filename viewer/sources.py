@@ -13,12 +13,10 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import multiprocessing
 import os
 import re
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,6 +181,10 @@ def load_dumps(
     stacks shared by many ranks travel once."""
     if workers <= 1 or len(files) < parallel_from:
         return _load_chunk(list(files))
+    # imported here: only a merge of thousands of files pays for them
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     size = -(-len(files) // workers)
     chunks = [list(files[i : i + size]) for i in range(0, len(files), size)]
     # fork starts in milliseconds, spawn in a quarter second; but forking a process that runs
