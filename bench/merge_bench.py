@@ -186,13 +186,14 @@ def measured(cmd: list[str], out_path: Path | None = None) -> tuple[float, float
 
 
 def summarize(runs: list[tuple[float, float, float, bytes]]) -> tuple[float, float, float, bytes]:
-    """Median wall and CPU time, largest peak RSS, last output: the machine is shared, one run
-    says little."""
+    """Median wall and CPU time, largest peak RSS, and the output of the run of median wall
+    time: the machine is shared, one run says little."""
+    middle = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     return (
         statistics.median(r[0] for r in runs),
         statistics.median(r[1] for r in runs),
         max(r[2] for r in runs),
-        runs[-1][3],
+        middle[3],
     )
 
 
@@ -275,7 +276,8 @@ def main() -> int:
             f"{r['pr_mb'] / r['ours_mb']:>5.2f} | {svg_kib:>12} {r['pr_kib']:>9} | {found}"
         )
     print()
-    print("Stages of ours (s), and drawing alone: ours vs flamegraph.pl on the merged folded files")
+    print("Stages of ours (s, in the run of median time), and drawing alone: ours vs flamegraph.pl")
+    print("on the merged folded files ours wrote")
     print(
         f"{'ranks':>6} | {'read':>5} {'merge':>5} {'draw':>5} {'write':>5} | "
         f"{'fg.pl draw s':>12} {'MiB':>5} | {'draw x':>6}"
