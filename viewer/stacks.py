@@ -8,6 +8,7 @@ order flame graphs draw them in.
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -52,6 +53,10 @@ class RankDump:
     threads: tuple[ThreadStack, ...] = field(default_factory=tuple)
     error: str = ""  # why no stack could be taken, when none was
     format: str = STACK_FORMAT
+    # Stacks from a separate native unwinder (gdb/pstack, as xpu_timer takes them), kept apart
+    # from `threads` when those came without native frames. Empty for py-spy --native dumps,
+    # whose `threads` already interleave native and Python frames.
+    native_threads: tuple[ThreadStack, ...] = field(default_factory=tuple)
 
     @property
     def file_name(self) -> str:
@@ -61,58 +66,137 @@ class RankDump:
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
-    def from_dict(cls, raw: dict) -> RankDump:
+    def from_dict(cls, raw: dict, interner: FrameInterner | None = None) -> RankDump:
+        """`interner` shares Frame objects and frame tuples among the dumps it reads: merging
+        thousands of ranks whose stacks are mostly alike then costs memory per distinct frame,
+        not per frame read."""
         if raw.get("format") != STACK_FORMAT:
             raise ValueError(f"not a {STACK_FORMAT} dump (format={raw.get('format')!r})")
-        threads = tuple(
-            ThreadStack(
-                tid=int(t["tid"]),
-                os_tid=int(t.get("os_tid", 0)),
-                name=str(t.get("name", "")),
-                frames=tuple(Frame(**f) for f in t["frames"]),
-                active=bool(t.get("active", False)),
-                owns_gil=bool(t.get("owns_gil", False)),
+        interner = interner or FrameInterner()
+
+        def threads_of(key: str) -> tuple[ThreadStack, ...]:
+            return tuple(
+                ThreadStack(
+                    tid=int(t["tid"]),
+                    os_tid=int(t.get("os_tid", 0)),
+                    name=str(t.get("name", "")),
+                    frames=interner.frames_from_dicts(t["frames"]),
+                    active=bool(t.get("active", False)),
+                    owns_gil=bool(t.get("owns_gil", False)),
+                )
+                for t in raw.get(key) or ()
             )
-            for t in raw.get("threads", ())
+
+        nested = ("threads", "native_threads")
+        known = {k for k in cls.__dataclass_fields__ if k not in nested}
+        return cls(
+            threads=threads_of("threads"),
+            native_threads=threads_of("native_threads"),
+            **{k: v for k, v in raw.items() if k in known},
         )
-        known = {k for k in cls.__dataclass_fields__ if k != "threads"}
-        return cls(threads=threads, **{k: v for k, v in raw.items() if k in known})
 
     @classmethod
-    def load(cls, path: Path) -> RankDump:
-        return cls.from_dict(json.loads(path.read_text()))
+    def load(cls, path: Path, interner: FrameInterner | None = None) -> RankDump:
+        return cls.from_dict(json.loads(path.read_bytes()), interner)
+
+
+_FRAME_FIELDS = operator.itemgetter("func", "file", "line", "native", "module")
+
+
+class FrameInterner:
+    """Hands out one shared Frame per distinct frame and one shared tuple per distinct stack.
+
+    Stacks of many ranks are mostly identical; sharing makes later grouping by stack cheap
+    (identical stacks are the same object) and keeps memory flat in the number of ranks.
+    """
+
+    def __init__(self) -> None:
+        self._frames: dict[tuple, Frame] = {}
+        # Keyed by the ids of interned frames: they live as long as this interner, so an id is
+        # never reused while the key exists.
+        self._stacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
+        # Keyed by the raw field values of a whole stack: a stack seen before costs one lookup.
+        self._raw_stacks: dict[tuple[tuple, ...], tuple[Frame, ...]] = {}
+
+    def frame(self, func: str, file: str, line: int, native: bool, module: str) -> Frame:
+        key = (func, file, line, native, module)
+        found = self._frames.get(key)
+        if found is None:
+            found = self._frames[key] = Frame(func, file, line, native, module)
+        return found
+
+    def frames_from_dicts(self, raw: list[dict]) -> tuple[Frame, ...]:
+        try:
+            key = tuple(map(_FRAME_FIELDS, raw))
+        except KeyError:  # a dump written before a field existed
+            return self._frames_from_dicts(raw)
+        found = self._raw_stacks.get(key)
+        if found is None:
+            found = self._raw_stacks[key] = self._frames_from_dicts(raw)
+        return found
+
+    def _frames_from_dicts(self, raw: list[dict]) -> tuple[Frame, ...]:
+        cache = self._frames
+        frames = []
+        for f in raw:
+            key = (f["func"], f["file"], f["line"], f.get("native", False), f.get("module", ""))
+            found = cache.get(key)
+            if found is None:
+                found = cache[key] = Frame(*key)
+            frames.append(found)
+        return self._stack(frames)
+
+    def stack(self, frames: list[Frame]) -> tuple[Frame, ...]:
+        """Interns a stack of frames that may not come from this interner."""
+        return self._stack([self.frame(f.func, f.file, f.line, f.native, f.module) for f in frames])
+
+    def _stack(self, frames: list[Frame]) -> tuple[Frame, ...]:
+        key = tuple(map(id, frames))
+        found = self._stacks.get(key)
+        if found is None:
+            found = self._stacks[key] = tuple(frames)
+        return found
 
 
 def dump_file_name(rank: int, world_size: int) -> str:
     return f"{rank:05d}-{world_size:05d}{STACK_SUFFIX}"
 
 
-def parse_pyspy_json(text: str) -> tuple[ThreadStack, ...]:
+def parse_pyspy_json(
+    text: str | bytes, interner: FrameInterner | None = None
+) -> tuple[ThreadStack, ...]:
     """Parses `py-spy dump --json [--native]` output. py-spy lists frames innermost first and marks
     native frames with the library in `module` (and line 0)."""
-    raw = json.loads(text)
+    return pyspy_threads(json.loads(text), interner)
+
+
+def pyspy_threads(raw: object, interner: FrameInterner | None = None) -> tuple[ThreadStack, ...]:
+    """The threads of already-decoded `py-spy dump --json` output."""
     if not isinstance(raw, list):
         raise ValueError("py-spy JSON output must be a list of threads")
+    interner = interner or FrameInterner()
     threads = []
     for t in raw:
+        if not isinstance(t, dict):
+            raise ValueError("py-spy JSON output must be a list of thread objects")
         frames = []
         for f in reversed(t.get("frames") or []):
             module = f.get("module") or ""
             frames.append(
-                Frame(
-                    func=str(f.get("name", "?")),
-                    file=str(f.get("filename", "")),
-                    line=int(f.get("line") or 0),
-                    native=bool(module),
-                    module=module,
+                interner.frame(
+                    str(f.get("name", "?")),
+                    str(f.get("filename", "")),
+                    int(f.get("line") or 0),
+                    bool(module),
+                    module,
                 )
             )
         threads.append(
             ThreadStack(
-                tid=int(t.get("thread_id", 0)),
+                tid=int(t.get("thread_id") or 0),
                 os_tid=int(t.get("os_thread_id") or 0),
                 name=str(t.get("thread_name") or ""),
-                frames=tuple(frames),
+                frames=interner._stack(frames),
                 active=bool(t.get("active", False)),
                 owns_gil=bool(t.get("owns_gil", False)),
             )

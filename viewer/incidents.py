@@ -1,0 +1,195 @@
+"""Which dumps belong together: incident directories and how to find them.
+
+An incident directory (one per node per incident) holds a `verdict.json` and the node's dump
+files. Directories of several nodes belong to one incident when their verdicts share an
+`incident_id`; a directory without a verdict (xpu_timer's timeline directory, a folder of py-spy
+files) is an incident of its own, named after the directory. A path given to `diag merge` is
+either an incident directory (it holds dump files or a verdict) or a root whose subdirectories
+are incident directories; dump files lying directly in a root form one more incident.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from diag.viewer.sources import DumpFile, dump_files, has_dumps
+
+log = logging.getLogger(__name__)
+
+VERDICT_FILE = "verdict.json"
+_EPOCH = datetime.fromtimestamp(0, tz=timezone.utc)
+
+
+class IncidentError(ValueError):
+    """The path does not hold what the merge needs; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The fields of `verdict.json` the merge uses; unknown fields are ignored."""
+
+    incident_id: str
+    kind: str = ""
+    node: str = ""
+    job: str = ""
+    world_size: int | None = None
+    detected_at: str = ""
+    culprit: int | None = None
+    summary: str = ""
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Verdict:
+        if not isinstance(raw, dict) or not raw.get("incident_id"):
+            raise ValueError("no incident_id")
+        culprit = raw.get("culprit")
+        world = raw.get("world_size")
+        return cls(
+            incident_id=str(raw["incident_id"]),
+            kind=str(raw.get("kind") or ""),
+            node=str(raw.get("node") or ""),
+            job=str(raw.get("job") or ""),
+            world_size=int(world) if world is not None else None,
+            detected_at=str(raw.get("detected_at") or ""),
+            culprit=int(culprit) if culprit is not None else None,
+            summary=str(raw.get("summary") or ""),
+        )
+
+
+@dataclass(frozen=True)
+class IncidentDir:
+    path: Path
+    verdict: Verdict | None
+    dumps: tuple[DumpFile, ...]
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Incident:
+    incident_id: str
+    dirs: tuple[IncidentDir, ...]
+    when: datetime = field(default=_EPOCH)
+
+    @property
+    def verdicts(self) -> list[Verdict]:
+        return [d.verdict for d in self.dirs if d.verdict is not None]
+
+    @property
+    def kind(self) -> str:
+        return next((v.kind for v in self.verdicts if v.kind), "")
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted({v.node for v in self.verdicts if v.node})
+
+    @property
+    def culprits(self) -> list[int]:
+        return sorted({v.culprit for v in self.verdicts if v.culprit is not None})
+
+    @property
+    def n_dumps(self) -> int:
+        return sum(len(d.dumps) for d in self.dirs)
+
+
+def _parse_time(text: str) -> datetime | None:
+    try:
+        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+def _name_time(name: str) -> datetime | None:
+    try:
+        return datetime.strptime(name[:15], "%Y%m%d-%H%M%S").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
+
+
+def _when(d: IncidentDir) -> datetime:
+    if d.verdict is not None:
+        t = _parse_time(d.verdict.detected_at)
+        if t is not None:
+            return t
+    t = _name_time(d.path.name)
+    if t is not None:
+        return t
+    mtimes = []
+    for f in d.dumps:
+        try:
+            mtimes.append(os.stat(os.path.join(f.directory, f.name)).st_mtime)
+        except OSError:
+            continue
+    return datetime.fromtimestamp(max(mtimes), tz=timezone.utc) if mtimes else _EPOCH
+
+
+def read_dir(path: Path) -> IncidentDir:
+    verdict = None
+    problems: list[str] = []
+    vpath = path / VERDICT_FILE
+    if vpath.is_file():
+        try:
+            verdict = Verdict.from_dict(json.loads(vpath.read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            problems.append(f"{vpath}: unreadable verdict ({e}); directory taken on its own")
+            log.warning("%s", problems[-1])
+    return IncidentDir(
+        path=path, verdict=verdict, dumps=tuple(dump_files(path)), problems=tuple(problems)
+    )
+
+
+def is_incident_dir(path: Path) -> bool:
+    return (path / VERDICT_FILE).is_file() or has_dumps(path)
+
+
+def _group(dirs: list[IncidentDir]) -> list[Incident]:
+    by_id: dict[str, list[IncidentDir]] = {}
+    for d in dirs:
+        key = d.verdict.incident_id if d.verdict is not None else f"dir:{d.path}"
+        by_id.setdefault(key, []).append(d)
+    out = []
+    for key, members in by_id.items():
+        members.sort(key=lambda d: d.path.name)
+        incident_id = key if not key.startswith("dir:") else members[0].path.name
+        out.append(Incident(incident_id, tuple(members), max(_when(d) for d in members)))
+    out.sort(key=lambda i: (i.when, i.incident_id), reverse=True)
+    return out
+
+
+def find_incidents(path: Path) -> list[Incident]:
+    """The incidents at `path`, newest first."""
+    if not path.is_dir():
+        raise IncidentError(
+            f"{path} is not a directory; give an incident directory or a timeline root"
+        )
+    if (path / VERDICT_FILE).is_file():
+        return _group([read_dir(path)])
+    dirs = []
+    if has_dumps(path):
+        dirs.append(read_dir(path))
+    try:
+        subdirs = sorted(e.path for e in os.scandir(path) if e.is_dir())
+    except OSError as e:
+        raise IncidentError(f"cannot list {path}: {e}") from e
+    dirs.extend(read_dir(Path(s)) for s in subdirs if is_incident_dir(Path(s)))
+    return _group(dirs)
+
+
+def pick_incident(incidents: list[Incident], wanted: str | None, path: Path) -> Incident:
+    """The newest incident, or the one whose id or directory name is `wanted`."""
+    if not incidents:
+        raise IncidentError(
+            f"no incident under {path}: expected dump files ({{rank}}-{{world}}.stack.json, "
+            ".stacktrace or py-spy .json) or a verdict.json, there or in its subdirectories"
+        )
+    if wanted is None:
+        return incidents[0]
+    for inc in incidents:
+        if wanted == inc.incident_id or any(wanted == d.path.name for d in inc.dirs):
+            return inc
+    known = ", ".join(i.incident_id for i in incidents[:10])
+    raise IncidentError(f"no incident {wanted!r} under {path}; there are: {known}")

@@ -1,0 +1,268 @@
+"""`merge_incident`: an incident's per-rank dumps in, flame SVGs, folded stacks and a summary out.
+
+The entry point for `diag merge` and for anything else (the demo) that wants the picture of an
+incident. Reading and writing files happens here; the merging itself lives in tree.py,
+classes.py, layout.py and flame.py, which do no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from diag.viewer import ranksets
+from diag.viewer.classes import RankClass, Suspect, ViewClasses, equivalence_classes, suspects
+from diag.viewer.flame import FlameHeader, FlameOptions, render_svg
+from diag.viewer.folded import write_folded
+from diag.viewer.incidents import Incident, IncidentError, find_incidents, pick_incident
+from diag.viewer.sources import DumpFile, default_workers, load_dumps
+from diag.viewer.stacks import RankDump
+from diag.viewer.summary import VIEW_TITLES, MergeReport, ViewReport, to_json, to_text
+from diag.viewer.tree import StackTree, View, build_tree
+
+log = logging.getLogger(__name__)
+
+SUMMARY_TXT = "summary.txt"
+SUMMARY_JSON = "summary.json"
+HIGHLIGHT_SUSPECTS = 8  # suspects whose frames are kept visible at any rank count
+
+__all__ = ["IncidentError", "MergeResult", "merge_incident"]
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    incident_id: str
+    out_dir: Path
+    sources: tuple[Path, ...]  # the incident directories merged
+    world_size: int
+    ranks: str  # ranks with a dump, folded
+    culprits: tuple[int, ...]
+    classes: dict[View, tuple[RankClass, ...]]
+    suspects: tuple[Suspect, ...]  # best first
+    svgs: dict[View, Path]
+    folded: dict[View, Path]
+    summary_txt: Path
+    summary_json: Path
+    report: MergeReport
+    seconds: dict[str, float]  # wall time per stage: read, merge, draw, write
+
+    @property
+    def py_svg(self) -> Path:
+        return self.svgs[View.PY]
+
+    @property
+    def cpp_svg(self) -> Path:
+        return self.svgs[View.CPP]
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "incident"
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def load_incident(inc: Incident, workers: int = 1) -> tuple[list[RankDump], int, Counter]:
+    """All dumps of one incident, checked to be of one run: one world size, each rank once."""
+    worlds: dict[int, Path] = {}
+    files: list[DumpFile] = []
+    for d in inc.dirs:
+        if d.verdict is not None and d.verdict.world_size:
+            worlds.setdefault(d.verdict.world_size, d.path / "verdict.json")
+        for f in d.dumps:
+            if f.world_size not in worlds:
+                worlds[f.world_size] = f.path
+            files.append(f)
+    if len(worlds) > 1:
+        seen = "; ".join(f"{w} in {p}" for w, p in sorted(worlds.items()))
+        raise IncidentError(
+            f"the files of incident {inc.incident_id} disagree on the world size ({seen}): they "
+            "come from different runs; point --path at one incident directory"
+        )
+    seen_at: dict[int, DumpFile] = {}
+    for f in files:
+        if f.rank in seen_at:
+            raise IncidentError(
+                f"rank {f.rank} has two dumps in incident {inc.incident_id}: {seen_at[f.rank].path}"
+                f" and {f.path}; remove the stale one or merge the directories one at a time"
+            )
+        seen_at[f.rank] = f
+    dumps: list[RankDump] = []
+    formats: Counter = Counter()
+    for f, dump in zip(files, load_dumps(files, workers), strict=True):
+        if dump is not None:
+            dumps.append(dump)
+            formats[f.format.value] += 1
+    if not dumps:
+        raise IncidentError(
+            f"incident {inc.incident_id} ({', '.join(str(d.path) for d in inc.dirs)}) has no "
+            "readable dump file"
+        )
+    world = next(iter(worlds))
+    bad = [d.rank for d in dumps if d.rank >= world]
+    if bad:
+        raise IncidentError(f"rank {bad[0]} is out of range for world size {world}")
+    dumps.sort(key=lambda d: d.rank)
+    return dumps, world, formats
+
+
+def _out_dir(inc: Incident) -> Path:
+    if len(inc.dirs) == 1:
+        return inc.dirs[0].path
+    root = Path(os.path.commonpath([str(d.path) for d in inc.dirs]))
+    return root / f"merged-{_safe(inc.incident_id)}"
+
+
+def _header(
+    view: View, inc: Incident, world: int, dumped: int, vc: ViewClasses, sus: tuple[Suspect, ...]
+) -> FlameHeader:
+    n = dumped.bit_count()
+    title = f"{VIEW_TITLES[view].capitalize()} of {n} rank{'s' if n != 1 else ''}, merged"
+    lines = [
+        " · ".join(
+            x
+            for x in (
+                f"incident {inc.incident_id}",
+                inc.kind,
+                ", ".join(inc.nodes),
+                f"world size {world}",
+                f"missing ranks {ranksets.fold(((1 << world) - 1) & ~dumped)}" if n < world else "",
+            )
+            if x
+        )
+    ]
+    shown = []
+    for c in vc.classes[:4]:
+        tag = " (suspect)" if c.suspect else ""
+        size = f"{c.size} rank{'s' if c.size != 1 else ''}"
+        shown.append(f"#{c.index}: {size} [{ranksets.fold(c.bits, 6)}]{tag}")
+    more = f" · +{len(vc.classes) - 4} more" if len(vc.classes) > 4 else ""
+    n_classes = f"{len(vc.classes)} class{'es' if len(vc.classes) != 1 else ''}"
+    lines.append(f"{n_classes} of identical stacks: " + " · ".join(shown) + more)
+    warnings = []
+    if sus:
+        top = ", ".join(f"{s.rank} ({s.score:.2f})" for s in sus[:8])
+        extra = f" and {len(sus) - 8} more" if len(sus) > 8 else ""
+        warnings.append(
+            f"suspect ranks (score): {top}{extra} — red frames: only suspects reach them"
+        )
+    return FlameHeader(title=title, lines=tuple(lines), warnings=tuple(warnings))
+
+
+def merge_incident(
+    path: Path,
+    *,
+    incident: str | None = None,
+    out_dir: Path | None = None,
+    flame: FlameOptions | None = None,
+    workers: int | None = None,
+) -> MergeResult:
+    """Merges the newest incident at `path` (or the one named `incident`) and writes
+    py_stack.svg, cpp_stack.svg, py_stack.folded, cpp_stack.folded, summary.txt and
+    summary.json into its directory (`out_dir` to write elsewhere). Several nodes' directories
+    of one incident are written to `merged-<incident id>` beside them. `workers`: processes
+    that parse dump files when there are thousands (default: one per CPU, at most 8).
+    Raises IncidentError when the path holds nothing to merge or mixes runs."""
+    path = Path(path)
+    t0 = time.perf_counter()
+    inc = pick_incident(find_incidents(path), incident, path)
+    dumps, world, formats = load_incident(inc, default_workers() if workers is None else workers)
+    t1 = time.perf_counter()
+    out = Path(out_dir) if out_dir is not None else _out_dir(inc)
+    out.mkdir(parents=True, exist_ok=True)
+    dumped = ranksets.bits_of(d.rank for d in dumps)
+    culprits = tuple(c for c in inc.culprits if 0 <= c < world)
+
+    trees: dict[View, StackTree] = {v: build_tree(dumps, v, world) for v in View}
+    view_classes = {v: equivalence_classes(t) for v, t in trees.items()}
+    sus = suspects(list(view_classes.values()), culprits)
+    suspect_bits = ranksets.bits_of(s.rank for s in sus)
+    # Only the best few are widened to stay visible: dozens of widened frames would crowd out
+    # the picture of everybody else; the rest stay red at their true (maybe merged) width.
+    highlight = ranksets.bits_of(s.rank for s in sus[:HIGHLIGHT_SUSPECTS])
+    t2 = time.perf_counter()
+
+    svgs: dict[View, Path] = {}
+    folded: dict[View, Path] = {}
+    reports = []
+    drawing = 0.0
+    for view, tree in trees.items():
+        folded[view] = out / f"{view.value}_stack.folded"
+        svgs[view] = out / f"{view.value}_stack.svg"
+        tmp = folded[view].with_name(f".{folded[view].name}.tmp{os.getpid()}")
+        with open(tmp, "w") as fh:
+            lines = write_folded(tree, fh)
+        os.replace(tmp, folded[view])
+        header = _header(view, inc, world, dumped, view_classes[view], sus)
+        t = time.perf_counter()
+        svg = render_svg(tree, suspect_bits, header, flame, highlight)
+        drawing += time.perf_counter() - t
+        _write(svgs[view], svg)
+        reports.append(
+            ViewReport(
+                view=view,
+                svg=svgs[view].name,
+                folded=folded[view].name,
+                classes=view_classes[view].classes,
+                frames=len(tree) - 1,
+                folded_lines=lines,
+            )
+        )
+
+    states: dict[str, int] = {}
+    for d in dumps:
+        states[d.process_state] = states.get(d.process_state, 0) | (1 << d.rank)
+    report = MergeReport(
+        incident_id=inc.incident_id,
+        kind=inc.kind,
+        nodes=tuple(inc.nodes),
+        sources=tuple(str(d.path) for d in inc.dirs),
+        detected_at=min((v.detected_at for v in inc.verdicts if v.detected_at), default=""),
+        world_size=world,
+        dumped=dumped,
+        culprits=culprits,
+        verdict_summaries=tuple(v.summary for v in inc.verdicts if v.summary),
+        formats=tuple(sorted(formats.items())),
+        states=tuple(sorted(states.items())),
+        errors=tuple((d.rank, d.error) for d in dumps if d.error),
+        problems=tuple(p for d in inc.dirs for p in d.problems),
+        views=tuple(reports),
+        suspects=sus,
+    )
+    summary_txt, summary_json = out / SUMMARY_TXT, out / SUMMARY_JSON
+    _write(summary_txt, to_text(report))
+    _write(summary_json, json.dumps(to_json(report), indent=1) + "\n")
+    t3 = time.perf_counter()
+    seconds = {"read": t1 - t0, "merge": t2 - t1, "draw": drawing, "write": t3 - t2 - drawing}
+    log.debug(
+        "merged incident %s (%d ranks) into %s: %s",
+        inc.incident_id,
+        len(dumps),
+        out,
+        ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items()),
+    )
+    return MergeResult(
+        incident_id=inc.incident_id,
+        out_dir=out,
+        sources=tuple(d.path for d in inc.dirs),
+        world_size=world,
+        ranks=ranksets.fold(dumped),
+        culprits=culprits,
+        classes={v: vc.classes for v, vc in view_classes.items()},
+        suspects=sus,
+        svgs=svgs,
+        folded=folded,
+        summary_txt=summary_txt,
+        summary_json=summary_json,
+        report=report,
+        seconds=seconds,
+    )
