@@ -14,7 +14,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from diag.viewer.sources import DumpFile, dump_files, has_dumps
@@ -22,7 +22,7 @@ from diag.viewer.sources import DumpFile, dump_files, has_dumps
 log = logging.getLogger(__name__)
 
 VERDICT_FILE = "verdict.json"
-_EPOCH = datetime.fromtimestamp(0, tz=timezone.utc)
+_EPOCH = datetime.fromtimestamp(0, tz=UTC)
 
 
 class IncidentError(ValueError):
@@ -100,12 +100,12 @@ def _parse_time(text: str) -> datetime | None:
         t = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         return None
-    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
 def _name_time(name: str) -> datetime | None:
     try:
-        return datetime.strptime(name[:15], "%Y%m%d-%H%M%S").replace(tzinfo=timezone.utc)
+        return datetime.strptime(name[:15], "%Y%m%d-%H%M%S").replace(tzinfo=UTC)
     except ValueError:
         return None
 
@@ -124,7 +124,7 @@ def _when(d: IncidentDir) -> datetime:
             mtimes.append(os.stat(os.path.join(f.directory, f.name)).st_mtime)
         except OSError:
             continue
-    return datetime.fromtimestamp(max(mtimes), tz=timezone.utc) if mtimes else _EPOCH
+    return datetime.fromtimestamp(max(mtimes), tz=UTC) if mtimes else _EPOCH
 
 
 def read_dir(path: Path) -> IncidentDir:

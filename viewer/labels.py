@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from diag.viewer.stacks import Frame
 
 
-class FrameKind(str, enum.Enum):
+class FrameKind(enum.StrEnum):
     ROOT = "root"
     THREAD = "thread"  # the thread a stack belongs to
     STATE = "state"  # process state, error, or "no native stack"

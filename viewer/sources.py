@@ -39,7 +39,7 @@ XPU_SUFFIX = ".stacktrace"
 NOT_DUMPS = (".journal.json",)
 
 
-class DumpFormat(str, enum.Enum):
+class DumpFormat(enum.StrEnum):
     DIAG = "diag.stack/1"
     XPU_TIMER = "xpu_timer .stacktrace"
     PYSPY = "py-spy JSON"

@@ -27,7 +27,7 @@ from diag.viewer.labels import ROOT_INFO, FrameInfo, FrameKind, frame_info, stat
 from diag.viewer.stacks import Frame, RankDump, ThreadStack
 
 
-class View(str, enum.Enum):
+class View(enum.StrEnum):
     PY = "py"  # Python frames only
     CPP = "cpp"  # native frames as the unwinder gave them (with py-spy --native: interleaved)
 
