@@ -276,7 +276,8 @@ def _network_findings(
                 out[x].append(
                     Finding(Check.INTER, Severity.STRAGGLER, _slow_message(x, vouched, g, th))
                 )
-        elif unexplained:
+        elif unexplained and x not in locally_flagged:
+            # (A node flagged on its own evidence already explains its bad links.)
             partners = {p.other(x) for p in unexplained}
             what = _bad_what(unexplained, g)
             if len(eligible) == 2:
