@@ -64,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-rounds", type=int, default=5, help="inter-node pairing rounds (5)")
     g.add_argument("--matmul-size", type=int, help="matmul edge (default 512 CPU, 8192 GPU)")
     g.add_argument("--compute-seconds", type=float, default=1.0, help="matmul budget (1.0)")
+    g.add_argument("--compute-threads", type=int, default=1, help="CPU matmul threads (1)")
     g.add_argument("--copy-size", default="256MiB", help="intra-node copy size (256MiB)")
     g.add_argument(
         "--device-pairs", default="ring", help="intra-node pairs: ring, all, or e.g. 0-1,2-3"
@@ -137,6 +138,7 @@ def build_config(args: argparse.Namespace) -> PrecheckConfig:
         "pair_seconds",
         "max_iters",
         "compute_seconds",
+        "compute_threads",
         "rdzv_timeout",
         "connect_timeout",
         "collective_timeout",
@@ -184,6 +186,7 @@ def build_config(args: argparse.Namespace) -> PrecheckConfig:
             max_iters=args.max_iters,
             matmul_size=args.matmul_size,
             compute_seconds=args.compute_seconds,
+            compute_threads=args.compute_threads,
             copy_bytes=copy,
             device_pairs=pairs,
             net_device=args.net_device,

@@ -78,6 +78,7 @@ class Measure:
     max_iters: int = 50
     matmul_size: int | None = None  # default by device
     compute_seconds: float = 1.0
+    compute_threads: int = 1  # CPU only: a per-core number stays comparable on shared hosts
     copy_bytes: int = 256 << 20
     device_pairs: DevicePairs = field(default_factory=DevicePairs)
     net_device: int = 0  # local GPU that runs the inter-node collectives
@@ -118,6 +119,7 @@ class PrecheckConfig:
             "msg_bytes": m.msg_bytes,
             "pair_seconds": m.pair_seconds,
             "matmul_size": m.matmul_size,
+            "compute_threads": m.compute_threads,
             "checks": ",".join(sorted(c.value for c in m.checks)),
             "max_rounds": self.max_rounds,
             "straggler_ratio": th.straggler_ratio,

@@ -25,7 +25,7 @@ from diag.agent.precheck.rounds import plan_round
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05
+POLL_S = 0.1
 ACK_WAIT_S = 5.0
 
 

@@ -44,6 +44,7 @@ class ComputeResult:
     flops: float | None = None  # best sustained FLOP/s
     matmul_size: int = 0
     dtype: str = ""
+    threads: int = 0  # CPU threads the matmul ran on (0 on GPU)
     error: str | None = None
 
 

@@ -40,11 +40,18 @@ def detect_accelerator(flag: str) -> tuple[str, int]:
     return "cpu", 1
 
 
-def matmul_throughput(device: str, size: int, seconds: float, windows: int = 5) -> ComputeResult:
-    """Best FLOP/s over a few equal windows: the best window is robust to brief contention."""
+def matmul_throughput(
+    device: str, size: int, seconds: float, threads: int = 1, windows: int = 5
+) -> ComputeResult:
+    """Best FLOP/s over a few equal windows: the best window is robust to brief contention.
+
+    On CPU the matmul runs on `threads` threads: multi-threaded BLAS collapses (threads spin
+    waiting for each other) when the cores are shared, which would make the number noise."""
     import torch
 
     cuda = device.startswith("cuda")
+    if not cuda:
+        torch.set_num_threads(threads)
     dtype = torch.float32
     if cuda:
         dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -79,7 +86,13 @@ def matmul_throughput(device: str, size: int, seconds: float, windows: int = 5) 
                     torch.matmul(a, b)
                     n += 1
                 best = max(best, flop * n / (time.perf_counter() - t0))
-        return ComputeResult(device=device, flops=best, matmul_size=size, dtype=label)
+        return ComputeResult(
+            device=device,
+            flops=best,
+            matmul_size=size,
+            dtype=label,
+            threads=0 if cuda else threads,
+        )
     except Exception as e:  # a broken device must become a finding, not a crash
         return ComputeResult(device=device, matmul_size=size, dtype=label, error=_first_line(e))
 

@@ -108,6 +108,9 @@ class NodeSession:
         log.info(
             "node %d joined the rendezvous at %s:%d", self.rank, rd.master_addr, rd.master_port
         )
+        # From now on every store call is short; a store that stops answering (its host died
+        # or was cut off) must fail fast instead of being retried for the whole rdzv timeout.
+        store.set_timeout(timedelta(seconds=t.lost_after_s))
         beat = threading.Thread(target=self._heartbeat, args=(store.clone(),), daemon=True)
         beat.start()
 
@@ -222,7 +225,10 @@ class NodeSession:
         if LocalCheck.COMPUTE in m.checks:
             devices = [f"cuda:{i}" for i in range(count)] if self.accelerator == "cuda" else ["cpu"]
             size = m.matmul_for(self.accelerator)
-            compute = [measure.matmul_throughput(d, size, m.compute_seconds) for d in devices]
+            compute = [
+                measure.matmul_throughput(d, size, m.compute_seconds, m.compute_threads)
+                for d in devices
+            ]
         copies = []
         if LocalCheck.INTRA in m.checks:
             if self.accelerator != "cuda":
