@@ -215,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
     from diag.agent.precheck.session import NodeSession
     from diag.agent.precheck.table import render
 
-    report = NodeSession(cfg).run()
+    session = NodeSession(cfg)
+    report = session.run()
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -234,4 +235,9 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         log.error("could not write the report: %s", e)
         return exitcodes.PRECHECK_ERROR
+    if session.stuck:
+        # A thread is still blocked in native code (a collective on a dead link); normal
+        # interpreter shutdown could wait on it forever. Everything is written: leave now.
+        sys.stderr.flush()
+        os._exit(report.exit_code)
     return report.exit_code

@@ -3,8 +3,12 @@
 Node 0 also hosts the rendezvous store (a torch TCPStore on MASTER_ADDR:MASTER_PORT) and runs
 the coordinator in a thread. Each pair gets its own two-member process group over a store
 prefix, so a dead or unreachable node can only fail the pairs it is in, each within its own
-timeouts. When the store itself cannot be reached, the node still reports what it knows about
-itself (its NIC) and exits with "could not run" (or "faulty" when its own link is down).
+timeouts. When the store cannot be reached, the node still reports what it knows about itself
+(its NIC) and exits with "could not run", or "faulty" when its own link is down.
+
+The run itself happens on a worker thread under a watchdog: each phase announces how long it
+may take, and a phase stuck in native code past that (a collective on a vanished network) ends
+the run with an error report instead of a hang.
 """
 
 from __future__ import annotations
@@ -19,20 +23,19 @@ from datetime import timedelta
 from typing import Any
 
 from diag.agent.precheck import keys, nic
-from diag.agent.precheck.config import LocalCheck, PrecheckConfig
+from diag.agent.precheck.config import PrecheckConfig
 from diag.agent.precheck.coordinator import Coordinator
-from diag.agent.precheck.devicehealth import NvmlWatch
 from diag.agent.precheck.evidence import LocalEvidence, NicState
 from diag.agent.precheck.liveness import round_limit_s
+from diag.agent.precheck.localchecks import run_local_checks
 from diag.agent.precheck.report import PrecheckReport, error_report
+from diag.agent.precheck.storeclient import BoundedStore, LostRendezvous
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
-
-
-class LostRendezvous(Exception):
-    """The store stopped answering, or the coordinator gave up: no global verdict is coming."""
+REPORT_WAIT_S = 30.0  # from the last round's plan to the verdict
+IMPORT_SLACK_S = 60.0  # importing torch on a busy node
 
 
 class NodeSession:
@@ -44,15 +47,38 @@ class NodeSession:
         self.stop = threading.Event()
         self.nic_state: NicState | None = None
         self.accelerator = "cpu"
+        self.stuck = False  # the watchdog fired: a thread may still be blocked in native code
+        self._phase = "starting"
+        self._deadline = time.monotonic() + cfg.timeouts.rdzv_s + IMPORT_SLACK_S
 
     def _wall(self) -> float:
         return time.monotonic() - self.t0
 
+    def _enter(self, phase: str, limit_s: float) -> None:
+        self._phase = phase
+        self._deadline = time.monotonic() + limit_s
+
     def run(self) -> PrecheckReport:
+        result: list[PrecheckReport] = []
+        worker = threading.Thread(
+            target=lambda: result.append(self._run()), name="precheck", daemon=True
+        )
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.2)
+            if worker.is_alive() and time.monotonic() > self._deadline:
+                self.stuck = True
+                self.stop.set()
+                return self._error(f"stuck in {self._phase} past its time limit")
+        return result[0]
+
+    def _run(self) -> PrecheckReport:
         rd = self.cfg.rdzv
+        where = f"node 0 ({rd.master_addr}:{rd.master_port})"
         self.nic_state = nic.probe(rd.master_addr, rd.master_port, rd.iface)
+        self._enter("joining the rendezvous", self.cfg.timeouts.rdzv_s + IMPORT_SLACK_S)
         try:
-            store = self._open_store()
+            raw = self._open_store()
         except Exception as e:
             return self._error(
                 f"could not reach the rendezvous at {rd.master_addr}:{rd.master_port} within "
@@ -60,17 +86,15 @@ class NodeSession:
             )
         coordinator = None
         if self.rank == 0:
-            coordinator = Coordinator(store.clone(), self.cfg, self.started_at)
+            coordinator = Coordinator(raw.clone(), self.cfg, self.started_at)
             coordinator.start()
         try:
-            return self._run_joined(store)
+            # From here on every store call is short; one that does not come back in time
+            # means the store's host died or was cut off.
+            store = BoundedStore(raw, self.cfg.timeouts.lost_after_s, where)
+            return self._run_joined(raw, store)
         except LostRendezvous as e:
             return self._error(str(e))
-        except Exception as e:  # RuntimeError / DistStoreError from a store that went away
-            return self._error(
-                f"lost contact with the rendezvous host (node 0, {rd.master_addr}:"
-                f"{rd.master_port}): {_short(e)}"
-            )
         finally:
             self.stop.set()
             if coordinator is not None:
@@ -90,11 +114,9 @@ class NodeSession:
         )
 
     def _addr(self) -> str | None:
-        if self.nic_state is not None and self.nic_state.addr:
-            return self.nic_state.addr
-        return None
+        return self.nic_state.addr if self.nic_state is not None else None
 
-    def _run_joined(self, store: Any) -> PrecheckReport:
+    def _run_joined(self, raw: Any, store: BoundedStore) -> PrecheckReport:
         rd, t, m = self.cfg.rdzv, self.cfg.timeouts, self.cfg.measure
         me = {"host": socket.gethostname(), "addr": self._addr() or "", "pid": os.getpid()}
         mine = json.dumps(me)
@@ -108,23 +130,22 @@ class NodeSession:
         log.info(
             "node %d joined the rendezvous at %s:%d", self.rank, rd.master_addr, rd.master_port
         )
-        # From now on every store call is short; a store that stops answering (its host died
-        # or was cut off) must fail fast instead of being retried for the whole rdzv timeout.
-        store.set_timeout(timedelta(seconds=t.lost_after_s))
-        beat = threading.Thread(target=self._heartbeat, args=(store.clone(),), daemon=True)
-        beat.start()
+        beat_store = raw.clone()
+        beat_store.set_timeout(timedelta(seconds=t.lost_after_s))
+        threading.Thread(target=self._heartbeat, args=(beat_store,), daemon=True).start()
 
         plan0 = self._wait_plan(store, 0, t.rdzv_s + 10.0)
         if self.rank not in plan0["nodes"]:
             raise LostRendezvous("joined after the rendezvous had closed")
-        local = self._local_checks()
+        self._enter("the local checks", t.local_s + 10.0)
+        local, self.accelerator = run_local_checks(self.rank, m, self.nic_state, t.local_s)
         store.set(keys.local(self.rank), json.dumps(local.to_dict()))
         log.info("node %d: local checks done", self.rank)
 
         from diag.agent.precheck.measure import PairPlan, pair_allreduce
 
         limit = round_limit_s(t.connect_s, t.collective_s, m.pair_seconds, m.warmup_iters)
-        pair_store = store.clone()
+        pair_store = raw.clone()
         pair_store.set_timeout(timedelta(seconds=t.connect_s))
         r = 1
         wait_s = t.local_s + t.lost_after_s + 10.0
@@ -134,44 +155,47 @@ class NodeSession:
             if plan.get("done"):
                 break
             for a, b in plan["pairs"]:
-                if self.rank in (a, b):
-                    peer = b if self.rank == a else a
-                    log.info("round %d: testing the link with node %d", r, peer)
-                    side = pair_allreduce(
-                        pair_store,
-                        PairPlan(
-                            round=r,
-                            node=self.rank,
-                            peer=peer,
-                            rank_in_pair=0 if self.rank < peer else 1,
-                            msg_bytes=m.msg_bytes_for(self.accelerator),
-                            pair_seconds=m.pair_seconds,
-                            warmup_iters=m.warmup_iters,
-                            max_iters=m.max_iters,
-                            connect_timeout_s=t.connect_s,
-                            collective_timeout_s=t.collective_s,
-                        ),
-                        self.accelerator,
-                        self._addr(),
-                        m.net_device,
-                    )
-                    store.set(keys.pair(r, self.rank), json.dumps(side.to_dict()))
+                if self.rank not in (a, b):
+                    continue
+                peer = b if self.rank == a else a
+                log.info("round %d: testing the link with node %d", r, peer)
+                self._enter(f"pair round {r} with node {peer}", limit + 10.0)
+                side = pair_allreduce(
+                    pair_store,
+                    PairPlan(
+                        round=r,
+                        node=self.rank,
+                        peer=peer,
+                        rank_in_pair=0 if self.rank < peer else 1,
+                        msg_bytes=m.msg_bytes_for(self.accelerator),
+                        pair_seconds=m.pair_seconds,
+                        warmup_iters=m.warmup_iters,
+                        max_iters=m.max_iters,
+                        connect_timeout_s=t.connect_s,
+                        collective_timeout_s=t.collective_s,
+                    ),
+                    self.accelerator,
+                    self._addr(),
+                    m.net_device,
+                )
+                store.set(keys.pair(r, self.rank), json.dumps(side.to_dict()))
             r += 1
-        raw = self._wait_key(store, keys.REPORT, ACK_GRACE_S)
+        raw_report = self._wait_key(store, keys.REPORT, REPORT_WAIT_S)
         store.add(keys.ACKS, 1)
-        report = PrecheckReport.from_dict(json.loads(raw))
+        report = PrecheckReport.from_dict(json.loads(raw_report))
         return report.with_reporter(self.rank, self._wall())
 
-    def _wait_plan(self, store: Any, r: int, timeout_s: float) -> dict[str, Any]:
+    def _wait_plan(self, store: BoundedStore, r: int, timeout_s: float) -> dict[str, Any]:
         return json.loads(self._wait_key(store, keys.plan(r), timeout_s))
 
-    def _wait_key(self, store: Any, key: str, timeout_s: float) -> bytes:
+    def _wait_key(self, store: BoundedStore, key: str, timeout_s: float) -> bytes:
         """Poll for `key`, giving up when the coordinator reports a failure or time runs out."""
+        self._enter(f"waiting for {key}", timeout_s + 2 * store.timeout_s + 5.0)
         deadline = time.monotonic() + timeout_s
         while True:
-            if store.check([key]):
-                return bytes(store.get(key))
-            if store.check([keys.FAILURE]):
+            if store.check(key):
+                return store.get(key)
+            if store.check(keys.FAILURE):
                 raise LostRendezvous(json.loads(store.get(keys.FAILURE))["error"])
             if time.monotonic() > deadline:
                 raise LostRendezvous(
@@ -190,67 +214,6 @@ class NodeSession:
                 return
             self.stop.wait(self.cfg.timeouts.heartbeat_s)
 
-    def _local_checks(self) -> LocalEvidence:
-        """Device health, compute and intra-node copies, bounded by the local timeout."""
-        result: list[LocalEvidence] = []
-        worker = threading.Thread(
-            target=lambda: result.append(self._measure_local()), daemon=True, name="local-checks"
-        )
-        worker.start()
-        worker.join(self.cfg.timeouts.local_s)
-        if result:
-            return result[0]
-        return LocalEvidence(
-            node=self.rank,
-            host=socket.gethostname(),
-            nic=self.nic_state,
-            error=f"did not finish within {self.cfg.timeouts.local_s:g} s",
-        )
-
-    def _measure_local(self) -> LocalEvidence:
-        from diag.agent.precheck import measure
-
-        m = self.cfg.measure
-        notes: list[str] = []
-        watch = NvmlWatch()
-        if LocalCheck.DEVICE in m.checks:
-            watch.start()
-            if watch.note:
-                notes.append(watch.note)
-        try:
-            self.accelerator, count = measure.detect_accelerator(m.device)
-        except Exception as e:
-            return LocalEvidence(node=self.rank, host=socket.gethostname(), error=_short(e))
-        compute = []
-        if LocalCheck.COMPUTE in m.checks:
-            devices = [f"cuda:{i}" for i in range(count)] if self.accelerator == "cuda" else ["cpu"]
-            size = m.matmul_for(self.accelerator)
-            compute = [
-                measure.matmul_throughput(d, size, m.compute_seconds, m.compute_threads)
-                for d in devices
-            ]
-        copies = []
-        if LocalCheck.INTRA in m.checks:
-            if self.accelerator != "cuda":
-                notes.append("no GPU: intra-node device copies skipped")
-            elif count < 2:
-                notes.append("one GPU: intra-node device copies skipped")
-            else:
-                copies = [
-                    measure.copy_bandwidth(a, b, m.copy_bytes)
-                    for a, b in m.device_pairs.resolve(count)
-                ]
-        return LocalEvidence(
-            node=self.rank,
-            host=socket.gethostname(),
-            accelerator=self.accelerator,
-            devices=watch.finish(),
-            compute=tuple(compute),
-            copies=tuple(copies),
-            nic=self.nic_state,
-            notes=tuple(notes),
-        )
-
     def _error(self, error: str) -> PrecheckReport:
         log.error("node %d: %s", self.rank, error)
         rd = self.cfg.rdzv
@@ -266,9 +229,6 @@ class NodeSession:
             settings=self.cfg.settings(),
             th=self.cfg.thresholds,
         )
-
-
-ACK_GRACE_S = 30.0
 
 
 def _short(e: BaseException) -> str:

@@ -26,6 +26,8 @@ def headline(r: PrecheckReport) -> str:
             parts.append(f"{label} [{_ranks(nodes)}]")
     if r.outcome is Outcome.ERROR:
         parts.insert(0, f"could not run ({r.error})")
+    elif r.error:
+        parts.append(f"({r.error})")
     return head + ", ".join(parts)
 
 
