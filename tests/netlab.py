@@ -131,6 +131,7 @@ class Cluster:
     workdir: Path
     port: int
     lab: NetLab | None = None
+    base_flags: list[str] = field(default_factory=lambda: list(FAST_FLAGS))
     nodes: dict[int, Node] = field(default_factory=dict)
 
     def master_addr(self) -> str:
@@ -153,7 +154,7 @@ class Cluster:
             str(rank),
             "--report",
             str(report),
-            *FAST_FLAGS,
+            *self.base_flags,
             *extra,
         ]
         if self.lab:
