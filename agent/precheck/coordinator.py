@@ -26,7 +26,6 @@ from diag.agent.precheck.rounds import plan_round
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1
-ACK_WAIT_S = 5.0
 
 
 class Coordinator:
@@ -159,7 +158,7 @@ class Coordinator:
 
     def _await_acks(self, expected: int) -> None:
         """Keep the store (and so this process) up until every live node has read the verdict."""
-        deadline = self.clock() + ACK_WAIT_S
+        deadline = self.clock() + self.cfg.timeouts.lost_after_s
         while self.clock() < deadline and int(self.store.add(keys.ACKS, 0)) < expected:
             time.sleep(POLL_S)
 

@@ -34,8 +34,7 @@ from diag.agent.precheck.storeclient import BoundedStore, LostRendezvous
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
-REPORT_WAIT_S = 30.0  # from the last round's plan to the verdict
-IMPORT_SLACK_S = 60.0  # importing torch on a busy node
+IMPORT_SLACK_S = 60.0  # on top of --rdzv-timeout: importing torch on a busy node
 
 
 class NodeSession:
@@ -180,7 +179,8 @@ class NodeSession:
                 )
                 store.set(keys.pair(r, self.rank), json.dumps(side.to_dict()))
             r += 1
-        raw_report = self._wait_key(store, keys.REPORT, REPORT_WAIT_S)
+        # The verdict follows the last plan at once; allow a few silent heartbeats' worth.
+        raw_report = self._wait_key(store, keys.REPORT, 3 * t.lost_after_s)
         store.add(keys.ACKS, 1)
         report = PrecheckReport.from_dict(json.loads(raw_report))
         return report.with_reporter(self.rank, self._wall())

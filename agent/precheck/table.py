@@ -13,7 +13,8 @@ def _ranks(nodes: tuple[int, ...]) -> str:
 
 def headline(r: PrecheckReport) -> str:
     rounds = f"{len(r.rounds)} round" + ("" if len(r.rounds) == 1 else "s")
-    head = f"diag precheck: {r.nnodes} nodes, {rounds}, {r.wall_seconds:.1f} s: "
+    nodes = f"{r.nnodes} node" + ("" if r.nnodes == 1 else "s")
+    head = f"diag precheck: {nodes}, {rounds}, {r.wall_seconds:.1f} s: "
     if r.outcome is Outcome.HEALTHY:
         return head + "all nodes healthy"
     parts = []
