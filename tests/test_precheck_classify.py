@@ -20,7 +20,7 @@ from diag.agent.precheck.evidence import (
     merge_sides,
 )
 from diag.agent.precheck.grading import Thresholds
-from diag.agent.precheck.liveness import BeatTracker, round_limit_s
+from diag.agent.precheck.liveness import BeatTracker, pair_limit_s, round_limit_s
 from diag.agent.precheck.measure import busbw
 from diag.agent.precheck.units import fmt_flops, fmt_rate, parse_rate, parse_size
 
@@ -243,7 +243,9 @@ def test_beat_tracker_uses_the_observers_clock():
 
 
 def test_round_limit_covers_every_timeout():
-    assert round_limit_s(connect_s=5, collective_s=5, pair_seconds=1, warmup_iters=1) == 21
+    # connect 5 + budget 1 + (warm-up + last timed op) 2 x 5 + 2 slack, then 4 to post + 5
+    assert pair_limit_s(connect_s=5, collective_s=5, pair_seconds=1, warmup_iters=1) == 18
+    assert round_limit_s(5, 5, 1, 1, lost_after_s=4) == 27
 
 
 @pytest.mark.parametrize(

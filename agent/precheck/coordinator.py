@@ -115,7 +115,9 @@ class Coordinator:
         history: list[PairResult] = []
         rounds: list[list[tuple[int, int]]] = []
         m = cfg.measure
-        limit = round_limit_s(t.connect_s, t.collective_s, m.pair_seconds, m.warmup_iters)
+        limit = round_limit_s(
+            t.connect_s, t.collective_s, m.pair_seconds, m.warmup_iters, t.lost_after_s
+        )
         r = 1
         while LocalCheck.INTER in m.checks:
             pairs = plan_round(self._alive(), history, r, cfg.thresholds, cfg.max_rounds)

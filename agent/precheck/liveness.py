@@ -45,8 +45,21 @@ class PhaseDeadline:
         )
 
 
-def round_limit_s(
+def pair_limit_s(
     connect_s: float, collective_s: float, pair_seconds: float, warmup_iters: int
 ) -> float:
-    """The longest a pair test can take when every step hits its own timeout, plus slack."""
-    return connect_s + pair_seconds + (warmup_iters + 1) * collective_s + 5.0
+    """The longest a node lets one pair test take: every step at its own timeout, plus slack.
+    Past it the node gives the test up as failed (see `measure.bounded_pair_allreduce`)."""
+    return connect_s + pair_seconds + (warmup_iters + 1) * collective_s + 2.0
+
+
+def round_limit_s(
+    connect_s: float,
+    collective_s: float,
+    pair_seconds: float,
+    warmup_iters: int,
+    lost_after_s: float,
+) -> float:
+    """How long the coordinator waits for a round's results: the nodes' own limit plus time to
+    post the result to a slow store."""
+    return pair_limit_s(connect_s, collective_s, pair_seconds, warmup_iters) + lost_after_s + 5.0

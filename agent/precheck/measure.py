@@ -133,6 +133,46 @@ class PairPlan:
     collective_timeout_s: float
 
 
+def pair_limit_s(plan: PairPlan) -> float:
+    """The longest one pair test may take when every step runs into its own timeout."""
+    from diag.agent.precheck.liveness import pair_limit_s as limit
+
+    return limit(
+        plan.connect_timeout_s, plan.collective_timeout_s, plan.pair_seconds, plan.warmup_iters
+    )
+
+
+def bounded_pair_allreduce(
+    store: Any, plan: PairPlan, accelerator: str, bind_addr: str | None, net_device: int = 0
+) -> tuple[PairSide, bool]:
+    """`pair_allreduce` that returns within `pair_limit_s`; True when it had to be abandoned.
+
+    gloo retries connecting to a peer that died after publishing its address for ~20-30 s,
+    whatever timeout the group was given; the test then counts as failed and its thread is
+    left to finish on its own (the caller must not wait for it at exit)."""
+    import threading
+
+    box: list[PairSide] = []
+    worker = threading.Thread(
+        target=lambda: box.append(pair_allreduce(store, plan, accelerator, bind_addr, net_device)),
+        name=f"pair-{plan.round}-{plan.peer}",
+        daemon=True,
+    )
+    worker.start()
+    limit = pair_limit_s(plan)
+    worker.join(limit)
+    if box:
+        return box[0], False
+    side = PairSide(
+        round=plan.round,
+        node=plan.node,
+        peer=plan.peer,
+        msg_bytes=plan.msg_bytes,
+        error=f"no progress with node {plan.peer} within {limit:g} s",
+    )
+    return side, True
+
+
 def busbw(msg_bytes: int, seconds_per_iter: float, world: int = 2) -> float:
     """nccl-tests convention for allreduce: algbw = S/t, busbw = algbw x 2(n-1)/n."""
     return msg_bytes / seconds_per_iter * 2 * (world - 1) / world

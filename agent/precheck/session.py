@@ -129,8 +129,8 @@ class NodeSession:
         log.info(
             "node %d joined the rendezvous at %s:%d", self.rank, rd.master_addr, rd.master_port
         )
+        raw.set_timeout(timedelta(seconds=t.lost_after_s))  # clones made from now on inherit it
         beat_store = raw.clone()
-        beat_store.set_timeout(timedelta(seconds=t.lost_after_s))
         threading.Thread(target=self._heartbeat, args=(beat_store,), daemon=True).start()
 
         plan0 = self._wait_plan(store, 0, t.rdzv_s + 10.0)
@@ -141,42 +141,46 @@ class NodeSession:
         store.set(keys.local(self.rank), json.dumps(local.to_dict()))
         log.info("node %d: local checks done", self.rank)
 
-        from diag.agent.precheck.measure import PairPlan, pair_allreduce
+        from diag.agent.precheck.measure import PairPlan, bounded_pair_allreduce, pair_limit_s
 
-        limit = round_limit_s(t.connect_s, t.collective_s, m.pair_seconds, m.warmup_iters)
-        pair_store = raw.clone()
-        pair_store.set_timeout(timedelta(seconds=t.connect_s))
         r = 1
         wait_s = t.local_s + t.lost_after_s + 10.0
         while True:
             plan = self._wait_plan(store, r, wait_s)
-            wait_s = limit + t.lost_after_s + 10.0
+            wait_s = (
+                round_limit_s(
+                    t.connect_s, t.collective_s, m.pair_seconds, m.warmup_iters, t.lost_after_s
+                )
+                + t.lost_after_s
+                + 10.0
+            )
             if plan.get("done"):
                 break
             for a, b in plan["pairs"]:
                 if self.rank not in (a, b):
                     continue
                 peer = b if self.rank == a else a
-                log.info("round %d: testing the link with node %d", r, peer)
-                self._enter(f"pair round {r} with node {peer}", limit + 10.0)
-                side = pair_allreduce(
-                    pair_store,
-                    PairPlan(
-                        round=r,
-                        node=self.rank,
-                        peer=peer,
-                        rank_in_pair=0 if self.rank < peer else 1,
-                        msg_bytes=m.msg_bytes_for(self.accelerator),
-                        pair_seconds=m.pair_seconds,
-                        warmup_iters=m.warmup_iters,
-                        max_iters=m.max_iters,
-                        connect_timeout_s=t.connect_s,
-                        collective_timeout_s=t.collective_s,
-                    ),
-                    self.accelerator,
-                    self._addr(),
-                    m.net_device,
+                pair_plan = PairPlan(
+                    round=r,
+                    node=self.rank,
+                    peer=peer,
+                    rank_in_pair=0 if self.rank < peer else 1,
+                    msg_bytes=m.msg_bytes_for(self.accelerator),
+                    pair_seconds=m.pair_seconds,
+                    warmup_iters=m.warmup_iters,
+                    max_iters=m.max_iters,
+                    connect_timeout_s=t.connect_s,
+                    collective_timeout_s=t.collective_s,
                 )
+                log.info("round %d: testing the link with node %d", r, peer)
+                self._enter(f"pair round {r} with node {peer}", pair_limit_s(pair_plan) + 10.0)
+                # A connection of its own per pair: an abandoned test may still be using its one.
+                pair_store = raw.clone()
+                pair_store.set_timeout(timedelta(seconds=t.connect_s))
+                side, abandoned = bounded_pair_allreduce(
+                    pair_store, pair_plan, self.accelerator, self._addr(), m.net_device
+                )
+                self.stuck = self.stuck or abandoned
                 store.set(keys.pair(r, self.rank), json.dumps(side.to_dict()))
             r += 1
         # The verdict follows the last plan at once; allow a few silent heartbeats' worth.
