@@ -63,21 +63,7 @@ def matmul_throughput(
         window = max(seconds / windows, 0.01)
         best = 0.0
         if cuda:
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.matmul(a, b)
-            end.record()
-            end.synchronize()
-            per = max(start.elapsed_time(end) / 1e3, 1e-6)
-            iters = max(1, int(window / per))
-            for _ in range(windows):
-                start.record()
-                for _ in range(iters):
-                    torch.matmul(a, b)
-                end.record()
-                end.synchronize()
-                best = max(best, flop * iters / (start.elapsed_time(end) / 1e3))
+            best = _cuda_matmul(torch, device, a, b, flop, window, windows)
         else:
             torch.matmul(a, b)
             for _ in range(windows):
@@ -95,6 +81,30 @@ def matmul_throughput(
         )
     except Exception as e:  # a broken device must become a finding, not a crash
         return ComputeResult(device=device, matmul_size=size, dtype=label, error=_first_line(e))
+
+
+def _cuda_matmul(
+    torch: Any, device: str, a: Any, b: Any, flop: float, window: float, windows: int
+) -> float:
+    """Events are recorded on the current stream of the current device: make it `device`."""
+    best = 0.0
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.matmul(a, b)  # warm-up, and a first timing to size the windows
+        end.record()
+        end.synchronize()
+        per = max(start.elapsed_time(end) / 1e3, 1e-6)
+        iters = max(1, int(window / per))
+        for _ in range(windows):
+            start.record()
+            for _ in range(iters):
+                torch.matmul(a, b)
+            end.record()
+            end.synchronize()
+            best = max(best, flop * iters / (start.elapsed_time(end) / 1e3))
+    return best
 
 
 def copy_bandwidth(src: int, dst: int, nbytes: int, iters: int = 5) -> CopyResult:

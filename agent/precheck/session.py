@@ -59,9 +59,15 @@ class NodeSession:
 
     def run(self) -> PrecheckReport:
         result: list[PrecheckReport] = []
-        worker = threading.Thread(
-            target=lambda: result.append(self._run()), name="precheck", daemon=True
-        )
+        failure: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                result.append(self._run())
+            except BaseException as e:  # handed to the caller's thread below
+                failure.append(e)
+
+        worker = threading.Thread(target=work, name="precheck", daemon=True)
         worker.start()
         while worker.is_alive():
             worker.join(0.2)
@@ -69,6 +75,8 @@ class NodeSession:
                 self.stuck = True
                 self.stop.set()
                 return self._error(f"stuck in {self._phase} past its time limit")
+        if failure:
+            raise failure[0]
         return result[0]
 
     def _run(self) -> PrecheckReport:
