@@ -188,6 +188,11 @@ def test_metrics_pass_promtool_lint(tmp_path):
             "disk",
         ),
         (
+            ["--nnodes", "2", "--node-rank", "0", "--iface", "nosuch0"],
+            {"MASTER_ADDR": "h", "MASTER_PORT": "1"},
+            "no interface 'nosuch0'",
+        ),
+        (
             ["--nnodes", "2", "--node-rank", "0", "--collective-timeout", "0"],
             {"MASTER_ADDR": "h", "MASTER_PORT": "1"},
             "must be positive",

@@ -163,6 +163,12 @@ def build_config(args: argparse.Namespace) -> PrecheckConfig:
         min_copy = parse_rate(args.min_copy_bw) if args.min_copy_bw else None
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.iface:
+        import psutil
+
+        known = sorted(psutil.net_if_addrs())
+        if args.iface not in known:
+            raise UsageError(f"no interface {args.iface!r} here; known: {', '.join(known)}")
     if msg is not None and msg < 8:
         raise UsageError("--msg-size must be at least 8 bytes")
     if args.matmul_size is not None and args.matmul_size < 16:
