@@ -220,11 +220,20 @@ def _overdue(
     op = r.oldest_pending
     if op is not None:
         # Waiting for members that are in a phase or warming up: their longer limit applies.
-        for m in obs.groups.get(op.group, ()):
+        members = obs.groups.get(op.group, ())
+        for m in members:
             other = limits.get(m)
             if other is not None and other.seconds > limit.seconds:
                 limit = Limit(other.seconds, f"{other.basis} on rank {m}, which it waits for")
-        age = obs.now - op.t_enqueue
+        # The wait is stuck only while the members it waits for are: any sign of progress from
+        # one of them (it left a phase, issued an op, joined this one) restarts the clock. A
+        # rank leaving a long eval and then joining the barrier is not a hang of the others.
+        start = op.t_enqueue
+        for m in members:
+            other_rank = obs.rank(m) if m != r.rank else None
+            if other_rank is not None and other_rank.alive:
+                start = max(start, min(other_rank.last_activity, obs.now))
+        age = obs.now - start
         if age > limit.seconds:
             return Overdue(r.rank, OverdueKind.PENDING_OP, age, limit, op)
         return None

@@ -165,6 +165,16 @@ def test_eval_phase_on_one_rank_does_not_make_the_waiters_hung() -> None:
     assert v is not None and v.culprit == 0 and "phase 'eval'" in v.suspects[0].reason
 
 
+def test_rank_leaving_a_phase_restarts_the_waiters_clock() -> None:
+    # Rank 0 evaluated for 100 s while the others waited at the barrier; it has just left the
+    # phase and joined the barrier, which is about to complete.
+    waiting = [rank(r, last=NOW - 100, pending=(op(42, NOW - 100),)) for r in (1, 2, 3)]
+    arriving = rank(0, last=NOW - 0.01, pending=(op(42, NOW - 0.01),))
+    assert _decide(obs(*waiting, arriving)).verdict is None
+    just_left = rank(0, last=NOW - 0.01, last_seq=41)  # phase ended, barrier not yet issued
+    assert _decide(obs(*waiting, just_left)).verdict is None
+
+
 def test_slow_first_step_is_not_a_hang() -> None:
     ranks = [
         rank(r, step=0, durations=(), last=NOW - 50, pending=(op(3, NOW - 50),)) for r in range(3)
