@@ -28,6 +28,8 @@ from diag.collector.journal import JournalFormatError, JournalReader
 from diag.collector.meta import JOURNAL_SUFFIX, read_meta
 from diag.collector.records import OpState, RecordKind
 from diag.trainer.demo_job import FAULTS
+from diag.viewer.merge import MergeResult
+from diag.viewer.tree import View
 
 JOB = "demo"
 
@@ -63,7 +65,7 @@ class DemoResult:
     incidents: list[Path] = field(default_factory=list)
     verdicts: list[dict] = field(default_factory=list)
     stragglers: list[StragglerScore] = field(default_factory=list)
-    merged: object | None = None
+    merged: MergeResult | None = None
     wall_s: float = 0.0
 
     @property
@@ -272,12 +274,14 @@ def report(opts: DemoOptions, result: DemoResult, out=sys.stdout) -> int:
     p(f"incident: {result.incidents[0]}")
     merged = result.merged
     if merged is not None:
-        for attr in ("py_svg", "cpp_svg", "summary_txt"):
-            path = getattr(merged, attr, None)
-            if path:
-                p(f"  {attr.replace('_', ' ')}: {path}")
-    elif (result.incidents[0] / "py_stack.svg").exists():
-        p(f"  merged stacks: {result.incidents[0] / 'py_stack.svg'}")
+        classes = merged.classes.get(View.PY, ())
+        p(f"merged stacks: {len(classes)} classes of identical Python stacks")
+        for c in classes:
+            flag = f"  SUSPECT (score {c.score:.2f})" if c.suspect else ""
+            p(f"  {c.size} rank(s) [{c.ranks}] at {c.leaf}{flag}")
+        p(f"  open in a browser: {merged.py_svg}")
+        p(f"  native stacks:     {merged.cpp_svg}")
+        p(f"  summary:           {merged.summary_txt}")
     ok = opts.fault == "none" or v.get("culprit") == opts.fault_rank
     p(
         "culprit matches the injected rank"

@@ -95,6 +95,16 @@ def _tensor_info(obj: Any, tensor_type: type) -> tuple[int, Any, bool]:
     return 0, None, False
 
 
+def _named(fn: Callable, qualname: str) -> Callable:
+    """Names a wrapper like the method it stands in for. Stack dumps (py-spy reads the code
+    object's qualified name) then show `Work.wait` where a rank waits in a collective, not our
+    closure's `Instrumentation._wrap_wait.<locals>.wait`."""
+    fn.__name__ = qualname.rsplit(".", 1)[-1]
+    fn.__qualname__ = qualname
+    fn.__code__ = fn.__code__.replace(co_name=fn.__name__, co_qualname=qualname)
+    return fn
+
+
 def _group_timeout_s(pg: Any, torch: Any) -> float:
     for device in ("cuda", "cpu"):
         try:
@@ -156,8 +166,7 @@ class Instrumentation:
             return self._run(orig, code, pg, args, kwargs)
 
         op.__wrapped__ = orig  # type: ignore[attr-defined]
-        op.__name__ = getattr(orig, "__name__", code.label)
-        return op
+        return _named(op, f"ProcessGroup.{getattr(orig, '__name__', code.label)}")
 
     def _wrap_wait(self, orig: Callable) -> Callable:
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
@@ -172,7 +181,7 @@ class Instrumentation:
             return result
 
         wait.__wrapped__ = orig  # type: ignore[attr-defined]
-        return wait
+        return _named(wait, "Work.wait")
 
     # -- one op ------------------------------------------------------------------------------
 

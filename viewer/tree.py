@@ -79,18 +79,26 @@ def error_text(error: str) -> str:
     return "error: " + _VARYING.sub("N", first)[:100]
 
 
+# diag's own helper threads inside the trainer (the collector's completion poller, the CUDA event
+# watcher, ...): their state follows the ranks' ops, so they would only echo the main thread's
+# difference as noise.
+OWN_THREAD_PREFIX = "diag-"
+
+
 def view_stacks(dump: RankDump, view: View) -> Iterator[tuple[ThreadStack, bool]]:
     """The thread stacks of a dump that a view shows; the flag says whether to keep native
-    frames. A thread with nothing left in the view is dropped."""
+    frames. A thread with nothing left in the view is dropped, and so are diag's own."""
     if view is View.PY:
-        for t in dump.threads:
-            yield t, False
+        threads, native = dump.threads, False
     elif dump.native_threads:
-        for t in dump.native_threads:
-            yield t, True
+        threads, native = dump.native_threads, True
     elif dump.native or any(f.native for t in dump.threads for f in t.frames):
-        for t in dump.threads:
-            yield t, True
+        threads, native = dump.threads, True
+    else:
+        return
+    for t in threads:
+        if not t.name.startswith(OWN_THREAD_PREFIX):
+            yield t, native
 
 
 def marker(dump: RankDump, view: View, has_stacks: bool) -> str | None:
