@@ -201,7 +201,13 @@ def test_writer_killed_mid_record_leaves_a_readable_journal(tmp_path: Path) -> N
         p = ctx.Process(target=_write_forever, args=(str(path), 32, ready), daemon=True)
         p.start()
         assert ready.wait(30)
-        time.sleep(0.05 + 0.03 * attempt)
+        # Let the ring wrap a few times first (a loaded machine may start the writer slowly),
+        # then kill at a moment that differs from attempt to attempt.
+        watch = JournalReader(path)
+        deadline = time.monotonic() + 30
+        while watch.head() < 4 * 32 + 97 * attempt and time.monotonic() < deadline:
+            time.sleep(0.005)
+        watch.close()
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
         r = JournalReader(path)
