@@ -48,6 +48,8 @@ class AgentConfig:
     metrics_host: str = "0.0.0.0"
     xpu_timer: XpuTimerIdentity | None = None  # expose XPU_TIMER_COMMON_HANG when set
     precheck_metrics: Path | None = None  # textfile of `diag precheck --metrics-file`
+    peers_dir: Path | None = None  # the peer board; None: off
+    peer_interval: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,15 @@ OPTIONS = (
         "re-export this `diag precheck --metrics-file` textfile "
         f"(default: <run dir>/{PRECHECK_FILE})",
     ),
+    _Opt(
+        "peers_dir",
+        Path,
+        None,
+        "shared directory where the job's agents publish their ranks' "
+        "progress, so a verdict can name a rank on another node (default: <timeline>/.peers)",
+    ),
+    _Opt("peer_interval", _positive, 2.0, "seconds between publications to the peer board"),
+    _Opt("peers", _bool, True, "use the peer board (false: only local ranks are analysed)"),
 )
 
 
@@ -226,6 +237,10 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         metrics_host=values["metrics_host"],
         xpu_timer=xpu_timer,
         precheck_metrics=values["precheck_metrics"] or run_dir / PRECHECK_FILE,
+        peers_dir=(values["peers_dir"] or values["timeline"] / ".peers")
+        if values["peers"]
+        else None,
+        peer_interval=values["peer_interval"],
     )
 
 

@@ -71,10 +71,11 @@ def _fmt_ranks(ranks: Iterable[int]) -> str:
     return ",".join(str(r) for r in sorted(ranks))
 
 
-def waits(obs: Observation) -> list[Wait]:
-    """Collectives that local ranks are stuck in, oldest first, one per (group, seq)."""
+def waits(obs: Observation, local_only: bool = True) -> list[Wait]:
+    """Collectives that ranks are stuck in, oldest first, one per (group, seq): local ranks
+    only, or with `local_only=False` also the remote ranks the observation carries."""
     by_key: dict[tuple[str, int], list[tuple[RankSnapshot, OpView]]] = {}
-    for r in obs.ranks:
+    for r in obs.ranks if local_only else obs.all_ranks:
         if r.alive and r.pending:
             op = r.pending[0]
             by_key.setdefault((op.group, op.group_seq), []).append((r, op))
@@ -92,7 +93,7 @@ def waits(obs: Observation) -> list[Wait]:
     return out
 
 
-def _behind_reason(r: RankSnapshot, w: Wait, now: float) -> str:
+def _behind_reason(r: RankSnapshot, w: Wait, now: float, node: str) -> str:
     last = r.last_ops.get(w.group)
     where = (
         f"its last op on group {w.group} was #{last.group_seq}"
@@ -100,6 +101,7 @@ def _behind_reason(r: RankSnapshot, w: Wait, now: float) -> str:
         else (f"it has issued nothing on group {w.group}")
     )
     idle = now - r.last_activity
+    who = f"rank {r.rank} on node {r.node}" if r.node != node else f"rank {r.rank}"
     if r.phase:
         doing = f"in phase {r.phase!r}"
     elif r.proc_state == "D":
@@ -110,7 +112,7 @@ def _behind_reason(r: RankSnapshot, w: Wait, now: float) -> str:
         doing = "idle outside any collective"
     return (
         f"ranks {_fmt_ranks(w.waiting)} wait in {w.describe()} since "
-        f"{now - w.since:.1f} s; rank {r.rank} never joined: {where}, no progress for "
+        f"{now - w.since:.1f} s; {who} never joined: {where}, no progress for "
         f"{idle:.1f} s, {doing}"
     )
 
@@ -125,12 +127,13 @@ def find_suspects(obs: Observation) -> list[Suspect]:
         if old is None or s.score > old.score:
             found[s.rank] = s
 
-    by_rank = {r.rank: r for r in obs.ranks}
-    for r in obs.ranks:
+    by_rank = {r.rank: r for r in obs.all_ranks}
+    local_node = obs.ranks[0].node if obs.ranks else ""
+    for r in obs.all_ranks:
         if r.liveness.value == "died":
             add(Suspect(r.rank, SuspectKind.DIED, _died_reason(r, obs)))
 
-    for w in waits(obs):
+    for w in waits(obs, local_only=False):
         members = obs.groups.get(w.group, ())
         for m in members:
             if m in w.waiting:
@@ -153,14 +156,14 @@ def find_suspects(obs: Observation) -> list[Suspect]:
                 continue  # already past it (p2p orders differ); not the blocker
             if r.pending:
                 continue  # waiting elsewhere: the wait it is in gets its own analysis
-            add(Suspect(m, SuspectKind.BEHIND_IDLE, _behind_reason(r, w, now)))
+            add(Suspect(m, SuspectKind.BEHIND_IDLE, _behind_reason(r, w, now, local_node)))
         _mismatches(w, by_rank, add)
         _not_started(w, by_rank, add)
 
     if not found:
         # Everyone is inside the same collective: the transport or a device is stuck. The rank
         # that arrived last is the only (weak) lead.
-        ws = waits(obs)
+        ws = waits(obs, local_only=False)
         if ws:
             w = ws[0]
             arrivals = [
@@ -189,7 +192,11 @@ def _died_reason(r: RankSnapshot, obs: Observation) -> str:
         if r.pending
         else (f"phase {r.phase!r}" if r.phase else f"step {r.step}")
     )
-    return f"rank {r.rank} (pid {r.pid}) exited {when} without closing its journal, during {doing}"
+    node = f" on node {r.node}" if obs.ranks and r.node != obs.ranks[0].node else ""
+    return (
+        f"rank {r.rank} (pid {r.pid}){node} exited {when} without closing its journal, "
+        f"during {doing}"
+    )
 
 
 def _mismatches(w: Wait, by_rank: dict[int, RankSnapshot], add) -> None:

@@ -11,13 +11,16 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import replace
 from types import FrameType
 
 from diag.agent import config as config_mod
 from diag.agent import exitcodes
 from diag.agent.actions import Executor
+from diag.agent.board import Board
 from diag.agent.config import AgentConfig, Until
-from diag.agent.hang import EventKind, WatchState, decide
+from diag.agent.culprit import SuspectKind
+from diag.agent.hang import EventKind, Verdict, WatchState, decide
 from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.server import MetricsServer
 from diag.agent.observer import Observer
@@ -42,6 +45,11 @@ class Agent:
         self.incidents = 0
         self._stop = threading.Event()
         self.observations = 0
+        self.board = (
+            Board(cfg.peers_dir, cfg.node, publish_every=cfg.peer_interval)
+            if cfg.peers_dir is not None
+            else None
+        )
         self.metrics: AgentMetrics | None = None
         if cfg.metrics_port is not None:
             self.metrics = AgentMetrics(
@@ -61,6 +69,16 @@ class Agent:
         obs = self.observer.observe(now)
         self.observations += 1
         decision = decide(self.state, obs, self.cfg.policy)
+        if self.board is not None:
+            self.board.publish(obs, force=decision.verdict is not None)
+            if decision.verdict is not None and _points_elsewhere(decision.verdict):
+                # Read the other nodes' agents once, now, and decide again with their ranks in
+                # view: the culprit may be named exactly instead of "on another node".
+                since = min((w.since for w in decision.verdict.waits), default=float("-inf"))
+                remote, groups = self.board.peers(obs, since)
+                if remote:
+                    obs = replace(obs, remote=tuple(remote), groups={**groups, **obs.groups})
+                    decision = decide(self.state, obs, self.cfg.policy)
         self.state = decision.state
         if self.metrics is not None:
             self.metrics.update(obs, self.state, decision.verdict)
@@ -119,6 +137,10 @@ class Agent:
             ) from e
         log.info("serving metrics on http://%s:%d/metrics", cfg.metrics_host, server.port)
         return server.start()
+
+
+def _points_elsewhere(verdict: Verdict) -> bool:
+    return any(s.kind == SuspectKind.REMOTE for s in verdict.suspects)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -230,7 +230,7 @@ def _overdue(
         # rank leaving a long eval and then joining the barrier is not a hang of the others.
         start = op.t_enqueue
         for m in members:
-            other_rank = obs.rank(m) if m != r.rank else None
+            other_rank = obs.find(m) if m != r.rank else None
             if other_rank is not None and other_rank.alive:
                 start = max(start, min(other_rank.last_activity, obs.now))
         age = obs.now - start

@@ -79,9 +79,26 @@ class Observation:
     pg_timeout: float = 0.0  # the collective timeout torch enforces, 0 if unknown
     recent_ops: Mapping[int, tuple[OpView, ...]] = field(default_factory=dict)  # rank -> done ops
     job: str = ""  # the job of the ranks' journals
+    # Ranks on other nodes, as their agents published them (board.py): hints for the culprit
+    # analysis only; this agent judges and acts on its own ranks.
+    remote: tuple[RankSnapshot, ...] = ()
 
     def rank(self, rank: int) -> RankSnapshot | None:
+        """A local rank."""
         for r in self.ranks:
             if r.rank == rank:
                 return r
         return None
+
+    def find(self, rank: int) -> RankSnapshot | None:
+        """A local rank, else one another node's agent published."""
+        found = self.rank(rank)
+        if found is None:
+            for r in self.remote:
+                if r.rank == rank:
+                    return r
+        return found
+
+    @property
+    def all_ranks(self) -> tuple[RankSnapshot, ...]:
+        return self.ranks + self.remote

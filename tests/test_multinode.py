@@ -1,0 +1,86 @@
+"""Two "nodes" on one machine: a 4-rank job under two torchrun agents (2 ranks each), each node
+with its own run directory and its own `diag agent`, sharing the timeline as a cluster shares a
+volume. Rank 3, on node-b, hangs. Both agents must name it, node-a's through the peer board, both
+incident directories must carry the same incident id, and `diag merge` must merge them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diag.viewer.merge import merge_incident
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_both_nodes_name_the_hung_rank_on_node_b(tmp_path: Path) -> None:
+    timeline, port = tmp_path / "timeline", _port()
+    agents, jobs = [], []
+    try:
+        for node_rank, node in enumerate(("node-a", "node-b")):
+            run = tmp_path / f"run-{node}"
+            env = dict(
+                os.environ,
+                DIAG_RUN_DIR=str(run),
+                DIAG_JOB="mn",
+                DIAG_NODE=node,
+                OMP_NUM_THREADS="1",
+            )
+            log = open(tmp_path / f"agent-{node}.log", "wb")  # noqa: SIM115
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run),
+                 "--timeline", str(timeline), "--job", "mn", "--node", node, "--hang-timeout",
+                 "20", "--hang-floor", "3", "--warmup-timeout", "60", "--on-hang", "none",
+                 "--until", "incident", "--interval", "0.25", "--peer-interval", "0.5", "-v"],
+                env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+            jobs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                 str(node_rank), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                 "--master-port", str(port), "-m", "diag.trainer.demo_job", "--fault", "hang",
+                 "--fault-rank", "3", "--fault-step", "4", "--steps", "40"],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True))  # fmt: skip
+        for a in agents:
+            a.wait(timeout=180)
+        verdicts = {}
+        for d in timeline.iterdir():
+            if (d / "verdict.json").exists():
+                v = json.loads((d / "verdict.json").read_text())
+                verdicts[v["node"]] = (d, v)
+        logs = {n: (tmp_path / f"agent-{n}.log").read_text()[-2000:] for n in ("node-a", "node-b")}
+        assert set(verdicts) == {"node-a", "node-b"}, logs
+        for node, (_, v) in verdicts.items():
+            assert v["culprit"] == 3, (node, v["summary"])
+        assert (
+            "rank 3 on node node-b never joined" in verdicts["node-a"][1]["suspects"][0]["reason"]
+        )
+        assert verdicts["node-a"][1]["incident_id"] == verdicts["node-b"][1]["incident_id"]
+        merged = merge_incident(timeline)
+        assert len(merged.sources) == 2 and merged.world_size == 4
+        assert merged.suspects[0].rank == 3
+    finally:
+        for p in jobs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        for a in agents:
+            if a.poll() is None:
+                a.send_signal(signal.SIGTERM)
+                try:
+                    a.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    a.kill()
+                    a.wait(timeout=10)
