@@ -1,0 +1,97 @@
+"""Stack evidence from real processes: a process in uninterruptible sleep (D state) gets its state
+recorded and a non-blocking dump instead of one that would hang; a process that is gone gets a
+clear error; stacks of several processes are taken together."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from diag.agent.procs import proc_state
+from diag.agent.pyspy import DumpTarget, dump_all
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@contextlib.contextmanager
+def _frozen_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A loop-mounted ext4 frozen with fsfreeze: whoever writes to it waits in D state."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount and freeze a filesystem")
+    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={image}", "bs=1M", "count=16", "status=none"], check=True
+    )
+    subprocess.run(["mkfs.ext4", "-q", str(image)], check=True)
+    if subprocess.run(["mount", "-o", "loop", str(image), str(mnt)]).returncode != 0:
+        pytest.skip("loop mounts are not available here")
+    try:
+        subprocess.run(["fsfreeze", "-f", str(mnt)], check=True)
+        try:
+            yield mnt
+        finally:
+            subprocess.run(["fsfreeze", "-u", str(mnt)], check=False)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _python(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def _wait_state(pid: int, want: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while proc_state(pid) != want:
+        assert time.monotonic() < deadline, f"pid {pid} never reached state {want}"
+        time.sleep(0.05)
+
+
+def test_process_in_d_state_is_not_dumped_with_a_blocking_read(tmp_path: Path) -> None:
+    with _frozen_filesystem(tmp_path) as mnt:
+        writer = _python(
+            "import os, time\n"
+            "time.sleep(1)\n"  # let py-spy find the interpreter first
+            f"f = open('{mnt}/x', 'w'); f.write('x' * 100); f.flush(); os.fsync(f.fileno())\n"
+        )
+        try:
+            _wait_state(writer.pid, "D")
+            t0 = time.monotonic()
+            (dump,) = dump_all([DumpTarget(0, 1, writer.pid)], native=True, timeout=15)
+            assert time.monotonic() - t0 < 10  # it did not hang on the frozen process
+            assert dump.process_state.startswith("D")
+            assert not dump.native  # no ptrace stop, no native unwinding
+            if not dump.error:  # the non-blocking read usually sees the Python frame
+                assert any(f.func == "<module>" for t in dump.threads for f in t.frames)
+        finally:
+            writer.kill()
+    writer.wait(timeout=30)
+
+
+def test_gone_process_and_several_at_once(tmp_path: Path) -> None:
+    sleepers = [_python("import time\ndef idle():\n    time.sleep(60)\nidle()\n") for _ in range(3)]
+    gone = _python("pass")
+    gone.wait(timeout=30)
+    try:
+        for p in sleepers:
+            _wait_state(p.pid, "S")
+        time.sleep(1.0)
+        targets = [DumpTarget(r, 4, p.pid) for r, p in enumerate(sleepers)]
+        targets.append(DumpTarget(3, 4, gone.pid))
+        dumps = dump_all(targets, native=False, timeout=30)
+        assert [d.rank for d in dumps] == [0, 1, 2, 3]
+        for d in dumps[:3]:
+            assert not d.error and d.process_state.startswith("S")
+            assert "idle" in [f.func for t in d.threads for f in t.frames]
+        assert "exited" in dumps[3].error
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait(timeout=30)
