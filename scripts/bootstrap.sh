@@ -36,14 +36,16 @@ if [[ ! -x "$venv/bin/python" ]]; then
     "$python" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+# Some machines list extra index locations that do not exist; pip says so for every package.
+quiet_pip() { "${pip[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 # torch first and pinned: any other spec (or a package that depends on torch) resolves to the
 # multi-GB CUDA build.
 echo "bootstrap: installing torch==2.13.0 and diag[dev] (first run takes a minute)" >&2
-"${pip[@]}" "torch==2.13.0"
-"${pip[@]}" -e "$root[dev]"
+quiet_pip "torch==2.13.0"
+quiet_pip -e "$root[dev]"
 # dlrover-run, for the launcher tests. Without its dependencies: it would pull the deprecated
 # `pynvml` shim, which shadows nvidia-ml-py and makes every `import torch` warn. What it needs
 # at run time (psutil, grpcio, protobuf, deprecated) is already there.
-"${pip[@]}" --no-deps "dlrover==0.6.1"
+quiet_pip --no-deps "dlrover==0.6.1"
 echo "$want" > "$stamp"
 echo "bootstrap: ready ($venv)" >&2
