@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diag.agent.checkpoint.manager import CheckpointOptions
 from diag.agent.exitcodes import UsageError
 from diag.agent.hang import OnHang, Policy
 from diag.agent.timeouts import TimeoutPolicy
@@ -43,6 +44,9 @@ class AgentConfig:
     pyspy_timeout: float = 10.0
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
+    control: bool = True
+    control_socket: Path | None = None  # None: derived from the run dir and job
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,13 @@ def _bool(text: str) -> bool:
     if low in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {text}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -133,6 +144,35 @@ OPTIONS = (
     _Opt("pyspy_timeout", _positive, 10.0, "seconds allowed for one stack dump"),
     _Opt("metrics_port", _port, None, "serve Prometheus metrics on this port (0: any free port)"),
     _Opt("metrics_host", str, "0.0.0.0", "address the metrics server binds"),
+    _Opt("control", _bool, True, "serve the control channel (commands, flash-checkpoint persists)"),
+    _Opt(
+        "control_socket",
+        Path,
+        None,
+        "unix socket of the control channel (default: <run dir>/<job>.control.sock, or "
+        "<run dir>/diag.control.sock without --job)",
+    ),
+    _Opt(
+        "persist_on_incident",
+        _bool,
+        True,
+        "on a rank death or a hang, persist the newest flash checkpoints before acting",
+    ),
+    _Opt(
+        "save_dir",
+        Path,
+        None,
+        "where flash checkpoints are persisted (default: the save dir the trainer names; set it "
+        "when storage is mounted elsewhere in the sidecar)",
+    ),
+    _Opt("keep_last", _count, 3, "persisted steps to keep in the save dir (0: all)"),
+    _Opt(
+        "snapshot_linger",
+        _positive,
+        300.0,
+        "seconds to keep the in-memory checkpoints of a job whose ranks died (for a restart)",
+    ),
+    _Opt("persist_workers", _count, 2, "threads writing checkpoints to storage"),
 )
 
 
@@ -191,13 +231,25 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         node=values["node"] or node_name(env),
         job=values["job"],
         interval=values["interval"],
-        policy=Policy(timeouts=timeouts, on_hang=OnHang(values["on_hang"])),
+        policy=Policy(
+            timeouts=timeouts,
+            on_hang=OnHang(values["on_hang"]),
+            persist_on_incident=values["persist_on_incident"],
+        ),
         until=Until(values["until"]),
         stop_grace=values["stop_grace"],
         native_stacks=values["native_stacks"],
         pyspy_timeout=values["pyspy_timeout"],
         metrics_port=values["metrics_port"],
         metrics_host=values["metrics_host"],
+        control=values["control"],
+        control_socket=values["control_socket"],
+        checkpoint=CheckpointOptions(
+            save_dir=values["save_dir"],
+            keep_last=values["keep_last"],
+            linger=values["snapshot_linger"],
+            workers=max(1, values["persist_workers"]),
+        ),
     )
 
 

@@ -1,0 +1,146 @@
+"""The training job of the flash-checkpoint tests: a small DeepSpeed model whose data depends only
+on the step, so a resumed run can be compared bit for bit with an uninterrupted one.
+
+    torchrun --nproc-per-node 2 tests/flash_job.py --zero 2 --steps 8 --save-dir D --out O
+
+Every step it saves a flash checkpoint (memory), and with --persist-every also asks the agent to
+persist. --kill-step K kills --kill-rank with SIGKILL, either right after its save of step K
+(--kill-mode after-save) or in the middle of the memory copy of step K (--kill-mode mid-copy).
+It always calls load() first, so a restarted attempt resumes. Rank 0 appends each step's loss
+to O/loss.jsonl and writes the final parameters to O/params.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--zero", type=int, default=2)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--no-flash", action="store_true", help="train without the checkpointer")
+    p.add_argument("--persist-every", type=int, default=0)
+    p.add_argument("--kill-step", type=int, default=0)
+    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--kill-mode", choices=("after-save", "mid-copy"), default="after-save")
+    p.add_argument("--stock-load", action="store_true", help="resume with engine.load_checkpoint")
+    p.add_argument("--wait-commands", type=float, default=0.0, help="seconds per step to idle")
+    p.add_argument("--attach", action="store_true", help="also attach the op journal")
+    return p.parse_args(argv)
+
+
+def kill_mid_copy() -> None:
+    """Makes the next flash save die with SIGKILL after half of its storages are copied."""
+    from diag.trainer import layout
+
+    original = layout.copy_storage
+    copied = [0]
+
+    def copy_then_die(dst, storage, nbytes):  # type: ignore[no-untyped-def]
+        original(dst, storage, nbytes)
+        copied[0] += 1
+        if copied[0] >= 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    layout.copy_storage = copy_then_die
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    import deepspeed
+    import deepspeed.ops
+    import torch
+    import torch.distributed as dist
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    import diag.trainer
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    torch.manual_seed(args.seed)
+    h = args.hidden
+    model = torch.nn.Sequential(
+        torch.nn.Linear(h, 2 * h), torch.nn.GELU(), torch.nn.Linear(2 * h, h)
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": args.zero},
+        "steps_per_print": 10**9,
+    }
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
+    )
+    if args.attach:
+        diag.trainer.attach(engine)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = None if args.no_flash else diag.trainer.FlashCheckpointer(engine, args.save_dir)
+    start = 0
+    if args.stock_load:
+        path, _ = engine.load_checkpoint(args.save_dir)
+        start = engine.global_steps if path is not None else 0
+    elif ckpt is not None:
+        start = ckpt.load() or 0
+    if rank == 0:
+        how = ckpt.stats.loaded_from if ckpt is not None else ""
+        (out / f"start-{attempt}.json").write_text(json.dumps({"step": start, "from": how}))
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    for step in range(start + 1, args.steps + 1):
+        gen = torch.Generator().manual_seed(args.seed * 1000 + step * 10 + rank)
+        x = torch.randn(4, h, generator=gen).to(dtype)
+        loss = (engine(x) - x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        if rank == 0:
+            with open(out / "loss.jsonl", "a") as f:
+                f.write(json.dumps({"attempt": attempt, "step": step, "loss": loss.item().hex()}))
+                f.write("\n")
+        kill_now = step == args.kill_step and rank == args.kill_rank and attempt == 0
+        if kill_now and args.kill_mode == "mid-copy":
+            kill_mid_copy()
+        if ckpt is not None:
+            persist = bool(args.persist_every) and step % args.persist_every == 0
+            ckpt.save(step, {"data_step": step}, persist=persist)
+        if kill_now:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.wait_commands:
+            import time
+
+            time.sleep(args.wait_commands)
+    params = _gathered_params(engine, args.zero)
+    if rank == 0:
+        torch.save(params, out / "params.pt")
+    if ckpt is not None:
+        ckpt.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def _gathered_params(engine, zero: int) -> dict:  # type: ignore[no-untyped-def]
+    import deepspeed
+
+    params = list(engine.module.named_parameters())
+    if zero == 3:
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return {n: p.detach().clone() for n, p in params}
+    return {n: p.detach().clone() for n, p in params}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
