@@ -1,13 +1,15 @@
 """The training job of the flash-checkpoint tests: a small DeepSpeed model whose data depends only
 on the step, so a resumed run can be compared bit for bit with an uninterrupted one.
 
-    torchrun --nproc-per-node 2 tests/flash_job.py --zero 2 --steps 8 --save-dir D --out O
+    torchrun --nproc-per-node 2 tests/flash_job.py --zero 1,2,3 --steps 8 --save-dir D --out O
 
-Every step it saves a flash checkpoint (memory), and with --persist-every also asks the agent to
-persist. --kill-step K kills --kill-rank with SIGKILL, either right after its save of step K
-(--kill-mode after-save) or in the middle of the memory copy of step K (--kill-mode mid-copy).
-It always calls load() first, so a restarted attempt resumes. Rank 0 appends each step's loss
-to O/loss.jsonl and writes the final parameters to O/params.pt.
+Stages (ZeRO 1, 2, 3) run one after the other in the same processes, each with its own job name
+(<prefix>-z<stage>), checkpoint directory D/z<stage> and output directory O/z<stage>. Every step
+it saves a flash checkpoint (memory); with --persist-every it also asks the agent to persist.
+--kill-step K kills --kill-rank with SIGKILL, right after its save of step K (--kill-mode
+after-save) or in the middle of the memory copy of step K (--kill-mode mid-copy). It calls load()
+first, so a relaunch resumes. Rank 0 appends each step's loss to O/z<stage>/loss.jsonl and writes
+the final parameters to O/z<stage>/params.pt.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--zero", type=int, default=2)
+    p.add_argument("--zero", default="2", help="ZeRO stages, comma-separated")
+    p.add_argument("--job-prefix", default="flash")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--hidden", type=int, default=32)
@@ -37,6 +41,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stock-load", action="store_true", help="resume with engine.load_checkpoint")
     p.add_argument("--wait-commands", type=float, default=0.0, help="seconds per step to idle")
     p.add_argument("--attach", action="store_true", help="also attach the op journal")
+    p.add_argument("--no-control", action="store_true", help="no control channel")
     return p.parse_args(argv)
 
 
@@ -58,17 +63,29 @@ def kill_mid_copy() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    import deepspeed
     import deepspeed.ops
-    import torch
     import torch.distributed as dist
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    dist.init_process_group("gloo")
+    for zero in (int(z) for z in args.zero.split(",")):
+        run_stage(args, zero)
+    dist.destroy_process_group()
+    return 0
+
+
+def run_stage(args: argparse.Namespace, zero: int) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
     import diag.trainer
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    job = f"{args.job_prefix}-z{zero}"
+    save_dir = Path(args.save_dir) / f"z{zero}"
+    out = Path(args.out) / f"z{zero}"
+    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     h = args.hidden
     model = torch.nn.Sequential(
@@ -78,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": args.zero},
+        "zero_optimization": {"stage": zero},
         "steps_per_print": 10**9,
     }
     if args.bf16:
@@ -87,19 +104,21 @@ def main(argv: list[str] | None = None) -> int:
         model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
     )
     if args.attach:
-        diag.trainer.attach(engine)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt = None if args.no_flash else diag.trainer.FlashCheckpointer(engine, args.save_dir)
+        diag.trainer.attach(engine, job=job)
+    ckpt = None
+    if not args.no_flash:
+        ckpt = diag.trainer.FlashCheckpointer(
+            engine, save_dir, job=job, control=not args.no_control
+        )
     start = 0
     if args.stock_load:
-        path, _ = engine.load_checkpoint(args.save_dir)
+        path, _ = engine.load_checkpoint(str(save_dir))
         start = engine.global_steps if path is not None else 0
     elif ckpt is not None:
         start = ckpt.load() or 0
     if rank == 0:
         how = ckpt.stats.loaded_from if ckpt is not None else ""
-        (out / f"start-{attempt}.json").write_text(json.dumps({"step": start, "from": how}))
+        (out / "start.json").write_text(json.dumps({"step": start, "from": how}))
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     for step in range(start + 1, args.steps + 1):
         gen = torch.Generator().manual_seed(args.seed * 1000 + step * 10 + rank)
@@ -109,9 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()
         if rank == 0:
             with open(out / "loss.jsonl", "a") as f:
-                f.write(json.dumps({"attempt": attempt, "step": step, "loss": loss.item().hex()}))
-                f.write("\n")
-        kill_now = step == args.kill_step and rank == args.kill_rank and attempt == 0
+                f.write(json.dumps({"step": step, "loss": loss.item().hex()}) + "\n")
+        kill_now = step == args.kill_step and rank == args.kill_rank
         if kill_now and args.kill_mode == "mid-copy":
             kill_mid_copy()
         if ckpt is not None:
@@ -120,16 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         if kill_now:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.wait_commands:
-            import time
-
             time.sleep(args.wait_commands)
-    params = _gathered_params(engine, args.zero)
+    params = _gathered_params(engine, zero)
     if rank == 0:
         torch.save(params, out / "params.pt")
     if ckpt is not None:
         ckpt.close()
-    dist.destroy_process_group()
-    return 0
 
 
 def _gathered_params(engine, zero: int) -> dict:  # type: ignore[no-untyped-def]

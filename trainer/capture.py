@@ -118,7 +118,10 @@ def unpickle_state(
                 raise pickle.UnpicklingError(f"unknown persistent id {typename!r}")
             if isinstance(location, bytes):
                 location = location.decode("ascii")
-            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            if storage_type is torch.UntypedStorage:
+                dtype = torch.uint8
+            else:  # `_dtype` reads the same without TypedStorage's deprecation warning
+                dtype = getattr(storage_type, "_dtype", None) or storage_type.dtype
             if key not in loaded:
                 src = storage_bytes(key)
                 t = torch.empty(len(src), dtype=torch.uint8)
