@@ -16,8 +16,9 @@ from types import FrameType
 from diag.agent import config as config_mod
 from diag.agent import exitcodes
 from diag.agent.actions import Executor, IncidentReport
-from diag.agent.checkpoint.manager import CheckpointManager, CommandKind
+from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
+from diag.agent.checkpoint.sessions import CommandKind
 from diag.agent.config import AgentConfig, Until
 from diag.agent.hang import EventKind, Verdict, WatchState, decide
 from diag.agent.observer import Observer

@@ -28,6 +28,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero", default="2", help="ZeRO stages, comma-separated")
     p.add_argument("--job-prefix", default="flash")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp16", action="store_true", help="GPU only (DeepSpeed has no CPU fp16)")
+    p.add_argument("--cuda", action="store_true", help="NCCL and CUDA tensors")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--save-dir", required=True)
@@ -67,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    dist.init_process_group("gloo")
+    if args.cuda:
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.cuda else "gloo")
     for zero in (int(z) for z in args.zero.split(",")):
         run_stage(args, zero)
     dist.destroy_process_group()
@@ -100,6 +106,8 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
     }
     if args.bf16:
         config["bf16"] = {"enabled": True}
+    if args.fp16:
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
     )
@@ -119,10 +127,10 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
     if rank == 0:
         how = ckpt.stats.loaded_from if ckpt is not None else ""
         (out / "start.json").write_text(json.dumps({"step": start, "from": how}))
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     for step in range(start + 1, args.steps + 1):
         gen = torch.Generator().manual_seed(args.seed * 1000 + step * 10 + rank)
-        x = torch.randn(4, h, generator=gen).to(dtype)
+        x = torch.randn(4, h, generator=gen).to(device=engine.device, dtype=dtype)
         loss = (engine(x) - x).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
@@ -141,7 +149,7 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
             time.sleep(args.wait_commands)
     params = _gathered_params(engine, zero)
     if rank == 0:
-        torch.save(params, out / "params.pt")
+        torch.save({k: v.cpu() for k, v in params.items()}, out / "params.pt")
     if ckpt is not None:
         ckpt.close()
 

@@ -16,8 +16,9 @@ import grpc
 import pytest
 from snapshot_helpers import captured, model_states, new_slot, write_snapshot
 
-from diag.agent.checkpoint.manager import CheckpointManager, CommandKind
+from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
+from diag.agent.checkpoint.sessions import CommandKind
 from diag.collector.rundir import control_socket_path
 from diag.proto import control_pb2 as pb
 from diag.proto import control_pb2_grpc as pb_grpc
@@ -185,8 +186,8 @@ def test_stale_socket_is_replaced_and_a_live_agent_is_not(run_dir: Path, agents)
 
 def test_command_to_a_rank_that_never_listened_is_not_sent(run_dir: Path, agents) -> None:
     agent = agents()
-    from diag.agent.checkpoint.manager import RankKey
+    from diag.agent.checkpoint.sessions import RankKey
 
-    agent.manager.register(RankKey(JOB, 0), 1234)  # registered, no stream
+    agent.manager.sessions.register(RankKey(JOB, 0), 1234)  # registered, no stream
     assert agent.manager.send_command(JOB, CommandKind.EXIT) == {}
     assert json.dumps(agent.manager.wait_reports([], 0.1)) == "{}"

@@ -19,6 +19,7 @@ import os
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 TORCH_PICKLE_PROTOCOL = 2  # torch.save's default
@@ -232,3 +233,44 @@ def captured_copies(sink: Callable[[str, str], None]) -> Iterator[None]:
         yield
     finally:
         ds_engine.copyfile = original  # type: ignore[attr-defined]
+
+
+def capture_checkpoint(
+    engine: Any,
+    save_dir: str,
+    tag: str,
+    client_state: dict[str, Any],
+    *,
+    replica: bool = False,
+    scripts: dict[str, bytes] | None = None,
+) -> list[CapturedFile]:
+    """Runs `engine.save_checkpoint(save_dir, tag)` with nothing written: returns the files it
+    would write on this rank. With `replica`, a rank that DeepSpeed would not let write the model
+    states captures them too, as a node-local copy that is not persisted. Collective."""
+    files: list[CapturedFile] = []
+    cache = scripts if scripts is not None else {}
+
+    def sink(rel: str, state_dict: Any) -> None:
+        data, storages = pickle_state(state_dict)
+        files.append(CapturedFile(rel, "torch", data, storages))
+
+    def copied(src: str, dst: str) -> None:
+        data = cache.get(src)
+        if data is None:
+            data = cache[src] = Path(src).read_bytes()
+        files.append(CapturedFile(relative(save_dir, dst), "raw", data=data, mode=0o755))
+
+    writer = engine.save_non_zero_checkpoint
+    replica = replica and not writer
+    engine.save_non_zero_checkpoint = writer or replica
+    try:
+        with swapped_engine(engine, capture_engine(save_dir, sink)), captured_copies(copied):
+            engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+    finally:
+        engine.save_non_zero_checkpoint = writer
+    if replica:
+        model = relative(save_dir, engine._get_ckpt_name(save_dir, tag))
+        for f in files:
+            if f.path == model:
+                f.persist = False  # a node-local copy; DeepSpeed's writer persists its own
+    return files

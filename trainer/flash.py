@@ -20,37 +20,26 @@ import atexit
 import contextlib
 import logging
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diag.collector.meta import safe_job_name
 from diag.collector.rundir import RankIdentity, default_run_dir, job_name, node_name
-from diag.collector.slotfile import SlotFile, read_snapshots
+from diag.collector.slotfile import SlotFile
 from diag.collector.snapshot import (
     FileEntry,
     SnapshotMeta,
-    find_slots,
     read_latest_step,
     step_tag,
 )
 from diag.trainer import layout
-from diag.trainer.capture import (
-    CapturedFile,
-    capture_engine,
-    captured_copies,
-    loading_engine,
-    pickle_state,
-    relative,
-    swapped_engine,
-    unpickle_state,
-)
+from diag.trainer.capture import CapturedFile, capture_checkpoint
 from diag.trainer.commands import CommandBox, Pending, agree, command_group
 from diag.trainer.control import ClientIdentity, ControlClient, shared_client
 from diag.trainer.pinned import HostRegistry
+from diag.trainer.restore import FileIndex, Place, load_from_memory, memory_index, needed_files
 from diag.trainer.resume import (
     RankFacts,
     ResumePlan,
@@ -63,7 +52,6 @@ from diag.trainer.slots import RankSlots, SlotOwner
 
 log = logging.getLogger(__name__)
 
-LOAD_LOCK_TIMEOUT_S = 30.0
 CLOSE_DRAIN_TIMEOUT_S = 5.0
 
 
@@ -205,38 +193,10 @@ class FlashCheckpointer:
         return True
 
     def _capture(self, step: int, client_state: dict[str, Any]) -> list[CapturedFile]:
-        engine = self.engine
-        files: list[CapturedFile] = []
-
-        def sink(rel: str, state_dict: Any) -> None:
-            data, storages = pickle_state(state_dict)
-            files.append(CapturedFile(rel, "torch", data, storages))
-
-        def copied(src: str, dst: str) -> None:
-            data = self._scripts.get(src)
-            if data is None:
-                data = self._scripts[src] = Path(src).read_bytes()
-            files.append(CapturedFile(relative(self.save_dir, dst), "raw", data=data, mode=0o755))
-
-        replica = self._replica and not engine.save_non_zero_checkpoint
-        writer = engine.save_non_zero_checkpoint
-        engine.save_non_zero_checkpoint = writer or replica
-        try:
-            with (
-                swapped_engine(engine, capture_engine(self.save_dir, sink)),
-                captured_copies(copied),
-            ):
-                engine.save_checkpoint(
-                    self.save_dir, tag=step_tag(step), client_state=client_state, save_latest=False
-                )
-        finally:
-            engine.save_non_zero_checkpoint = writer
-        if replica:
-            model = relative(self.save_dir, engine._get_ckpt_name(self.save_dir, step_tag(step)))
-            for f in files:
-                if f.path == model:
-                    f.persist = False  # a node-local copy; DeepSpeed's writer persists its own
-        return files
+        return capture_checkpoint(
+            self.engine, self.save_dir, step_tag(step), client_state,
+            replica=self._replica, scripts=self._scripts,
+        )  # fmt: skip
 
     def _write(
         self,
@@ -287,80 +247,23 @@ class FlashCheckpointer:
         if plan.source == Source.STORAGE:
             path, client_state = self.engine.load_checkpoint(self.save_dir, tag=tag)
         else:
-            path, client_state = self._load_memory(plan.step)
+            index = self._memory_index().get(plan.step)
+            if index is None:
+                raise FlashCheckpointError(f"step {plan.step} vanished from memory while loading")
+            path, client_state = load_from_memory(self.engine, self._place(), plan.step, index)
         if path is None:
             raise FlashCheckpointError(f"DeepSpeed could not load step {plan.step} ({plan.reason})")
         self.client_state = client_state
         self.stats.loaded_from = plan.source.value
         self.stats.memory_step = plan.step if plan.source == Source.MEMORY else None
 
-    def _needed(self, tag: str) -> set[str]:
-        e = self.engine
-        needed = {relative(self.save_dir, e._get_ckpt_name(self.save_dir, tag))}
-        if e.zero_optimization():
-            if getattr(e, "zero_elastic_checkpoint", lambda: False)():
-                return {"<every rank's optimizer states>"}  # never all on one node
-            needed.add(relative(self.save_dir, e._get_zero_ckpt_name(self.save_dir, tag)))
-        return needed
+    def _place(self) -> Place:
+        return Place(self.run_dir, self.job, self.node, self.rank, self.world_size, self.save_dir)
 
-    def _memory_index(self) -> dict[int, dict[str, tuple[Path, FileEntry]]]:
-        """step -> {relative path -> (slot file, entry)} of the snapshots this rank could load:
-        complete, of this job layout, with every file it needs held on this node."""
-        local = [
-            s for s in read_snapshots(find_slots(self.run_dir, self.job))
-            if s.meta.node == self.node and s.meta.world_size == self.world_size
-            and s.meta.save_dir == self.save_dir
-        ]  # fmt: skip
-        steps = {s.meta.step for s in local if s.meta.rank == self.rank}
-        out: dict[int, dict[str, tuple[Path, FileEntry]]] = {}
-        for step in steps:
-            index: dict[str, tuple[Path, FileEntry]] = {}
-            # Own files win over node-local copies of the same path.
-            for s in sorted(local, key=lambda s: s.meta.rank != self.rank):
-                if s.meta.step != step:
-                    continue
-                for f in s.meta.files:
-                    if f.kind == "torch":
-                        index.setdefault(f.path, (s.path, f))
-            if self._needed(step_tag(step)) <= set(index):
-                out[step] = index
-        return out
-
-    def _load_memory(self, step: int) -> tuple[Any, Any]:
-        index = self._memory_index().get(step)
-        if index is None:
-            raise FlashCheckpointError(f"step {step} vanished from memory while loading")
-        shadow = self.run_dir / f".{safe_job_name(self.job)}-rank{self.rank:05d}.load"
-        shutil.rmtree(shadow, ignore_errors=True)
-        opened: dict[Path, SlotFile] = {}
-        try:
-            for rel, (path, _) in index.items():
-                (shadow / rel).parent.mkdir(parents=True, exist_ok=True)
-                (shadow / rel).touch()  # DeepSpeed globs and checks names; we serve the bytes
-                if path not in opened:
-                    opened[path] = SlotFile.open(path)
-                    if not opened[path].lock_shared(LOAD_LOCK_TIMEOUT_S):
-                        raise FlashCheckpointError(f"{path} stayed locked by a writer")
-
-            def load(rel: str, map_location: Any) -> Any:
-                path, entry = index[rel]
-                slot = opened[path]
-                h = slot.header()
-                if not h.complete or h.step != step or entry.pickle is None:
-                    raise FlashCheckpointError(f"{path} no longer holds step {step}")
-                spans = {s.key: s for s in entry.storages}
-                return unpickle_state(
-                    slot.view(entry.pickle.offset, entry.pickle.length),
-                    lambda key: slot.view(spans[key].offset, spans[key].nbytes),
-                    map_location,
-                )
-
-            with swapped_engine(self.engine, loading_engine(str(shadow), load)):
-                return self.engine.load_checkpoint(str(shadow), tag=step_tag(step))
-        finally:
-            for slot in opened.values():
-                slot.close()
-            shutil.rmtree(shadow, ignore_errors=True)
+    def _memory_index(self) -> dict[int, FileIndex]:
+        return memory_index(
+            self._place(), lambda tag: needed_files(self.engine, self.save_dir, tag)
+        )
 
     # -- agent commands and acknowledgements -------------------------------------------------------
 

@@ -14,19 +14,20 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import queue
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from diag.agent.checkpoint.persist import PersistResult, persist_slot
+from diag.agent.checkpoint.sessions import CommandReport, RankKey, Sessions
 from diag.agent.checkpoint.stats import CheckpointStats, RankCheckpointStats
 from diag.agent.checkpoint.storage import marker_path
 from diag.collector.slotfile import SlotFile, read_snapshots
@@ -38,12 +39,6 @@ INCIDENT_LOCK_TIMEOUT_S = 2.0  # a writer stuck mid-copy must not stall the inci
 SCAN_INTERVAL_S = 2.0
 
 
-class CommandKind:
-    FLUSH = 1
-    EXIT = 2
-    DUMP = 3
-
-
 @dataclass(frozen=True)
 class CheckpointOptions:
     save_dir: Path | None = None  # overrides the save dir snapshots name (a different mount)
@@ -51,34 +46,6 @@ class CheckpointOptions:
     linger: float = 300.0
     workers: int = 2
     lock_timeout: float = 10.0
-
-
-@dataclass(frozen=True)
-class RankKey:
-    job: str
-    rank: int
-
-
-@dataclass(frozen=True)
-class CommandReport:
-    command_id: str
-    rank: int
-    ok: bool
-    detail: str = ""
-    step: int = -1
-    path: str = ""
-
-
-@dataclass
-class RankSession:
-    key: RankKey
-    pid: int
-    world_size: int = 0
-    node: str = ""
-    journal: str = ""
-    save_dir: str = ""
-    outbox: queue.Queue = field(default_factory=queue.Queue)  # AgentMessage, None ends the stream
-    streaming: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,14 +67,11 @@ class CheckpointManager:
         self.run_dir = run_dir
         self.job = job
         self.options = options or CheckpointOptions()
-        self.sessions: dict[RankKey, RankSession] = {}
-        self.reports: dict[str, list[CommandReport]] = defaultdict(list)
+        self.sessions = Sessions()
         self._lock = threading.Lock()
-        self._reported = threading.Condition(self._lock)
         self._rank_locks: dict[RankKey, threading.Lock] = defaultdict(threading.Lock)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._inflight: dict[str, int] = defaultdict(int)  # job -> queued or running persists
-        self._ids = itertools.count(1)
         self._dead_since: dict[str, float] = {}
         self._last_scan = 0.0
         self._persisted: dict[RankKey, PersistResult] = {}
@@ -119,72 +83,18 @@ class CheckpointManager:
         for t in self._workers:
             t.start()
 
-    # -- registry ----------------------------------------------------------------------------------
-
-    def register(self, key: RankKey, pid: int, **info: str | int) -> RankSession:
-        with self._lock:
-            s = self.sessions.get(key)
-            if s is None or s.pid != pid:
-                if s is not None:
-                    s.outbox.put(None)  # an older process of this rank: end its stream
-                s = self.sessions[key] = RankSession(key, pid)
-            for name, value in info.items():
-                setattr(s, name, value)
-            return s
-
-    def stream_ended(self, session: RankSession) -> None:
-        with self._lock:
-            session.streaming = False
-
-    def connected(self, job: str) -> list[int]:
-        with self._lock:
-            return sorted(k.rank for k, s in self.sessions.items() if k.job == job and s.streaming)
-
-    # -- commands ----------------------------------------------------------------------------------
+    # -- ranks and commands (the API other parts of the agent use) ------------------------------
 
     def send_command(
-        self,
-        job: str,
-        kind: int,
-        ranks: list[int] | None = None,
-        *,
-        reason: str = "",
-        dump_dir: str = "",
-        exit_code: int = 0,
+        self, job: str, kind: int, ranks: list[int] | None = None, **kw: Any
     ) -> dict[int, str]:
-        """Queues a command for the given connected ranks of `job` (all when None); returns
-        rank -> command id for the ranks it was queued for."""
-        from diag.proto import control_pb2 as pb
-
-        sent = {}
-        with self._lock:
-            for key, s in self.sessions.items():
-                if key.job != job or (ranks is not None and key.rank not in ranks):
-                    continue
-                if not s.streaming:
-                    continue  # gone, or not listening: it would never see the command
-                cid = f"c{next(self._ids)}-r{key.rank}"
-                cmd = pb.Command(
-                    id=cid, kind=kind, reason=reason, dump_dir=dump_dir, exit_code=exit_code
-                )
-                s.outbox.put(pb.AgentMessage(command=cmd))
-                sent[key.rank] = cid
-        return sent
-
-    def report(self, r: CommandReport) -> None:
-        with self._reported:
-            self.reports[r.command_id].append(r)
-            self._reported.notify_all()
+        return self.sessions.send_command(job, kind, ranks, **kw)
 
     def wait_reports(self, ids: list[str], timeout: float) -> dict[str, CommandReport]:
-        deadline = time.monotonic() + timeout
-        with self._reported:
-            while True:
-                got = {i: self.reports[i][-1] for i in ids if self.reports.get(i)}
-                left = deadline - time.monotonic()
-                if len(got) == len(ids) or left <= 0:
-                    return got
-                self._reported.wait(left)
+        return self.sessions.wait_reports(ids, timeout)
+
+    def connected(self, job: str) -> list[int]:
+        return self.sessions.connected(job)
 
     # -- persisting ----------------------------------------------------------------------------------
 
@@ -266,23 +176,13 @@ class CheckpointManager:
             error=result.error, seconds=result.seconds, bytes=result.nbytes,
             committed=result.committed,
         )  # fmt: skip
-        with self._lock:
-            s = self.sessions.get(RankKey(item.job, item.rank))
-            if s is not None:
-                s.outbox.put(pb.AgentMessage(persist_ack=ack))
-        # A commit completed by this rank's part acknowledges the other local ranks too.
+        self.sessions.post(RankKey(item.job, item.rank), pb.AgentMessage(persist_ack=ack))
         if result.committed:
-            with self._lock:
-                others = [
-                    s for k, s in self.sessions.items() if k.job == item.job and k != RankKey(
-                        item.job, item.rank)
-                ]  # fmt: skip
-            for s in others:
-                s.outbox.put(
-                    pb.AgentMessage(
-                        persist_ack=pb.PersistAck(step=result.step, ok=True, committed=True)
-                    )
-                )
+            # The commit completed by this rank's part is news for the other local ranks too.
+            done = pb.PersistAck(step=result.step, ok=True, committed=True)
+            for rank in self.sessions.of_job(item.job):
+                if rank != item.rank:
+                    self.sessions.post(RankKey(item.job, rank), pb.AgentMessage(persist_ack=done))
 
     def persist_newest(self, job: str) -> list[PersistResult]:
         """Persists, now, every complete snapshot of `job` newer than what storage holds for its
@@ -399,9 +299,7 @@ class CheckpointManager:
         deadline = time.monotonic() + timeout
         for t in self._workers:
             t.join(max(0.0, deadline - time.monotonic()))
-        with self._lock:
-            for s in self.sessions.values():
-                s.outbox.put(None)
+        self.sessions.close()
 
 
 def _alive(pid: int, start: float) -> bool:

@@ -18,7 +18,8 @@ from typing import Any
 
 import grpc
 
-from diag.agent.checkpoint.manager import CheckpointManager, CommandReport, RankKey
+from diag.agent.checkpoint.manager import CheckpointManager
+from diag.agent.checkpoint.sessions import CommandReport, RankKey
 from diag.agent.exitcodes import UsageError
 from diag.collector.meta import safe_job_name
 from diag.collector.slotfile import read_snapshots
@@ -46,7 +47,7 @@ class ControlService(pb_grpc.ControlServicer):
 
     def Register(self, request: Any, context: Any) -> Any:
         rid = request.id
-        self.manager.register(
+        self.manager.sessions.register(
             _key(rid),
             request.pid,
             world_size=rid.world_size,
@@ -58,9 +59,10 @@ class ControlService(pb_grpc.ControlServicer):
         return pb.RegisterReply(agent_pid=os.getpid(), agent_version=self.version)
 
     def Subscribe(self, request: Any, context: Any) -> Any:
-        session = self.manager.register(_key(request.id), request.pid)
-        session.streaming = True
-        context.add_callback(lambda: self.manager.stream_ended(session))
+        sessions = self.manager.sessions
+        session = sessions.register(_key(request.id), request.pid)
+        sessions.set_streaming(session, True)
+        context.add_callback(lambda: sessions.set_streaming(session, False))
         try:
             while context.is_active():
                 try:
@@ -71,7 +73,7 @@ class ControlService(pb_grpc.ControlServicer):
                     return
                 yield msg
         finally:
-            self.manager.stream_ended(session)
+            sessions.set_streaming(session, False)
 
     def Persist(self, request: Any, context: Any) -> Any:
         key = _key(request.id)
@@ -79,7 +81,7 @@ class ControlService(pb_grpc.ControlServicer):
         return pb.PersistReply(accepted=ok, reason=reason)
 
     def Report(self, request: Any, context: Any) -> Any:
-        self.manager.report(
+        self.manager.sessions.report(
             CommandReport(
                 command_id=request.command_id,
                 rank=request.id.rank,
@@ -99,7 +101,7 @@ class ControlService(pb_grpc.ControlServicer):
             memory[s.meta.rank] = max(memory.get(s.meta.rank, -1), s.meta.step)
             save_dir = save_dir or s.meta.save_dir
         stats = {r.rank: r for r in self.manager.stats().ranks if r.job == job}
-        sessions = {k.rank: s for k, s in self.manager.sessions.items() if k.job == job}
+        sessions = self.manager.sessions.of_job(job)
         save_dir = save_dir or next((s.save_dir for s in sessions.values() if s.save_dir), "")
         if self.manager.options.save_dir is not None:
             save_dir = str(self.manager.options.save_dir)
