@@ -47,6 +47,7 @@ class DemoOptions:
     workdir: Path | None = None
     job_args: tuple[str, ...] = ()  # extra demo_job flags (tests use them for eval phases etc.)
     merge: bool = True
+    flash_every: int = 0  # flash-checkpoint every N steps; the agent persists one on the fault
 
 
 @dataclass
@@ -118,6 +119,8 @@ def run_demo(opts: DemoOptions, out=sys.stdout) -> DemoResult:
         opts.fault, "--fault-rank", str(opts.fault_rank), "--fault-step", str(opts.fault_step),
         "--straggle", str(opts.straggle), *opts.job_args,
     ]  # fmt: skip
+    if opts.flash_every:
+        job_cmd += ["--flash-every", str(opts.flash_every), "--save-dir", str(workdir / "ckpt")]
     print(
         f"diag demo: {opts.nproc} ranks, ZeRO-{opts.zero}, fault {opts.fault!r} on rank "
         f"{opts.fault_rank} at step {opts.fault_step}; workdir {workdir}",
@@ -256,6 +259,8 @@ def report(opts: DemoOptions, result: DemoResult, out=sys.stdout) -> int:
             f"{v.get('evidence', {}).get('stack_seconds', float('nan')):.2f} s"
         )
     p(f"incident: {result.incidents[0]}")
+    if opts.flash_every:
+        _report_flash(result.workdir / "ckpt", p)
     merged = result.merged
     if merged is not None:
         for attr in ("py_svg", "cpp_svg", "summary_txt"):
@@ -271,6 +276,16 @@ def report(opts: DemoOptions, result: DemoResult, out=sys.stdout) -> int:
         else f"FAIL: culprit {v.get('culprit')} is not the injected rank {opts.fault_rank}"
     )
     return exitcodes.OK if ok else exitcodes.DEMO_MISMATCH
+
+
+def _report_flash(save_dir: Path, p) -> None:  # type: ignore[no-untyped-def]
+    from diag.collector.snapshot import read_latest_step
+
+    step = read_latest_step(save_dir)
+    if step is None:
+        p(f"flash checkpoint: nothing persisted in {save_dir}")
+    else:
+        p(f"flash checkpoint: step {step} persisted by the agent in {save_dir} (DeepSpeed layout)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -298,6 +313,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=d.timeout, help="give up after this many seconds"
     )
     parser.add_argument("--workdir", type=Path, help="keep everything here (default: a temp dir)")
+    parser.add_argument(
+        "--flash-every",
+        type=int,
+        default=0,
+        help="flash-checkpoint every N steps; the agent persists the newest on the fault",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -306,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
         fault_step=args.fault_step, steps=args.steps, zero=args.zero,
         hang_timeout=args.hang_timeout, hang_floor=args.hang_floor, straggle=args.straggle,
         on_hang=args.on_hang, timeout=args.timeout, workdir=args.workdir,
+        flash_every=args.flash_every,
     )  # fmt: skip
     if shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
         raise exitcodes.UsageError("py-spy is not installed; run ./scripts/bootstrap.sh")

@@ -144,6 +144,8 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
             persist = bool(args.persist_every) and step % args.persist_every == 0
             ckpt.save(step, {"data_step": step}, persist=persist)
         if kill_now:
+            if ckpt is not None:
+                ckpt.wait()  # "after the save": its copy into shared memory is complete
             os.kill(os.getpid(), signal.SIGKILL)
         if args.wait_commands:
             time.sleep(args.wait_commands)

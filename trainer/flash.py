@@ -27,9 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from diag.collector.rundir import RankIdentity, default_run_dir, job_name, node_name
-from diag.collector.slotfile import SlotFile
 from diag.collector.snapshot import (
-    FileEntry,
     SnapshotMeta,
     read_latest_step,
     step_tag,
@@ -38,7 +36,7 @@ from diag.trainer import layout
 from diag.trainer.capture import CapturedFile, capture_checkpoint
 from diag.trainer.commands import CommandBox, Pending, agree, command_group
 from diag.trainer.control import ClientIdentity, ControlClient, shared_client
-from diag.trainer.pinned import HostRegistry
+from diag.trainer.copier import Copier, Copy
 from diag.trainer.restore import FileIndex, Place, load_from_memory, memory_index, needed_files
 from diag.trainer.resume import (
     RankFacts,
@@ -68,8 +66,9 @@ class FlashStats:
     committed_step: int | None = None  # newest step complete on storage for every rank
     saves: int = 0
     skipped: int = 0  # saves refused because every slot was pinned by a pending persist
+    failed_copies: int = 0
     last_save_seconds: float = 0.0  # blocking time of the last save
-    last_copy_seconds: float = 0.0  # of which the copy into shared memory
+    last_copy_seconds: float = 0.0  # the copy into shared memory (in the background if async)
     last_save_bytes: int = 0
     last_persist_seconds: float = 0.0
     last_persist_bytes: int = 0
@@ -86,6 +85,7 @@ class FlashCheckpointer:
         run_dir: str | os.PathLike[str] | None = None,
         job: str | None = None,
         slots: int = 2,
+        async_copy: bool = True,
         control: bool = True,
         exit_on_command: bool = True,
         command_every: int = 1,
@@ -109,11 +109,12 @@ class FlashCheckpointer:
         self.stats = FlashStats()
         self.client_state: dict[str, Any] | None = None
         self.exit_on_command = exit_on_command
+        self.async_copy = async_copy
         self.exit_requested = False
         self.command_every = max(1, command_every)
         self._closed = False
         self._scripts: dict[str, bytes] = {}
-        self._pinned = HostRegistry()
+        self._copier = Copier(self._copied)
         self._slots = RankSlots(
             self.run_dir,
             SlotOwner(
@@ -126,7 +127,7 @@ class FlashCheckpointer:
             ),
             count=slots,
         )
-        self._slots.on_unmap = self._pinned.release
+        self._slots.on_unmap = self._copier.pinned.release
         self._group = command_group(dist)
         self._replica = self.rank in self._plan_replicas(dist)
         self._box = CommandBox()
@@ -155,11 +156,17 @@ class FlashCheckpointer:
     def save(
         self, step: int, client_state: dict[str, Any] | None = None, *, persist: bool = False
     ) -> bool:
-        """Copies this rank's full checkpoint state of `step` into shared memory; with `persist`,
-        also asks the agent to write it to storage. Collective. False when the save was skipped
-        (every slot still waits for a persist)."""
+        """Snapshots this rank's full checkpoint state of `step` into shared memory; with
+        `persist`, the agent then writes it to storage. Collective. Returns False when the save
+        was skipped (every slot still waits for a persist).
+
+        With `async_copy` (the default) the call returns once the state is captured: the bytes
+        are copied in the background while the next forward and backward run (they do not
+        change checkpointed state), and the next `engine.step()` waits for the copy to finish.
+        Do not change model or optimizer state in between otherwise, or call `wait()` first."""
         import diag.trainer
 
+        self.wait()
         t0 = time.perf_counter()
         with diag.trainer.phase("checkpoint"):
             files = self._capture(step, client_state or {})
@@ -175,55 +182,40 @@ class FlashCheckpointer:
                 log.warning("diag: flash save of step %d skipped: persists still pending", step)
                 return False
             index, slot = got
-            try:
-                copy_s = self._write(index, slot, step, files, entries, data_end, meta)
-            finally:
-                slot.unlock()
+            # Odd generation from here on: a death before the copy completes leaves it torn.
+            gen = slot.begin_write()
+            self._copier.start(
+                Copy(index, slot, step, gen, files, entries, data_end, meta, persist),
+                background=self.async_copy,
+            )
         s = self.stats
         s.saves += 1
-        s.memory_step = step
-        s.last_copy_seconds = copy_s
         s.last_save_seconds = time.perf_counter() - t0
         s.last_save_bytes = sum(f.nbytes for f in files)
-        if persist and self._client is not None:
-            self._slots.pin(index, step)
-            self._client.persist(step, self.save_dir)
-        elif persist:
-            log.warning("diag: no control channel: step %d stays in memory only", step)
         return True
+
+    def wait(self) -> None:
+        """Waits until the last save's copy into shared memory is complete."""
+        self._copier.wait()
+
+    def _copied(self, c: Copy, seconds: float | None) -> None:
+        """The copy of a save finished (seconds None: it failed); runs on the copying thread."""
+        if seconds is None:
+            self.stats.failed_copies += 1
+            return
+        self.stats.memory_step = c.step
+        self.stats.last_copy_seconds = seconds
+        if c.persist and self._client is not None:
+            self._slots.pin(c.index, c.step)
+            self._client.persist(c.step, self.save_dir)
+        elif c.persist:
+            log.warning("diag: no control channel: step %d stays in memory only", c.step)
 
     def _capture(self, step: int, client_state: dict[str, Any]) -> list[CapturedFile]:
         return capture_checkpoint(
             self.engine, self.save_dir, step_tag(step), client_state,
             replica=self._replica, scripts=self._scripts,
         )  # fmt: skip
-
-    def _write(
-        self,
-        index: int,
-        slot: SlotFile,
-        step: int,
-        files: list[CapturedFile],
-        entries: list[FileEntry],
-        data_end: int,
-        meta: bytes,
-    ) -> float:
-        import torch
-
-        gen = slot.begin_write()
-        t0 = time.perf_counter()
-        view = torch.frombuffer(slot.mm, dtype=torch.uint8)
-        try:
-            if any(s.storage.device.type == "cuda" for f in files for s in f.storages):
-                self._pinned.ensure(index, view.data_ptr(), view.numel())
-            if layout.write_files(slot.mm, view, files, entries):
-                torch.cuda.current_stream().synchronize()
-        finally:
-            del view
-        slot.mm[data_end : data_end + len(meta)] = meta
-        copy_s = time.perf_counter() - t0
-        slot.finish_write(gen, step, data_end, len(meta), copy_s)
-        return copy_s
 
     # -- load ------------------------------------------------------------------------------------
 
@@ -232,6 +224,7 @@ class FlashCheckpointer:
         complete, else from storage. Collective. Returns the step, or None with nothing to load."""
         import torch.distributed as dist
 
+        self.wait()
         facts = RankFacts(self.rank, tuple(self._memory_index()), read_latest_step(self.save_dir))
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, facts, group=self._group)
@@ -296,6 +289,7 @@ class FlashCheckpointer:
         orig = engine.step
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            self.wait()  # the optimizer is about to change what the last save is copying
             result = orig(*args, **kwargs)
             self.at_boundary()
             return result
@@ -331,6 +325,7 @@ class FlashCheckpointer:
         with a connected agent, which then persists and removes it."""
         if self._closed:
             return
+        self.wait()
         self._closed = True
         client = self._client
         pending = client.persist_pending() if client is not None else []
@@ -339,7 +334,7 @@ class FlashCheckpointer:
         if remove is None:
             # After a failure the snapshots stay: the agent persists them, a restart loads them.
             remove = not _failed and not (pending and client is not None and client.connected)
-        self._pinned.release_all()
+        self._copier.pinned.release_all()
         self._slots.close(remove=remove)
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
