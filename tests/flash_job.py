@@ -27,7 +27,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--zero", default="2", help="ZeRO stages, comma-separated")
     p.add_argument("--job-prefix", default="flash")
-    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--bf16", action="store_true", help="bf16 in every stage")
+    p.add_argument("--bf16-stages", default="", help="bf16 in these stages, comma-separated")
     p.add_argument("--fp16", action="store_true", help="GPU only (DeepSpeed has no CPU fp16)")
     p.add_argument("--cuda", action="store_true", help="NCCL and CUDA tensors")
     p.add_argument("--steps", type=int, default=8)
@@ -104,7 +105,8 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
         "zero_optimization": {"stage": zero},
         "steps_per_print": 10**9,
     }
-    if args.bf16:
+    bf16 = args.bf16 or str(zero) in args.bf16_stages.split(",")
+    if bf16:
         config["bf16"] = {"enabled": True}
     if args.fp16:
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
@@ -127,7 +129,7 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
     if rank == 0:
         how = ckpt.stats.loaded_from if ckpt is not None else ""
         (out / "start.json").write_text(json.dumps({"step": start, "from": how}))
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    dtype = torch.bfloat16 if bf16 else torch.float16 if args.fp16 else torch.float32
     for step in range(start + 1, args.steps + 1):
         gen = torch.Generator().manual_seed(args.seed * 1000 + step * 10 + rank)
         x = torch.randn(4, h, generator=gen).to(device=engine.device, dtype=dtype)

@@ -3,7 +3,7 @@ real control channel:
 
 - a rank is SIGKILLed (after a save, or in the middle of the memory copy), the agent persists the
   newest complete snapshot before acting, the job is relaunched and continues: losses and
-  parameters match an uninterrupted run bit for bit, for ZeRO 1, 2 and 3;
+  parameters match an uninterrupted run bit for bit, for ZeRO 1, 2 and 3 (3 in bf16);
 - stock `engine.load_checkpoint` reads what the agent persisted, with the same result;
 - the agent's FLUSH, DUMP and EXIT commands reach a running job and are carried out.
 """
@@ -73,6 +73,8 @@ def agent_process(ws: Workspace):
                     p.wait(10)
 
 
+BF16 = ("--bf16-stages", "3")  # ZeRO-3 trains in bf16, the others in fp32
+
 # stage -> (kill mode, kill step, the step that must be committed afterwards)
 KILLS = {
     1: ("after-save", 3, 3),  # both ranks hold step 3: the agent persists it
@@ -84,13 +86,13 @@ KILLS = {
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_kill_persist_relaunch_matches_uninterrupted_run(ws: Workspace, agent_process) -> None:
-    assert ws.launch("base", "--zero", "1,2,3", "--no-flash") == 0, ws.log("base")
+    assert ws.launch("base", "--zero", "1,2,3", *BF16, "--no-flash") == 0, ws.log("base")
 
     for zero, (mode, step, committed) in KILLS.items():
         agent = agent_process(f"flash-z{zero}")
         extra = ["--persist-every", "2"] if zero == 1 else []  # the request path too
         rc = ws.launch(
-            f"kill{zero}", "--zero", str(zero), "--attach", "--kill-step", str(step),
+            f"kill{zero}", "--zero", str(zero), *BF16, "--attach", "--kill-step", str(step),
             "--kill-mode", mode, *extra,
         )  # fmt: skip
         assert rc != 0, f"the killed job must fail\n{ws.log(f'kill{zero}')}"
@@ -108,14 +110,15 @@ def test_kill_persist_relaunch_matches_uninterrupted_run(ws: Workspace, agent_pr
         assert agent.wait(60) == 0
 
     # Relaunch: every rank finds the newest step all ranks hold complete in shared memory.
-    assert ws.launch("mem", "--zero", "1,2,3", "--no-control") == 0, ws.log("mem")
+    assert ws.launch("mem", "--zero", "1,2,3", *BF16, "--no-control") == 0, ws.log("mem")
     for zero, (_, _, committed) in KILLS.items():
         assert ws.start("mem", zero) == {"step": committed, "from": "memory"}
         assert_same(ws, "mem", zero, committed)
     assert find_slots(ws.run_dir) == [], "a clean exit removes the shared memory"
 
     # A new node has nothing in memory: stock DeepSpeed loads what the agent persisted.
-    assert ws.launch("stock", "--zero", "1,2,3", "--no-flash", "--stock-load") == 0, ws.log("stock")
+    rc = ws.launch("stock", "--zero", "1,2,3", *BF16, "--no-flash", "--stock-load")
+    assert rc == 0, ws.log("stock")
     for zero, (_, _, committed) in KILLS.items():
         assert ws.start("stock", zero)["step"] == committed
         assert_same(ws, "stock", zero, committed)
