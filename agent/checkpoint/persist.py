@@ -113,7 +113,8 @@ def _write_file(slot: SlotFile, save_dir: Path, f: FileEntry) -> int:
     path = save_dir / f.path
     if f.kind == "raw":
         data = slot.view(f.data.offset, f.data.length) if f.data else b""
-        storage.write_bytes_atomic(path, data, f.mode)
+        if not _same_content(path, data):  # the recovery scripts rarely change
+            storage.write_bytes_atomic(path, data, f.mode)
         return len(data)
     if f.pickle is None:
         raise SnapshotError(f"{f.path}: no pickled structure")
@@ -126,3 +127,10 @@ def _write_file(slot: SlotFile, save_dir: Path, f: FileEntry) -> int:
 
     storage.write_atomic(path, fill, f.mode)
     return sizes[0]
+
+
+def _same_content(path: Path, data: memoryview | bytes) -> bool:
+    try:
+        return path.stat().st_size == len(data) and path.read_bytes() == bytes(data)
+    except OSError:
+        return False

@@ -119,7 +119,7 @@ def try_commit(save_dir: Path, step: int, world_size: int, keep: int) -> bool:
     `latest` only ever moves forward."""
     if not should_commit(step, world_size, done_ranks(save_dir, step), read_latest_step(save_dir)):
         return False
-    fsync_dir(save_dir / step_tag(step))
+    # Every rank's files and their directory entries were fsynced before its marker was written.
     write_bytes_atomic(save_dir / LATEST_FILE, step_tag(step).encode())
     write_bytes_atomic(save_dir / TRACKER_FILE, str(step).encode())
     fsync_dir(save_dir)
