@@ -64,7 +64,7 @@ class ControlClient:
         self._stop = threading.Event()
         self._connected = threading.Event()
         self._outbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._pending_persist: dict[int, str] = {}  # step -> save dir, until acknowledged
+        self._pending_persist: dict[int, tuple[str, str]] = {}  # step -> (save dir, job)
         self._warned = False
         self._call: Any = None
         self._channel: Any = None
@@ -97,10 +97,11 @@ class ControlClient:
         if self.connected:
             self._outbox.put(("register", None))
 
-    def persist(self, step: int, save_dir: str) -> None:
-        """Asks the agent to persist this rank's snapshot of `step`; returns at once."""
+    def persist(self, step: int, save_dir: str, job: str | None = None) -> None:
+        """Asks the agent to persist this rank's snapshot of `step` (of `job`, by default the
+        client's); returns at once."""
         with self._lock:
-            self._pending_persist[step] = save_dir
+            self._pending_persist[step] = (save_dir, job or self.ident.job)
         self._outbox.put(("persist", step))
 
     def persist_pending(self) -> list[int]:
@@ -141,10 +142,10 @@ class ControlClient:
                 return path
         return None
 
-    def _rank_id(self, pb: Any) -> Any:
+    def _rank_id(self, pb: Any, job: str | None = None) -> Any:
         i = self.ident
         return pb.RankId(
-            job=i.job,
+            job=job or i.job,
             rank=i.rank,
             world_size=i.world_size,
             local_rank=i.local_rank,
@@ -257,9 +258,11 @@ class ControlClient:
                         todo = sorted(self._pending_persist.items())
                     if kind == "persist":
                         todo = [(s, d) for s, d in todo if s == arg]
-                    for step, save_dir in todo:
+                    for step, (save_dir, job) in todo:
                         reply = stub.Persist(
-                            pb.PersistRequest(id=self._rank_id(pb), step=step, save_dir=save_dir),
+                            pb.PersistRequest(
+                                id=self._rank_id(pb, job), step=step, save_dir=save_dir
+                            ),
                             timeout=CALL_TIMEOUT_S,
                         )
                         if not reply.accepted:

@@ -207,7 +207,7 @@ class FlashCheckpointer:
         self.stats.last_copy_seconds = seconds
         if c.persist and self._client is not None:
             self._slots.pin(c.index, c.step)
-            self._client.persist(c.step, self.save_dir)
+            self._client.persist(c.step, self.save_dir, self.job)
         elif c.persist:
             log.warning("diag: no control channel: step %d stays in memory only", c.step)
 
