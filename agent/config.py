@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diag.agent.checkpoint.manager import CheckpointOptions
 from diag.agent.exitcodes import UsageError
 from diag.agent.hang import OnHang, Policy
 from diag.agent.metrics.precheck import DEFAULT_NAME as PRECHECK_FILE
@@ -50,6 +51,9 @@ class AgentConfig:
     precheck_metrics: Path | None = None  # textfile of `diag precheck --metrics-file`
     peers_dir: Path | None = None  # the peer board; None: off
     peer_interval: float = 2.0
+    control: bool = True
+    control_socket: Path | None = None  # None: derived from the run dir and job
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,13 @@ def _bool(text: str) -> bool:
     raise ValueError(f"expected true or false, got {text!r}")
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     port = int(text)
     if not 0 <= port < 65536:
@@ -110,7 +121,7 @@ OPTIONS = (
         "directory of the ranks' op journals (shared with the trainer; "
         "default: $DIAG_RUN_DIR, else /dev/shm/diag)",
     ),
-    _Opt("timeline", Path, DEFAULT_TIMELINE, "where incident directories are written"),
+    _Opt("timeline", Path, Path(DEFAULT_TIMELINE), "where incident directories are written"),
     _Opt("job", str, None, "watch only journals of this job (default: all in the run dir)"),
     _Opt("node", str, None, "this node's name in incidents (default: $NODE_NAME or hostname)"),
     _Opt(
@@ -163,6 +174,35 @@ OPTIONS = (
     ),
     _Opt("peer_interval", _positive, 2.0, "seconds between publications to the peer board"),
     _Opt("peers", _bool, True, "use the peer board (false: only local ranks are analysed)"),
+    _Opt("control", _bool, True, "serve the control channel (commands, flash-checkpoint persists)"),
+    _Opt(
+        "control_socket",
+        Path,
+        None,
+        "unix socket of the control channel (default: <run dir>/<job>.control.sock, or "
+        "<run dir>/diag.control.sock without --job)",
+    ),
+    _Opt(
+        "persist_on_incident",
+        _bool,
+        True,
+        "on a rank death or a hang, persist the newest flash checkpoints before acting",
+    ),
+    _Opt(
+        "save_dir",
+        Path,
+        None,
+        "where flash checkpoints are persisted (default: the save dir the trainer names; set it "
+        "when storage is mounted elsewhere in the sidecar)",
+    ),
+    _Opt("keep_last", _count, 3, "persisted steps to keep in the save dir (0: all)"),
+    _Opt(
+        "snapshot_linger",
+        _positive,
+        300.0,
+        "seconds to keep the in-memory checkpoints of a job whose ranks died (for a restart)",
+    ),
+    _Opt("persist_workers", _count, 2, "threads writing checkpoints to storage"),
 )
 
 
@@ -228,7 +268,11 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         node=values["node"] or node_name(env),
         job=values["job"],
         interval=values["interval"],
-        policy=Policy(timeouts=timeouts, on_hang=OnHang(values["on_hang"])),
+        policy=Policy(
+            timeouts=timeouts,
+            on_hang=OnHang(values["on_hang"]),
+            persist_on_incident=values["persist_on_incident"],
+        ),
         until=Until(values["until"]),
         stop_grace=values["stop_grace"],
         native_stacks=values["native_stacks"],
@@ -241,6 +285,14 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         if values["peers"]
         else None,
         peer_interval=values["peer_interval"],
+        control=values["control"],
+        control_socket=values["control_socket"],
+        checkpoint=CheckpointOptions(
+            save_dir=values["save_dir"],
+            keep_last=values["keep_last"],
+            linger=values["snapshot_linger"],
+            workers=max(1, values["persist_workers"]),
+        ),
     )
 
 

@@ -16,8 +16,11 @@ from types import FrameType
 
 from diag.agent import config as config_mod
 from diag.agent import exitcodes
-from diag.agent.actions import Executor
+from diag.agent.actions import Executor, IncidentReport
 from diag.agent.board import Board
+from diag.agent.checkpoint.manager import CheckpointManager
+from diag.agent.checkpoint.service import ControlServer
+from diag.agent.checkpoint.sessions import CommandKind
 from diag.agent.config import AgentConfig, Until
 from diag.agent.culprit import SuspectKind
 from diag.agent.hang import EventKind, Verdict, WatchState, decide
@@ -25,8 +28,12 @@ from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.server import MetricsServer
 from diag.agent.observer import Observer
 from diag.agent.pyspy import can_trace
+from diag.collector.meta import safe_job_name
+from diag.collector.rundir import control_socket_path
 
 log = logging.getLogger(__name__)
+
+CHECKPOINT_METRICS_EVERY = 5.0  # seconds
 
 
 class Agent:
@@ -60,6 +67,44 @@ class Agent:
                 precheck_file=cfg.precheck_metrics,
             )
             self.executor.listeners.append(self.metrics.on_incident)
+        self.checkpoints = CheckpointManager(
+            cfg.run_dir, safe_job_name(cfg.job) if cfg.job else None, cfg.checkpoint
+        )
+        if cfg.policy.persist_on_incident:
+            self.executor.persist_hooks.append(self.persist_on_incident)
+        self.executor.listeners.append(self.dump_fallback)
+        self.control: ControlServer | None = None
+        self._checkpoint_fed = float("-inf")
+
+    def persist_on_incident(self, verdict: Verdict) -> None:
+        """Before anything is killed: the newest complete in-memory checkpoints of the jobs whose
+        ranks are involved go to storage (a no-op for jobs without flash checkpoints)."""
+        jobs = {safe_job_name(t.meta.job) for t in self.observer.current()}
+        t0 = time.monotonic()
+        results = self.checkpoints.persist_all_jobs(jobs)
+        if results:
+            done = sorted({(r.job, r.step) for r in results if r.ok})
+            log.warning(
+                "persisted %d in-memory checkpoint part(s) in %.2f s before acting: %s",
+                sum(r.ok for r in results),
+                time.monotonic() - t0,
+                ", ".join(f"{j} step {s}" for j, s in done) or "none usable",
+            )
+
+    def dump_fallback(self, report: IncidentReport) -> None:
+        """Ranks py-spy could not dump write their own Python stacks into the incident."""
+        if report.evidence is None:
+            return
+        failed = [d.rank for d in report.evidence.dumps if d.error]
+        job = safe_job_name(report.job) if report.job else ""
+        if not failed or not job:
+            return
+        sent = self.checkpoints.send_command(
+            job, CommandKind.DUMP, failed, reason=report.verdict.summary,
+            dump_dir=str(report.evidence.path),
+        )  # fmt: skip
+        if sent:
+            log.warning("asked ranks %s to dump their own stacks", sorted(sent))
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -90,8 +135,25 @@ class Agent:
         if decision.verdict is not None:
             self.incidents += 1
         if self.metrics is not None:
+            self._feed_checkpoint_metrics(now)
             self.metrics.iteration_done(time.perf_counter() - t0)
         return [e.kind for e in decision.events]
+
+    def _feed_checkpoint_metrics(self, now: float) -> None:
+        # Snapshot headers live in /dev/shm and the committed step on storage: cheap, but not
+        # worth reading every iteration.
+        if self.metrics is None or now - self._checkpoint_fed < CHECKPOINT_METRICS_EVERY:
+            return
+        self._checkpoint_fed = now
+        for r in self.checkpoints.stats().ranks:
+            self.metrics.checkpoint.update(
+                rank=r.rank,
+                memory_step=r.memory_step,
+                persisted_step=r.persisted_step,
+                save_seconds=r.last_copy_seconds or None,
+                persist_seconds=r.last_persist_seconds or None,
+                persist_bytes=r.last_persist_bytes or None,
+            )
 
     def run(self) -> int:
         cfg = self.cfg
@@ -107,16 +169,26 @@ class Agent:
                 "no ptrace permission: stack dumps will fail; run as root or add SYS_PTRACE"
             )
         server = self._serve_metrics()
+        if cfg.control:
+            socket = cfg.control_socket or control_socket_path(cfg.run_dir, cfg.job)
+            self.control = ControlServer(socket, self.checkpoints).start()
+        ended = False
         try:
             while not self._stop.is_set():
                 kinds = self.step(time.monotonic())
+                self.checkpoints.tick(time.monotonic())
                 if cfg.until == Until.INCIDENT and self.incidents:
                     break
                 if cfg.until == Until.JOB_END and EventKind.JOB_ENDED in kinds:
+                    ended = True
                     break
                 self.observer.wait(cfg.interval)
         finally:
             self.executor.join(timeout=cfg.stop_grace + 5)
+            if self.control is not None:
+                self.control.stop()
+            self.checkpoints.close()
+            self.checkpoints.tick(time.monotonic(), final=ended)
             self.observer.close()
             if server is not None:
                 server.close()

@@ -55,6 +55,7 @@ class DemoOptions:
     launcher: tuple[str, ...] = ()
     metrics_port: int | None = None  # the agent serves /metrics here (0: any free port)
     agent_args: tuple[str, ...] = ()  # extra `diag agent` flags
+    flash_every: int = 0  # flash-checkpoint every N steps; the agent persists one on the fault
 
 
 @dataclass
@@ -131,6 +132,8 @@ def run_demo(opts: DemoOptions, out=sys.stdout, stop: threading.Event | None = N
         opts.fault, "--fault-rank", str(opts.fault_rank), "--fault-step", str(opts.fault_step),
         "--straggle", str(opts.straggle), *opts.job_args,
     ]  # fmt: skip
+    if opts.flash_every:
+        job_cmd += ["--flash-every", str(opts.flash_every), "--save-dir", str(workdir / "ckpt")]
     print(
         f"diag demo: {opts.nproc} ranks, ZeRO-{opts.zero}, fault {opts.fault!r} on rank "
         f"{opts.fault_rank} at step {opts.fault_step}; workdir {workdir}",
@@ -272,6 +275,8 @@ def report(opts: DemoOptions, result: DemoResult, out=sys.stdout) -> int:
             f"{v.get('evidence', {}).get('stack_seconds', float('nan')):.2f} s"
         )
     p(f"incident: {result.incidents[0]}")
+    if opts.flash_every:
+        _report_flash(result.workdir / "ckpt", p)
     merged = result.merged
     if merged is not None:
         classes = merged.classes.get(View.PY, ())
@@ -289,6 +294,16 @@ def report(opts: DemoOptions, result: DemoResult, out=sys.stdout) -> int:
         else f"FAIL: culprit {v.get('culprit')} is not the injected rank {opts.fault_rank}"
     )
     return exitcodes.OK if ok else exitcodes.DEMO_MISMATCH
+
+
+def _report_flash(save_dir: Path, p) -> None:  # type: ignore[no-untyped-def]
+    from diag.collector.snapshot import read_latest_step
+
+    step = read_latest_step(save_dir)
+    if step is None:
+        p(f"flash checkpoint: nothing persisted in {save_dir}")
+    else:
+        p(f"flash checkpoint: step {step} persisted by the agent in {save_dir} (DeepSpeed layout)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -321,6 +336,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="the agent serves Prometheus metrics on this port during the demo",
     )
+    parser.add_argument(
+        "--flash-every",
+        type=int,
+        default=0,
+        help="flash-checkpoint every N steps; the agent persists the newest on the fault",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -330,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
         hang_timeout=args.hang_timeout, hang_floor=args.hang_floor, straggle=args.straggle,
         on_hang=args.on_hang, timeout=args.timeout, workdir=args.workdir,
         metrics_port=args.metrics_port,
+        flash_every=args.flash_every,
     )  # fmt: skip
     if shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
         raise exitcodes.UsageError("py-spy is not installed; run ./scripts/bootstrap.sh")

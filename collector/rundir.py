@@ -13,7 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from diag.collector.meta import safe_job_name
+
 RUN_DIR_ENV = "DIAG_RUN_DIR"
+CONTROL_SUFFIX = ".control.sock"
+ANY_JOB_SOCKET = "diag" + CONTROL_SUFFIX
 
 
 def default_run_dir(env: Mapping[str, str] = os.environ) -> Path:
@@ -32,6 +36,17 @@ def job_name(env: Mapping[str, str] = os.environ) -> str:
         if value and value != "none":
             return value
     return "job"
+
+
+def control_socket_path(run_dir: Path, job: str | None) -> Path:
+    """Where an agent serves its control channel: per job when it watches one job, else one
+    socket for every job in the run directory."""
+    return run_dir / (f"{safe_job_name(job)}{CONTROL_SUFFIX}" if job else ANY_JOB_SOCKET)
+
+
+def control_socket_candidates(run_dir: Path, job: str) -> list[Path]:
+    """Where a rank looks for its agent, best first."""
+    return [control_socket_path(run_dir, job), control_socket_path(run_dir, None)]
 
 
 def node_name(env: Mapping[str, str] = os.environ) -> str:

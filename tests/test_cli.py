@@ -88,6 +88,9 @@ def test_config_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
     assert c.policy.on_hang == OnHang.STOP  # file beats default
     assert c.policy.timeouts.phase_timeouts == {"eval": 99.0}
     assert c.run_dir == tmp_path
+    defaults = config_mod.load(parser.parse_args([]), env={})
+    assert defaults.timeline == Path("/root/timeline") and isinstance(defaults.run_dir, Path)
+    assert defaults.peers_dir == Path("/root/timeline/.peers")
     cfg.write_text("[agent]\nhang_timeot = 40\n")
     with pytest.raises(UsageError, match="unknown option 'hang_timeot'"):
         config_mod.load(parser.parse_args(["--config", str(cfg)]), env={})

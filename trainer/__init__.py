@@ -1,5 +1,17 @@
-"""Trainer-side API of diag: attach the collector, phases and steps. Never imports diag.agent."""
+"""Trainer-side API of diag: attach the collector, phases and steps, flash checkpoints.
+Never imports diag.agent."""
 
 from diag.trainer.attach import Session, attach, current, mark, phase, step
+from diag.trainer.flash import FlashCheckpointer, FlashCheckpointError, FlashStats
 
-__all__ = ["Session", "attach", "current", "mark", "phase", "step"]
+__all__ = [
+    "FlashCheckpointError",
+    "FlashCheckpointer",
+    "FlashStats",
+    "Session",
+    "attach",
+    "current",
+    "mark",
+    "phase",
+    "step",
+]

@@ -151,8 +151,11 @@ def attach(
     run_dir: str | os.PathLike[str] | None = None,
     job: str | None = None,
     capacity: int = DEFAULT_CAPACITY,
+    control: bool = True,
 ) -> Session:
-    """Instruments the current process (once; later calls only add the engine's hooks)."""
+    """Instruments the current process (once; later calls only add the engine's hooks). With
+    `control`, the rank also registers with the node's agent over the control channel (in the
+    background; nothing waits for it), which lets the agent ask it for its stacks."""
     global _session
     with _lock:
         if _session is None:
@@ -161,9 +164,21 @@ def attach(
             _session = Session(directory, job or job_name(), ident, capacity)
             _install_exit_hooks(_session)
             log.info("diag: journaling rank %d to %s", ident.rank, _session.path)
+            if control:
+                _start_control(_session, directory, ident)
         if engine is not None:
             _session.hook_engine(engine)
         return _session
+
+
+def _start_control(session: Session, run_dir: Path, ident: RankIdentity) -> None:
+    from diag.trainer.control import ClientIdentity, shared_client
+
+    m = session.meta
+    client_ident = ClientIdentity(
+        m.job, ident.rank, ident.world_size, ident.local_rank, ident.attempt, m.node, m.pid
+    )
+    shared_client(run_dir, client_ident, journal=str(session.path))
 
 
 def current() -> Session | None:

@@ -41,6 +41,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     # The deepspeed launcher passes this; the rank comes from the environment either way.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--flash-every", type=int, default=0, help="flash-checkpoint every N steps (0: never)"
+    )
+    p.add_argument("--save-dir", default="", help="where the agent persists flash checkpoints")
     return p.parse_args(argv)
 
 
@@ -92,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not args.no_attach:
         diag.trainer.attach(engine)
+    ckpt = None
+    if args.flash_every:
+        ckpt = diag.trainer.FlashCheckpointer(engine, args.save_dir or "checkpoints")
+        ckpt.load()
     gen = torch.Generator().manual_seed(args.seed + rank)
     faulty = args.fault != "none" and rank == args.fault_rank
     t0 = time.monotonic()
@@ -104,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         loss = (engine(x) - x).pow(2).mean()
         engine.backward(loss)
         engine.step()
+        if ckpt is not None and (step + 1) % args.flash_every == 0:
+            # Memory only: the agent persists the newest snapshot if a rank dies or hangs.
+            ckpt.save(step + 1)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             # Only rank 0 evaluates; the others wait for it at the barrier, outside any phase.
             if rank == 0:
@@ -114,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
     if rank == 0:
         print(f"done: {args.steps} steps in {time.monotonic() - t0:.1f} s", flush=True)
+    if ckpt is not None:
+        ckpt.close()
     dist.destroy_process_group()
     return 0
 

@@ -1,0 +1,1 @@
+"""Flash checkpoints on the agent side: persisting snapshots, the control channel, cleanup."""

@@ -1,0 +1,311 @@
+"""The agent's checkpoint side: who is connected, what to persist, when to clean up.
+
+- Ranks register over the control channel and keep a stream open; commands (flush, exit, dump)
+  and persist acknowledgements are queued per rank and sent on that stream (`send_command` is the
+  API the hang path and other parts of the agent use).
+- Persist requests are served by worker threads; a failure (a rank died, a hang about to be acted
+  on) persists synchronously, before anything is killed, every complete snapshot newer than
+  storage, newest first. Persisting also the older of a rank's two snapshots lets a step commit
+  when another node's rank died in the middle of copying the newest one.
+- Snapshots of a job whose writers are all gone are removed once nothing is left to persist:
+  at once after a clean exit, after `linger` seconds after a failure (a restart loads them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from diag.agent.checkpoint.persist import PersistResult, persist_slot
+from diag.agent.checkpoint.sessions import CommandReport, RankKey, Sessions
+from diag.agent.checkpoint.stats import CheckpointStats, RankCheckpointStats
+from diag.agent.checkpoint.storage import marker_path
+from diag.collector.slotfile import SlotFile, read_snapshots
+from diag.collector.snapshot import SnapshotError, find_slots, read_latest_step
+
+log = logging.getLogger(__name__)
+
+INCIDENT_LOCK_TIMEOUT_S = 2.0  # a writer stuck mid-copy must not stall the incident path
+SCAN_INTERVAL_S = 2.0
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    save_dir: Path | None = None  # overrides the save dir snapshots name (a different mount)
+    keep_last: int = 3
+    linger: float = 300.0
+    workers: int = 2
+    lock_timeout: float = 10.0
+
+
+@dataclass(frozen=True)
+class _Job:
+    job: str
+    rank: int
+    step: int | None
+    save_dir: str
+    reply: bool
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        run_dir: Path,
+        job: str | None = None,
+        options: CheckpointOptions | None = None,
+    ) -> None:
+        self.run_dir = run_dir
+        self.job = job
+        self.options = options or CheckpointOptions()
+        self.sessions = Sessions()
+        self._lock = threading.Lock()
+        self._rank_locks: dict[RankKey, threading.Lock] = defaultdict(threading.Lock)
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._inflight: dict[str, int] = defaultdict(int)  # job -> queued or running persists
+        self._dead_since: dict[str, float] = {}
+        self._last_scan = 0.0
+        self._persisted: dict[RankKey, PersistResult] = {}
+        self.results: list[PersistResult] = []
+        self._workers = [
+            threading.Thread(target=self._work, name=f"diag-persist-{i}", daemon=True)
+            for i in range(max(1, self.options.workers))
+        ]
+        for t in self._workers:
+            t.start()
+
+    # -- ranks and commands (the API other parts of the agent use) ------------------------------
+
+    def send_command(
+        self, job: str, kind: int, ranks: list[int] | None = None, **kw: Any
+    ) -> dict[int, str]:
+        return self.sessions.send_command(job, kind, ranks, **kw)
+
+    def wait_reports(self, ids: list[str], timeout: float) -> dict[str, CommandReport]:
+        return self.sessions.wait_reports(ids, timeout)
+
+    def connected(self, job: str) -> list[int]:
+        return self.sessions.connected(job)
+
+    # -- persisting ----------------------------------------------------------------------------------
+
+    def request_persist(self, job: str, rank: int, step: int, save_dir: str) -> tuple[bool, str]:
+        if self.job and job != self.job:
+            return False, f"this agent watches job {self.job!r} only"
+        with self._lock:
+            self._inflight[job] += 1
+        self._queue.put(_Job(job, rank, step, save_dir, reply=True))
+        return True, ""
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                result = self._persist_rank(item.job, item.rank, item.step)
+                self._acknowledge(item, result)
+            except Exception:
+                log.exception("persist of %s rank %d failed", item.job, item.rank)
+            finally:
+                with self._lock:
+                    self._inflight[item.job] -= 1
+
+    def _slot_of(self, job: str, rank: int, step: int | None) -> list[Path]:
+        """The slot files of a rank holding `step` complete (any complete one when None)."""
+        snaps = [s for s in read_snapshots(find_slots(self.run_dir, job)) if s.meta.rank == rank]
+        if step is not None:
+            snaps = [s for s in snaps if s.meta.step == step]
+        return [s.path for s in sorted(snaps, key=lambda s: -s.meta.step)]
+
+    def _persist_rank(
+        self, job: str, rank: int, step: int | None, lock_timeout: float | None = None
+    ) -> PersistResult:
+        key = RankKey(job, rank)
+        with self._rank_locks[key]:
+            paths = self._slot_of(job, rank, step)
+            if not paths:
+                return PersistResult(
+                    job, rank, step or -1, "", False, f"step {step} is not in memory (overwritten?)"
+                )
+            result = persist_slot(
+                paths[0],
+                step=step,
+                save_dir=self.options.save_dir,
+                keep=self.options.keep_last,
+                lock_timeout=self.options.lock_timeout if lock_timeout is None else lock_timeout,
+            )
+        self._record(result)
+        return result
+
+    def _record(self, result: PersistResult) -> None:
+        with self._lock:
+            self.results.append(result)
+            del self.results[:-256]
+            if result.ok:
+                key = RankKey(result.job, result.rank)
+                prev = self._persisted.get(key)
+                if prev is None or result.step >= prev.step:
+                    self._persisted[key] = result
+        if result.ok and not result.skipped:
+            log.info(
+                "persisted %s rank %d step %d: %.1f MB in %.2f s%s",
+                result.job, result.rank, result.step, result.nbytes / 1e6, result.seconds,
+                " (committed)" if result.committed else "",
+            )  # fmt: skip
+        elif not result.ok:
+            log.warning(
+                "could not persist %s rank %d step %d: %s",
+                result.job, result.rank, result.step, result.error,
+            )  # fmt: skip
+
+    def _acknowledge(self, item: _Job, result: PersistResult) -> None:
+        from diag.proto import control_pb2 as pb
+
+        ack = pb.PersistAck(
+            step=item.step if item.step is not None else result.step, ok=result.ok,
+            error=result.error, seconds=result.seconds, bytes=result.nbytes,
+            committed=result.committed,
+        )  # fmt: skip
+        self.sessions.post(RankKey(item.job, item.rank), pb.AgentMessage(persist_ack=ack))
+        if result.committed:
+            # The commit completed by this rank's part is news for the other local ranks too.
+            done = pb.PersistAck(step=result.step, ok=True, committed=True)
+            for rank in self.sessions.of_job(item.job):
+                if rank != item.rank:
+                    self.sessions.post(RankKey(item.job, rank), pb.AgentMessage(persist_ack=done))
+
+    def persist_newest(self, job: str) -> list[PersistResult]:
+        """Persists, now, every complete snapshot of `job` newer than what storage holds for its
+        rank, newest first. Used on failures, before ranks are stopped."""
+        snaps = read_snapshots(find_slots(self.run_dir, job))
+        results = []
+        for snap in sorted(snaps, key=lambda s: (-s.meta.step, s.meta.rank)):
+            save_dir = self.options.save_dir or Path(snap.meta.save_dir)
+            if marker_path(save_dir, snap.meta.step, snap.meta.rank).exists():
+                continue
+            results.append(
+                self._persist_rank(job, snap.meta.rank, snap.meta.step, INCIDENT_LOCK_TIMEOUT_S)
+            )
+        return results
+
+    def persist_all_jobs(self, jobs: set[str]) -> list[PersistResult]:
+        out = []
+        for job in sorted(jobs):
+            out += self.persist_newest(job)
+        return out
+
+    def jobs_in_run_dir(self) -> set[str]:
+        from diag.collector.snapshot import parse_slot_name
+
+        jobs = set()
+        for p in find_slots(self.run_dir, self.job):
+            name = parse_slot_name(p.name)
+            if name is not None:
+                jobs.add(name.job)
+        return jobs
+
+    # -- cleanup -----------------------------------------------------------------------------------
+
+    def tick(self, now: float, *, final: bool = False) -> list[Path]:
+        """Removes snapshots nobody needs any more; returns the files removed."""
+        if not final and now - self._last_scan < SCAN_INTERVAL_S:
+            return []
+        self._last_scan = now
+        by_job: dict[str, list[tuple[Path, int, float, bool]]] = defaultdict(list)
+        for p in find_slots(self.run_dir, self.job):
+            try:
+                slot = SlotFile.open(p)
+            except (OSError, SnapshotError):
+                continue
+            try:
+                h = slot.header()
+                by_job[h.job].append((p, h.writer_pid, h.writer_start, h.closed))
+            finally:
+                slot.close()
+        removed = []
+        for job, files in by_job.items():
+            # A connected rank counts as a live writer too (when the agent cannot see the
+            # trainer's PIDs, e.g. without a shared PID namespace).
+            if self.connected(job) or any(_alive(pid, start) for _, pid, start, _ in files):
+                self._dead_since.pop(job, None)
+                continue
+            since = self._dead_since.setdefault(job, now)
+            with self._lock:
+                busy = self._inflight.get(job, 0) > 0
+            clean = all(closed for *_, closed in files)
+            if busy or not (final or clean or now - since >= self.options.linger):
+                continue
+            for p, *_ in files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+                    removed.append(p)
+            self._dead_since.pop(job, None)
+            log.info("removed %d snapshot slot(s) of job %s (no live writer)", len(files), job)
+        return removed
+
+    # -- facts -------------------------------------------------------------------------------------
+
+    def stats(self) -> CheckpointStats:
+        ranks = []
+        committed: dict[str, int] = {}
+        snaps = read_snapshots(find_slots(self.run_dir, self.job))
+        newest: dict[RankKey, tuple[int, int, float]] = {}
+        for s in snaps:
+            key = RankKey(s.meta.job, s.meta.rank)
+            if key not in newest or s.meta.step > newest[key][0]:
+                newest[key] = (s.meta.step, s.meta.nbytes, s.header.copy_seconds)
+            save_dir = self.options.save_dir or Path(s.meta.save_dir)
+            step = read_latest_step(save_dir)
+            if step is not None:
+                committed[s.meta.job] = max(committed.get(s.meta.job, -1), step)
+        with self._lock:
+            persisted = dict(self._persisted)
+            results = list(self.results)
+        for key in sorted(set(newest) | set(persisted), key=lambda k: (k.job, k.rank)):
+            mem = newest.get(key)
+            p = persisted.get(key)
+            ranks.append(
+                RankCheckpointStats(
+                    job=key.job, rank=key.rank,
+                    memory_step=mem[0] if mem else None,
+                    memory_bytes=mem[1] if mem else 0,
+                    last_copy_seconds=mem[2] if mem else 0.0,
+                    persisted_step=p.step if p else None,
+                    last_persist_seconds=p.seconds if p else 0.0,
+                    last_persist_bytes=p.nbytes if p else 0,
+                )
+            )  # fmt: skip
+        return CheckpointStats(
+            ranks=tuple(ranks),
+            committed_step=committed,
+            persists_ok=sum(1 for r in results if r.ok),
+            persists_failed=sum(1 for r in results if not r.ok),
+        )
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finishes queued persists (up to `timeout` seconds), ends the workers and the streams."""
+        for _ in self._workers:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.sessions.close()
+
+
+def _alive(pid: int, start: float) -> bool:
+    try:
+        return abs(psutil.Process(pid).create_time() - start) <= 0.05
+    except psutil.AccessDenied:
+        return True
+    except (psutil.NoSuchProcess, ValueError):
+        return False

@@ -1,0 +1,136 @@
+"""Writes one rank's snapshot from shared memory to storage, in DeepSpeed's own layout.
+
+The slot is held with a shared lock for the whole write, so the trainer cannot overwrite it
+meanwhile (it writes its next snapshot into another slot). A slot that is torn (its writer died
+mid-copy), or that no longer holds the requested step, is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from diag.agent.checkpoint import storage
+from diag.agent.checkpoint.torchzip import write_torch_file
+from diag.collector.slotfile import SlotFile
+from diag.collector.snapshot import FileEntry, SnapshotError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PersistResult:
+    job: str
+    rank: int
+    step: int
+    save_dir: str
+    ok: bool
+    error: str = ""
+    seconds: float = 0.0
+    nbytes: int = 0
+    files: tuple[str, ...] = ()
+    committed: bool = False
+    skipped: bool = False  # already on storage: nothing written
+
+
+def persist_slot(
+    path: Path,
+    *,
+    step: int | None = None,
+    save_dir: Path | None = None,
+    keep: int = 0,
+    lock_timeout: float = 10.0,
+) -> PersistResult:
+    """Persists the complete snapshot in slot file `path` (of `step`, when given) under its save
+    directory (or `save_dir`), marks this rank's part done, and commits the step when every rank's
+    part is there."""
+    t0 = time.monotonic()
+    try:
+        slot = SlotFile.open(path)
+    except (OSError, SnapshotError) as e:
+        return PersistResult("", -1, step or -1, "", False, f"cannot open {path}: {e}")
+    try:
+        h = slot.header()
+        if not slot.lock_shared(lock_timeout):
+            return PersistResult(
+                h.job, h.rank, step or h.step, "", False, f"{path.name} stays locked by its writer"
+            )
+        h = slot.header()
+        if not h.complete:
+            return PersistResult(h.job, h.rank, step or -1, "", False, f"{path.name} is torn")
+        if step is not None and h.step != step:
+            return PersistResult(
+                h.job, h.rank, step, "", False, f"{path.name} holds step {h.step}, not {step}"
+            )
+        meta = slot.meta()
+        target = save_dir or Path(meta.save_dir)
+        if storage.marker_path(target, meta.step, meta.rank).exists():
+            committed = storage.try_commit(target, meta.step, meta.world_size, keep)
+            return PersistResult(
+                meta.job, meta.rank, meta.step, str(target), True,
+                seconds=time.monotonic() - t0, committed=committed, skipped=True,
+            )  # fmt: skip
+        written, nbytes = [], 0
+        for f in meta.files:
+            if f.persist:
+                nbytes += _write_file(slot, target, f)
+                written.append(f.path)
+        for d in {(target / p).parent for p in written}:
+            storage.fsync_dir(d)
+        storage.write_marker(
+            target,
+            meta.step,
+            meta.rank,
+            {
+                "job": meta.job,
+                "rank": meta.rank,
+                "world_size": meta.world_size,
+                "node": meta.node,
+                "agent_host": socket.gethostname(),
+                "files": written,
+                "bytes": nbytes,
+                "written_at": time.time(),
+            },
+        )
+        slot.unlock()  # the bytes are on storage; the trainer may reuse the slot
+        committed = storage.try_commit(target, meta.step, meta.world_size, keep)
+        seconds = time.monotonic() - t0
+        return PersistResult(
+            meta.job, meta.rank, meta.step, str(target), True, seconds=seconds, nbytes=nbytes,
+            files=tuple(written), committed=committed,
+        )  # fmt: skip
+    except (OSError, SnapshotError, ValueError) as e:
+        log.exception("persisting %s failed", path)
+        return PersistResult("", -1, step or -1, "", False, f"{type(e).__name__}: {e}")
+    finally:
+        slot.close()
+
+
+def _write_file(slot: SlotFile, save_dir: Path, f: FileEntry) -> int:
+    path = save_dir / f.path
+    if f.kind == "raw":
+        data = slot.view(f.data.offset, f.data.length) if f.data else b""
+        if not _same_content(path, data):  # the recovery scripts rarely change
+            storage.write_bytes_atomic(path, data, f.mode)
+        return len(data)
+    if f.pickle is None:
+        raise SnapshotError(f"{f.path}: no pickled structure")
+    pickle = slot.view(f.pickle.offset, f.pickle.length)
+    storages = [(s.key, slot.view(s.offset, s.nbytes)) for s in f.storages]
+    sizes = [0]
+
+    def fill(fd: int) -> None:
+        sizes[0] = write_torch_file(fd, path.name, pickle, storages)
+
+    storage.write_atomic(path, fill, f.mode)
+    return sizes[0]
+
+
+def _same_content(path: Path, data: memoryview | bytes) -> bool:
+    try:
+        return path.stat().st_size == len(data) and path.read_bytes() == bytes(data)
+    except OSError:
+        return False

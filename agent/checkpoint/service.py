@@ -1,0 +1,177 @@
+"""The agent's end of the control channel: a gRPC server on a unix socket in the run directory.
+
+Protobuf messages are turned into our own types here, at the edge; the manager never sees them
+(except the outgoing AgentMessages it queues per rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import socket
+from concurrent import futures
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from diag.agent.checkpoint.manager import CheckpointManager
+from diag.agent.checkpoint.sessions import CommandReport, RankKey
+from diag.agent.exitcodes import UsageError
+from diag.collector.meta import safe_job_name
+from diag.collector.slotfile import read_snapshots
+from diag.collector.snapshot import find_slots, read_latest_step
+from diag.proto import control_pb2 as pb
+from diag.proto import control_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_WORKERS = 64  # every connected rank holds one for its stream
+_UNIX_PATH_MAX = 107
+
+
+def _key(rid: Any) -> RankKey:
+    return RankKey(safe_job_name(rid.job), rid.rank)
+
+
+class ControlService(pb_grpc.ControlServicer):
+    def __init__(self, manager: CheckpointManager) -> None:
+        self.manager = manager
+        try:
+            self.version = version("diag")
+        except PackageNotFoundError:
+            self.version = "unknown"
+
+    def Register(self, request: Any, context: Any) -> Any:
+        rid = request.id
+        self.manager.sessions.register(
+            _key(rid),
+            request.pid,
+            world_size=rid.world_size,
+            node=rid.node,
+            journal=request.journal,
+            save_dir=request.save_dir,
+        )
+        log.debug("rank %d of %s registered (pid %d)", rid.rank, rid.job, request.pid)
+        return pb.RegisterReply(agent_pid=os.getpid(), agent_version=self.version)
+
+    def Subscribe(self, request: Any, context: Any) -> Any:
+        sessions = self.manager.sessions
+        session = sessions.register(_key(request.id), request.pid)
+        sessions.set_streaming(session, True)
+        context.add_callback(lambda: sessions.set_streaming(session, False))
+        try:
+            while context.is_active():
+                try:
+                    msg = session.outbox.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if msg is None:
+                    return
+                yield msg
+        finally:
+            sessions.set_streaming(session, False)
+
+    def Persist(self, request: Any, context: Any) -> Any:
+        key = _key(request.id)
+        ok, reason = self.manager.request_persist(key.job, key.rank, request.step, request.save_dir)
+        return pb.PersistReply(accepted=ok, reason=reason)
+
+    def Report(self, request: Any, context: Any) -> Any:
+        self.manager.sessions.report(
+            CommandReport(
+                command_id=request.command_id,
+                rank=request.id.rank,
+                ok=request.ok,
+                detail=request.detail,
+                step=request.step,
+                path=request.path,
+            )
+        )
+        return pb.ReportReply()
+
+    def Status(self, request: Any, context: Any) -> Any:
+        job = safe_job_name(request.job)
+        memory: dict[int, int] = {}
+        save_dir = ""
+        for s in read_snapshots(find_slots(self.manager.run_dir, job)):
+            memory[s.meta.rank] = max(memory.get(s.meta.rank, -1), s.meta.step)
+            save_dir = save_dir or s.meta.save_dir
+        stats = {r.rank: r for r in self.manager.stats().ranks if r.job == job}
+        sessions = self.manager.sessions.of_job(job)
+        save_dir = save_dir or next((s.save_dir for s in sessions.values() if s.save_dir), "")
+        if self.manager.options.save_dir is not None:
+            save_dir = str(self.manager.options.save_dir)
+        committed = read_latest_step(save_dir) if save_dir else None
+        ranks = []
+        for rank in sorted(set(memory) | set(sessions)):
+            st = stats.get(rank)
+            s = sessions.get(rank)
+            ranks.append(
+                pb.RankStatus(
+                    rank=rank,
+                    pid=s.pid if s else 0,
+                    connected=bool(s and s.streaming),
+                    memory_step=memory.get(rank, -1),
+                    persisted_step=st.persisted_step
+                    if st and st.persisted_step is not None
+                    else -1,
+                )
+            )
+        return pb.StatusReply(
+            ranks=ranks, committed_step=-1 if committed is None else committed, save_dir=save_dir
+        )
+
+
+class ControlServer:
+    def __init__(self, path: Path, manager: CheckpointManager) -> None:
+        self.path = path
+        self.manager = manager
+        self.server: Any = None
+
+    def start(self) -> ControlServer:
+        if len(str(self.path)) > _UNIX_PATH_MAX:
+            raise UsageError(
+                f"the control socket path {self.path} is longer than {_UNIX_PATH_MAX} bytes; "
+                "use a shorter --run-dir or set --control-socket"
+            )
+        if self.path.exists():
+            if _answers(self.path):
+                raise UsageError(
+                    f"another agent already serves {self.path}; stop it, or give this one "
+                    "another --run-dir, --job or --control-socket"
+                )
+            self.path.unlink()  # left by an agent that died
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="diag-grpc"),
+            maximum_concurrent_rpcs=MAX_WORKERS * 2,
+        )
+        pb_grpc.add_ControlServicer_to_server(ControlService(self.manager), server)
+        if server.add_insecure_port(f"unix:{self.path}") == 0:
+            raise UsageError(f"cannot serve the control channel on {self.path}")
+        server.start()
+        self.server = server
+        log.info("control channel on %s", self.path)
+        return self
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self.server is None:
+            return
+        self.server.stop(grace).wait(grace + 1)
+        self.server = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def _answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True

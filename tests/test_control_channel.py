@@ -1,0 +1,193 @@
+"""The control channel with a real gRPC server on a unix socket and the trainer's real client:
+registration, status, commands and reports, persist requests and acknowledgements, a late agent,
+an agent restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from snapshot_helpers import captured, model_states, new_slot, write_snapshot
+
+from diag.agent.checkpoint.manager import CheckpointManager
+from diag.agent.checkpoint.service import ControlServer
+from diag.agent.checkpoint.sessions import CommandKind
+from diag.collector.rundir import control_socket_path
+from diag.proto import control_pb2 as pb
+from diag.proto import control_pb2_grpc as pb_grpc
+from diag.trainer.control import ClientIdentity, ControlClient
+from diag.viewer.stacks import RankDump
+
+JOB = "ctl"
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+@pytest.fixture
+def run_dir():
+    d = Path(tempfile.mkdtemp(prefix="diag-test-ctl-", dir="/dev/shm"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class Agent:
+    """The agent's checkpoint side alone: manager + gRPC server."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.manager = CheckpointManager(run_dir, None)
+        self.server = ControlServer(control_socket_path(run_dir, JOB), self.manager).start()
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.manager.close(timeout=10)
+
+
+@pytest.fixture
+def agents(run_dir: Path):
+    started: list[Agent] = []
+
+    def start() -> Agent:
+        a = Agent(run_dir)
+        started.append(a)
+        return a
+
+    try:
+        yield start
+    finally:
+        for a in started:
+            a.stop()
+
+
+@pytest.fixture
+def clients(run_dir: Path):
+    made: list[ControlClient] = []
+
+    def make(rank: int = 0) -> ControlClient:
+        ident = ClientIdentity(JOB, rank, 2, rank, 0, "node-a", os.getpid() + rank)
+        c = ControlClient(run_dir, ident, journal=f"/j{rank}").start()
+        made.append(c)
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.close()
+
+
+@pytest.mark.timeout(60)
+def test_register_status_and_commands(run_dir: Path, agents, clients, tmp_path: Path) -> None:
+    agent = agents()
+    c0, c1 = clients(0), clients(1)
+    got: list[pb.Command] = []
+    c1.on_command = got.append
+    assert wait_for(lambda: agent.manager.connected(JOB) == [0, 1])
+    assert c0.agent_pid == os.getpid()
+
+    with grpc.insecure_channel(f"unix:{agent.server.path}") as ch:
+        status = pb_grpc.ControlStub(ch).Status(pb.StatusRequest(job=JOB), timeout=5)
+    assert [(r.rank, r.connected, r.memory_step) for r in status.ranks] == [
+        (0, True, -1),
+        (1, True, -1),
+    ]
+
+    sent = agent.manager.send_command(JOB, CommandKind.FLUSH, [1], reason="test")
+    assert list(sent) == [1]
+    assert wait_for(lambda: len(got) == 1)
+    assert got[0].kind == pb.COMMAND_KIND_FLUSH and got[0].reason == "test"
+    c1.report(got[0].id, True, step=12)
+    reports = agent.manager.wait_reports([sent[1]], timeout=10)
+    assert reports[sent[1]].ok and reports[sent[1]].step == 12
+
+    # DUMP is answered by the client itself: this process's stacks, in our dump format.
+    dumps = agent.manager.send_command(JOB, CommandKind.DUMP, dump_dir=str(tmp_path))
+    reports = agent.manager.wait_reports(list(dumps.values()), timeout=10)
+    assert sorted(r.rank for r in reports.values()) == [0, 1]
+    for r in reports.values():
+        assert r.ok, r.detail
+        dump = RankDump.load(Path(r.path))
+        assert dump.rank == r.rank and dump.world_size == 2
+        funcs = {f.func for t in dump.threads for f in t.frames}
+        assert "test_register_status_and_commands" in funcs, "the test's own frame is there"
+
+
+@pytest.mark.timeout(60)
+def test_persist_request_and_acknowledgement(run_dir: Path, agents, clients, tmp_path) -> None:
+    agent = agents()
+    client = clients(0)
+    acks: list[pb.PersistAck] = []
+    client.on_ack = acks.append
+    assert client.wait_connected(20)
+    slot = new_slot(run_dir, JOB, 0, 0, world=1)
+    files = captured({"global_step7/mp_rank_00_model_states.pt": model_states(7)})
+    write_snapshot(slot, 7, files, job=JOB, rank=0, world=1, save_dir=tmp_path)
+    slot.close()
+    client.persist(7, str(tmp_path))
+    assert wait_for(lambda: len(acks) == 1)
+    assert acks[0].ok and acks[0].committed and acks[0].step == 7 and acks[0].bytes > 0
+    assert client.persist_pending() == []
+    assert (tmp_path / "latest").read_text() == "global_step7"
+    client.persist(8, str(tmp_path))  # not in memory: refused with a reason, never blocks
+    assert wait_for(lambda: len(acks) == 2)
+    assert not acks[1].ok and "not in memory" in acks[1].error
+    (stats,) = agent.manager.stats().ranks
+    assert stats.persisted_step == 7 and stats.memory_step == 7 and stats.last_persist_bytes > 0
+
+
+@pytest.mark.timeout(60)
+def test_late_agent_and_agent_restart(run_dir: Path, agents, clients, tmp_path, caplog) -> None:
+    client = clients(0)
+    acks: list[pb.PersistAck] = []
+    client.on_ack = acks.append
+    client.persist(3, str(tmp_path))  # no agent yet: returns at once, stays pending
+    assert client.persist_pending() == [3] and not client.connected
+    assert wait_for(lambda: "no diag agent socket" in caplog.text, 10)
+
+    first = agents()
+    assert client.wait_connected(20), "a late agent is found"
+    assert wait_for(lambda: len(acks) == 1), "the pending request was sent after connecting"
+    assert not acks[0].ok  # step 3 was never in memory
+
+    first.stop()
+    assert wait_for(lambda: not client.connected)
+    second = agents()
+    assert wait_for(lambda: client.connected and client.connects == 2)
+    assert wait_for(lambda: second.manager.connected(JOB) == [0])
+    sent = second.manager.send_command(JOB, CommandKind.DUMP, dump_dir=str(tmp_path / "d"))
+    assert second.manager.wait_reports(list(sent.values()), timeout=10)
+
+
+def test_stale_socket_is_replaced_and_a_live_agent_is_not(run_dir: Path, agents) -> None:
+    path = control_socket_path(run_dir, JOB)
+    path.write_text("")  # left by an agent that died
+    agent = agents()
+    assert agent.server.path == path
+    from diag.agent.exitcodes import UsageError
+
+    with pytest.raises(UsageError, match="another agent"):
+        agents()
+
+
+def test_command_to_a_rank_that_never_listened_is_not_sent(run_dir: Path, agents) -> None:
+    agent = agents()
+    from diag.agent.checkpoint.sessions import RankKey
+
+    agent.manager.sessions.register(RankKey(JOB, 0), 1234)  # registered, no stream
+    assert agent.manager.send_command(JOB, CommandKind.EXIT) == {}
+    assert json.dumps(agent.manager.wait_reports([], 0.1)) == "{}"

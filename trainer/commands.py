@@ -1,0 +1,73 @@
+"""Agent commands at step boundaries: every rank acts on the same step.
+
+The control thread drops FLUSH and EXIT commands into a mailbox; at each step boundary the ranks
+all-reduce (MAX) a three-byte flag vector (flush, exit, exit code) over a CPU (gloo) group, the
+way ms-swift's graceful exit does, so a command that reached one rank (or one node's agent) is
+honoured by all ranks at the same step. The cost is one tiny collective per boundary.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Pending:
+    command_id: str
+    kind: str  # "flush" or "exit"
+    exit_code: int = 0
+
+
+@dataclass(frozen=True)
+class Agreement:
+    flush: bool
+    exit: bool
+    exit_code: int
+
+
+@dataclass
+class CommandBox:
+    _items: list[Pending] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def put(self, item: Pending) -> None:
+        with self._lock:
+            self._items.append(item)
+
+    def take(self) -> list[Pending]:
+        with self._lock:
+            items, self._items = self._items, []
+            return items
+
+    def local_flags(self) -> Agreement:
+        with self._lock:
+            exits = [p for p in self._items if p.kind == "exit"]
+            return Agreement(
+                flush=any(p.kind == "flush" for p in self._items),
+                exit=bool(exits),
+                exit_code=max((p.exit_code for p in exits), default=0),
+            )
+
+
+def agree(local: Agreement, group: Any, world_size: int) -> Agreement:
+    """The MAX over all ranks of every rank's flags."""
+    if world_size <= 1:
+        return local
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.tensor(
+        [int(local.flush), int(local.exit), max(0, min(local.exit_code, 255))], dtype=torch.uint8
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return Agreement(bool(flags[0]), bool(flags[1]), int(flags[2]))
+
+
+def command_group(dist: Any) -> Any:
+    """A CPU group for the flags: the default group when it is gloo, else a new gloo group (so a
+    NCCL job does not synchronize a CUDA stream for three bytes). Collective: all ranks call it."""
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")

@@ -1,0 +1,80 @@
+"""Pure decisions of the flash checkpointer, taken from facts every rank contributes.
+
+- where to resume from: the newest step that *every* rank holds complete in memory, unless the
+  storage holds a newer one (a rank killed in the middle of a copy has only its previous step, so
+  the ranks agree on that one);
+- which ranks keep a node-local copy of the model-states file so that a restart can load from
+  memory on nodes where DeepSpeed writes no model file (ZeRO 1 and 2 write it on data-parallel
+  rank 0 only).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class Source(enum.Enum):
+    MEMORY = "memory"
+    STORAGE = "storage"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    rank: int
+    memory_steps: tuple[int, ...]  # complete in memory, with every file this rank needs to load
+    storage_step: int | None  # the step the storage's `latest` names, as this rank reads it
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    source: Source
+    step: int | None
+    reason: str
+
+
+def plan_resume(facts: Sequence[RankFacts]) -> ResumePlan:
+    if not facts:
+        return ResumePlan(Source.NONE, None, "no ranks")
+    common = set(facts[0].memory_steps)
+    for f in facts[1:]:
+        common &= set(f.memory_steps)
+    storage_steps = {f.storage_step for f in facts}
+    storage = None if None in storage_steps else min(storage_steps)  # type: ignore[type-var]
+    memory = max(common) if common else None
+    if memory is not None and (storage is None or memory >= storage):
+        return ResumePlan(Source.MEMORY, memory, f"step {memory} is in memory on every rank")
+    if storage is not None:
+        why = (
+            f"memory holds only step {memory}, older than storage"
+            if memory is not None
+            else "no step is in memory on every rank"
+        )
+        return ResumePlan(Source.STORAGE, storage, f"{why}; storage names step {storage}")
+    return ResumePlan(Source.NONE, None, "no checkpoint in memory or on storage")
+
+
+@dataclass(frozen=True)
+class WriterFacts:
+    rank: int
+    node: str
+    local_rank: int
+    mp_rank: int
+    writes_model: bool  # DeepSpeed writes this rank's model-states file
+
+
+def replica_ranks(facts: Sequence[WriterFacts]) -> set[int]:
+    """Ranks that keep a node-local copy of the model states: on each node, for each model-parallel
+    rank whose model file no local rank writes, the lowest local rank of that mp rank."""
+    written = {(f.node, f.mp_rank) for f in facts if f.writes_model}
+    chosen: dict[tuple[str, int], WriterFacts] = {}
+    for f in facts:
+        key = (f.node, f.mp_rank)
+        if key in written:
+            continue
+        best = chosen.get(key)
+        if best is None or f.local_rank < best.local_rank:
+            chosen[key] = f
+    return {f.rank for f in chosen.values()}
