@@ -151,10 +151,11 @@ def decide(state: WatchState, obs: Observation, policy: Policy) -> Decision:
 
 
 def _progressed_since(state: WatchState, obs: Observation) -> bool:
+    """A live rank moved after the incident, and no dead rank is still in view (the observer
+    stops showing ranks that ended a while ago, so a relaunched job can recover)."""
     before = dict(state.activity_at_incident)
-    return any(
-        r.alive and r.rank in before and r.last_activity > before[r.rank] for r in obs.ranks
-    ) and not any(r.liveness == Liveness.DIED for r in obs.ranks)
+    moved = any(r.alive and r.last_activity > before.get(r.rank, float("-inf")) for r in obs.ranks)
+    return moved and not any(r.liveness == Liveness.DIED for r in obs.ranks)
 
 
 def _job_end(state: WatchState, obs: Observation, events: list[Event]) -> WatchState:

@@ -28,6 +28,7 @@ _HISTORY_STEPS = 16
 _HISTORY_OPS = 256
 _LEFTOVER_IDLE_S = 600.0  # an unseen writer this idle before we started is a leftover
 _UNSETTLED_TRIES = 20
+ENDED_LINGER_S = 60.0  # how long a rank whose process ended stays in view
 _SETTLED_STEP = 2  # polls before giving up on a slot left half-written by a dead writer
 
 
@@ -206,8 +207,24 @@ class Observer:
     def wait(self, timeout: float) -> list[int]:
         return self.procs.wait(timeout)
 
+    def forget_ended(self, now: float) -> None:
+        """Drops ranks whose process ended more than `ENDED_LINGER_S` ago. Their journal stays
+        on disk for evidence, but a rank that is gone for good must not hold an incident open
+        or be judged again (a relaunch under another job name, a rank of a finished run)."""
+        for path, t in list(self.trackers.items()):
+            info = self.procs.refresh(t.meta.pid, now)
+            if (
+                info is not None
+                and info.exited_at is not None
+                and now - info.exited_at > (ENDED_LINGER_S)
+            ):
+                self._stale.add((path, t.reader.inode))
+                self._drop(path)
+                log.info("rank %d (pid %d) ended; no longer watched", t.rank, t.meta.pid)
+
     def observe(self, now: float) -> Observation:
         self.discover()
+        self.forget_ended(now)
         ranks = []
         groups: dict[str, tuple[int, ...]] = {}
         recent: dict[int, tuple[OpView, ...]] = {}

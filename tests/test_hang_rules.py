@@ -276,3 +276,14 @@ def test_straggler_scores_name_the_rank_that_arrives_last() -> None:
         for r in range(4)
     }
     assert not any(s.is_straggler for s in straggler_scores(balanced, min_ops=5))
+
+
+def test_a_relaunch_recovers_once_the_dead_rank_is_out_of_view() -> None:
+    dead = rank(1, liveness=Liveness.DIED, exited_at=NOW - 1)
+    first = _decide(obs(rank(0, pending=(op(42, NOW - 0.5),)), dead))
+    assert first.verdict is not None and first.verdict.kind == VerdictKind.RANK_EXITED
+    still = _decide(obs(rank(0, last=NOW + 5), dead), state=first.state)
+    assert still.events == ()  # the dead rank is still in view: the incident stays open
+    relaunched = obs(rank(0, last=NOW + 70), rank(1, last=NOW + 70))
+    d = _decide(relaunched, state=first.state)
+    assert [e.kind for e in d.events] == [EventKind.RECOVERED] and d.state.incident is None
