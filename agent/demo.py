@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 from diag.agent import exitcodes
 from diag.agent.incident import VERDICT_FILE
 from diag.agent.observation import OpView
+from diag.agent.procs import stop_tree
 from diag.agent.straggler import StragglerScore, straggler_scores
 from diag.collector.journal import JournalFormatError, JournalReader
 from diag.collector.meta import JOURNAL_SUFFIX, read_meta
@@ -80,11 +80,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)
-
-
 def _progress(run_dir: Path) -> str:
     parts = []
     for path in sorted(run_dir.glob(f"*{JOURNAL_SUFFIX}")):
@@ -128,8 +123,8 @@ def run_demo(opts: DemoOptions, out=sys.stdout, stop: threading.Event | None = N
         "127.0.0.1", "--master-port", str(_free_port()), "--max-restarts", "0", "-m",
     ]  # fmt: skip
     job_cmd = [
-        *launcher, "diag.trainer.demo_job", "--steps", str(opts.steps), "--zero", str(opts.zero), "--fault",
-        opts.fault, "--fault-rank", str(opts.fault_rank), "--fault-step", str(opts.fault_step),
+        *launcher, "diag.trainer.demo_job", "--steps", str(opts.steps), "--zero",
+        str(opts.zero), "--fault", opts.fault, "--fault-rank", str(opts.fault_rank), "--fault-step", str(opts.fault_step),
         "--straggle", str(opts.straggle), *opts.job_args,
     ]  # fmt: skip
     if opts.flash_every:
@@ -174,12 +169,8 @@ def run_demo(opts: DemoOptions, out=sys.stdout, stop: threading.Event | None = N
     finally:
         for proc in (job, agent):
             if proc.poll() is None:
-                _kill_group(proc, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    _kill_group(proc)
-                    proc.wait(timeout=10)
+                stop_tree(proc.pid, grace=10)
+            proc.wait(timeout=10)
         agent_log.close()
         job_log.close()
     result.agent_rc, result.job_rc = agent.returncode, job.returncode

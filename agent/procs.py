@@ -8,6 +8,7 @@ is never taken for the rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -163,3 +164,22 @@ def proc_state_word(pid: int) -> str:
     except OSError:
         pass
     return ""
+
+
+def stop_tree(pid: int, grace: float = 10.0) -> None:
+    """Stops a process and everything it started: SIGTERM to the root (a launcher like torchrun
+    then stops its workers, which run in sessions of their own), SIGKILL to whatever of the tree
+    is left after `grace` seconds. The tree is listed before anything is signalled, so children
+    re-parented on their parent's death are not lost."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)

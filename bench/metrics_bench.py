@@ -17,7 +17,6 @@ import datetime as dt
 import os
 import platform
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
+
+from diag.agent.procs import stop_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -197,14 +198,9 @@ def run(args: argparse.Namespace, files: contextlib.ExitStack) -> int:
         )
     finally:
         for p in (*agents.values(), job):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in (*agents.values(), job):
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+            if p.poll() is None:
+                stop_tree(p.pid, grace=20)
+            p.wait(timeout=10)
 
     ref, ours = list(agents)
     lines = [

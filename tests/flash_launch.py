@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from diag.agent.procs import stop_tree
 
 JOB_SCRIPT = Path(__file__).with_name("flash_job.py")
 STEPS = 6
@@ -69,7 +70,7 @@ class Workspace:
                 return proc.wait(timeout)
             finally:
                 if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    stop_tree(proc.pid, grace=5)
                     proc.wait(10)
 
     def losses(self, name: str, zero: int) -> dict[int, str]:

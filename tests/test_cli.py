@@ -18,6 +18,7 @@ import pytest
 from diag.agent import config as config_mod
 from diag.agent.exitcodes import USAGE, UsageError
 from diag.agent.hang import OnHang
+from diag.agent.procs import stop_tree
 from diag.collector.journal import JournalReader
 from diag.viewer.stacks import RankDump
 
@@ -144,5 +145,5 @@ def test_dump_captures_every_journaled_rank_of_a_stuck_job(tmp_path: Path) -> No
         assert dumps[0].native and any(f.native for t in dumps[0].threads for f in t.frames)
         assert (incident / "00000-00002.journal.json").exists()
     finally:
-        os.killpg(job.pid, signal.SIGKILL)
+        stop_tree(job.pid, grace=5)
         job.wait(timeout=30)

@@ -10,7 +10,6 @@ real control channel:
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
 from diag.agent.checkpoint.sessions import CommandKind
 from diag.agent.checkpoint.storage import marker_path
+from diag.agent.procs import stop_tree
 from diag.collector.rundir import control_socket_path
 from diag.collector.snapshot import find_slots, read_latest_step
 from diag.viewer.stacks import RankDump
@@ -174,7 +174,7 @@ def test_flush_dump_and_exit_commands(ws: Workspace) -> None:
         )
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_tree(proc.pid, grace=5)
             proc.wait(10)
         server.stop()
         manager.close(timeout=30)

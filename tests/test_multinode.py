@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from diag.agent.procs import stop_tree
 from diag.viewer.merge import merge_incident
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -74,7 +75,7 @@ def test_both_nodes_name_the_hung_rank_on_node_b(tmp_path: Path) -> None:
     finally:
         for p in jobs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                stop_tree(p.pid, grace=5)
             p.wait(timeout=30)
         for a in agents:
             if a.poll() is None:
