@@ -46,6 +46,33 @@ def journal_cost(n: int = 200_000) -> float:
         return (time.perf_counter() - t0) / n * 1e6
 
 
+def wrapper_cost(n: int = 100_000) -> float:
+    """Host cost of one instrumented op as the trainer pays it: the ProcessGroup wrapper, the
+    enqueued record, tracking the work and completing it at wait(). The collective itself is
+    replaced by a stub returning a finished work, so only our code is timed."""
+    import torch
+
+    from diag.collector.hooks import Instrumentation, _Group
+    from diag.collector.journal import JournalWriter
+    from diag.collector.records import OpCode
+
+    class Work:
+        def is_completed(self) -> bool:
+            return True
+
+    with tempfile.TemporaryDirectory() as d:
+        w = JournalWriter(Path(d) / "bench.journal", rank=0, world_size=1, local_rank=0)
+        inst = Instrumentation(w, lambda *a: None)
+        pg, work = object(), Work()
+        inst._groups[id(pg)] = _Group(0, (0,))
+        args = ([torch.ones(1024)], object())
+        stub = lambda pg, *a, **k: work  # noqa: E731
+        t0 = time.perf_counter()
+        for _ in range(n):
+            inst._host.on_wait(inst._run(stub, OpCode.ALL_REDUCE, pg, args, {}))
+        return (time.perf_counter() - t0) / n * 1e6
+
+
 def _worker(mode: str, blocks: int, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -131,7 +158,7 @@ def run_ranks(mode: str, blocks: int) -> dict[str, list[float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--blocks", type=int, default=6)
+    p.add_argument("--blocks", type=int, default=12)
     p.add_argument("--worker", choices=("ops", "steps"))
     p.add_argument("--out")
     a = p.parse_args()
@@ -139,6 +166,7 @@ def main() -> None:
         _worker(a.worker, a.blocks, a.out)
         return
     print(f"journal append+complete: {journal_cost():.2f} us per op (single process)")
+    print(f"instrumented op, host cost (wrapper + journal + completion): {wrapper_cost():.2f} us")
     ops = run_ranks("ops", a.blocks)
     steps = run_ranks("steps", a.blocks)
     off, on = statistics.median(ops["off"]), statistics.median(ops["on"])

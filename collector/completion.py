@@ -15,7 +15,7 @@ from typing import Any
 from diag.collector.journal import JournalWriter
 from diag.collector.records import OpState
 
-_POLL_S = 0.005
+_POLL_S = 0.05  # async works nobody waits on are seen complete within this
 
 
 class HostWorkTracker:
