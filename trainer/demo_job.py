@@ -36,7 +36,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0, help="rank 0 evaluates every N steps")
     p.add_argument("--eval-seconds", type=float, default=0.0)
     p.add_argument("--first-step-delay", type=float, default=0.0, help="rank 0 is slow in step 0")
-    p.add_argument("--pg-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--pg-timeout",
+        type=float,
+        default=600.0,
+        help="collective timeout of every process group, seconds",
+    )
     p.add_argument("--no-attach", action="store_true", help="run without diag (for benchmarks)")
     p.add_argument("--seed", type=int, default=1234)
     # The deepspeed launcher passes this; the rank comes from the environment either way.
@@ -76,7 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     import diag.trainer
 
-    dist.init_process_group("gloo", timeout=dt.timedelta(seconds=args.pg_timeout))
+    timeout = dt.timedelta(seconds=args.pg_timeout)
+    # Groups made later (DeepSpeed's data-parallel group among them) take torch's module default
+    # (30 min for gloo, 10 min for NCCL), not the timeout given here: set that default too, so
+    # --pg-timeout is the collective timeout of every group.
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
     h = args.hidden
