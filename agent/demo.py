@@ -106,7 +106,15 @@ def run_demo(opts: DemoOptions, out=sys.stdout, stop: threading.Event | None = N
     run_dir, timeline = workdir / "run", workdir / "timeline"
     for d in (run_dir, timeline):
         d.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, DIAG_RUN_DIR=str(run_dir), DIAG_JOB=JOB, OMP_NUM_THREADS="1")
+    # torchrun leaves a torchelastic_* directory in the temp dir per run: keep it in the workdir.
+    (workdir / "tmp").mkdir(exist_ok=True)
+    env = dict(
+        os.environ,
+        DIAG_RUN_DIR=str(run_dir),
+        DIAG_JOB=JOB,
+        OMP_NUM_THREADS="1",
+        TMPDIR=str(workdir / "tmp"),
+    )
     env.pop("DIAG_TIMELINE", None)
     py = sys.executable
     agent_cmd = [

@@ -81,7 +81,8 @@ def _worker(mode: str, blocks: int, out: str) -> None:
     rank = dist.get_rank()
     from diag.trainer.attach import attach
 
-    session = attach(run_dir=tempfile.mkdtemp(prefix="diag-bench-"))
+    run_dir = tempfile.TemporaryDirectory(prefix="diag-bench-")
+    session = attach(run_dir=run_dir.name)
     inst = session.instrumentation
     results: dict[str, list[float]] = {"off": [], "on": []}
     if mode == "ops":
@@ -136,6 +137,7 @@ def _worker(mode: str, blocks: int, out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+    run_dir.cleanup()
 
 
 def _port() -> int:
