@@ -87,7 +87,11 @@ class Executor:
         ]
 
     def _capture(self, verdict: Verdict) -> None:
-        targets = self._targets()
+        # Suspects first: where native dumps queue for a core, theirs reach the disk first.
+        order = {s.rank: i for i, s in enumerate(verdict.suspects)}
+        targets = sorted(
+            self._targets(), key=lambda t: (order.get(t.dump.rank, len(order)), t.dump.rank)
+        )
         job = (targets and self.observer.current()[0].meta.job) or (self.observer.job or "")
         world = max((t.dump.world_size for t in targets), default=0)
         doc = verdict_document(

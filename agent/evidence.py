@@ -194,15 +194,22 @@ def capture(
         raise
     on_disk = time.monotonic()
     if native:
-        natives = dump_all(dump_targets, native=True, timeout=pyspy_timeout)
-        merged = []
-        for py, nat in zip(dumps, natives, strict=True):
+        python = {d.rank: d for d in dumps}
+        kept: dict[int, RankDump] = {}
+
+        def replace_with_native(nat: RankDump) -> None:
+            # Written as soon as taken: suspects come first in `targets`.
+            py = python[nat.rank]
             if nat.error and not py.error:
-                merged.append(py)  # keep the Python stack rather than an empty native one
-                continue
+                kept[nat.rank] = py  # keep the Python stack rather than an empty native one
+                return
             write_atomic(path / nat.file_name, nat.to_json().encode())
-            merged.append(nat)
-        dumps = merged
+            kept[nat.rank] = nat
+
+        natives = dump_all(
+            dump_targets, native=True, timeout=pyspy_timeout, on_done=replace_with_native
+        )
+        dumps = [kept[d.rank] for d in dumps]
         on_disk_seconds = doc["evidence"]["on_disk_seconds"]
         doc["evidence"] = _evidence_doc(
             targets, dumps, time.monotonic() - started, native_pending=False,

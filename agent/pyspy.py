@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,10 +58,12 @@ def dump_all(
     native: bool = True,
     timeout: float = 10.0,
     parallel: int | None = None,
+    on_done: Callable[[RankDump], None] | None = None,
 ) -> list[RankDump]:
     """Dumps every target, `parallel` at a time (default: one per CPU core; a native dump of a rank
     blocked in a collective costs ~0.7 s of CPU and ~300 MB while py-spy loads libtorch's
-    symbols). Never raises for one rank's failure: it is recorded in that rank's dump."""
+    symbols). Never raises for one rank's failure: it is recorded in that rank's dump.
+    `on_done` sees each dump as soon as it is taken, in the order of `targets`."""
     try:
         binary = pyspy_binary()
     except FileNotFoundError as e:
@@ -74,7 +77,9 @@ def dump_all(
         while queue and len(running) < width:
             running.append(_start(binary, queue.pop(0), native))
         r = running.pop(0)
-        done[r.target.rank] = _finish(r, deadline, timeout)
+        dump = done[r.target.rank] = _finish(r, deadline, timeout)
+        if on_done is not None:
+            on_done(dump)
     return [done[t.rank] for t in targets]
 
 
