@@ -18,7 +18,13 @@ from dataclasses import dataclass, field, replace
 
 from diag.agent.culprit import Suspect, SuspectKind, Wait, find_suspects, waits
 from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.agent.timeouts import Limit, TimeoutPolicy, effective_ceiling, rank_limit
+from diag.agent.timeouts import (
+    PG_TIMEOUT_MARGIN,
+    Limit,
+    TimeoutPolicy,
+    effective_ceiling,
+    rank_limit,
+)
 
 
 class VerdictKind(enum.Enum):
@@ -226,6 +232,14 @@ def _overdue(
             other = limits.get(m)
             if other is not None and other.seconds > limit.seconds:
                 limit = Limit(other.seconds, f"{other.basis} on rank {m}, which it waits for")
+        # Whatever the limit, act before torch aborts this group's collective: the stacks would
+        # no longer show where the ranks were stuck.
+        torch_timeout = obs.group_timeouts.get(op.group, 0.0)
+        if torch_timeout > 0 and limit.seconds > torch_timeout * PG_TIMEOUT_MARGIN:
+            limit = Limit(
+                torch_timeout * PG_TIMEOUT_MARGIN,
+                f"{PG_TIMEOUT_MARGIN:.0%} of group {op.group}'s collective timeout",
+            )
         # The wait is stuck only while the members it waits for are: any sign of progress from
         # one of them (it left a phase, issued an op, joined this one) restarts the clock. A
         # rank leaving a long eval and then joining the barrier is not a hang of the others.

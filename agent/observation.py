@@ -77,6 +77,7 @@ class Observation:
     world_size: int
     attempt: int = 0
     pg_timeout: float = 0.0  # the collective timeout torch enforces, 0 if unknown
+    group_timeouts: Mapping[str, float] = field(default_factory=dict)  # per group, when known
     recent_ops: Mapping[int, tuple[OpView, ...]] = field(default_factory=dict)  # rank -> done ops
     job: str = ""  # the job of the ranks' journals
     # Ranks on other nodes, as their agents published them (board.py): hints for the culprit

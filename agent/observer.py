@@ -229,12 +229,15 @@ class Observer:
         groups: dict[str, tuple[int, ...]] = {}
         recent: dict[int, tuple[OpView, ...]] = {}
         pg_timeout = 0.0
+        timeouts: dict[str, float] = {}
         trackers = sorted(self.current(), key=lambda t: t.rank)
         for t in trackers:
             t.poll()
             ranks.append(self._snapshot(t, now))
             for g in t.meta.groups:
                 groups.setdefault(g.name, g.ranks)
+                if g.timeout_s > 0:
+                    timeouts[g.name] = g.timeout_s
             recent[t.rank] = tuple(t.done_ops)
             pg_timeout = max(pg_timeout, t.meta.pg_timeout_s)
         world = max((t.meta.world_size for t in trackers), default=0)
@@ -246,6 +249,7 @@ class Observer:
             world_size=world,
             attempt=attempt,
             pg_timeout=pg_timeout,
+            group_timeouts=timeouts,
             recent_ops=recent,
             job=trackers[0].meta.job if trackers else (self.job or ""),
         )

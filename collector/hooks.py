@@ -118,7 +118,9 @@ class Instrumentation:
     """Owns the patches of one process. Create through `install`; `uninstall` restores torch."""
 
     def __init__(
-        self, writer: JournalWriter, on_new_group: Callable[[int, Any, tuple[int, ...]], None]
+        self,
+        writer: JournalWriter,
+        on_new_group: Callable[[int, Any, tuple[int, ...], float], None],
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -197,9 +199,10 @@ class Instrumentation:
                 except Exception:  # a group torch does not know (e.g. made outside c10d)
                     ranks = ()
                 g = _Group(index=len(self._groups), ranks=ranks)
+                timeout = _group_timeout_s(pg, self._torch)
                 if not self.pg_timeout_s:
-                    self.pg_timeout_s = _group_timeout_s(pg, self._torch)
-                self._on_new_group(g.index, pg, ranks)
+                    self.pg_timeout_s = timeout
+                self._on_new_group(g.index, pg, ranks, timeout)
                 self._groups[id(pg)] = g
         return g
 

@@ -27,6 +27,7 @@ class GroupInfo:
     ranks: tuple[int, ...]  # global ranks of the members, in group-rank order
     backend: str = ""
     desc: str = ""
+    timeout_s: float = 0.0  # torch's collective timeout for this group, 0 if unknown
 
     def group_rank_to_global(self, group_rank: int) -> int:
         return self.ranks[group_rank] if 0 <= group_rank < len(self.ranks) else -1
@@ -71,6 +72,7 @@ class JournalMeta:
                 ranks=tuple(int(r) for r in g["ranks"]),
                 backend=str(g.get("backend", "")),
                 desc=str(g.get("desc", "")),
+                timeout_s=float(g.get("timeout_s", 0.0)),
             )
             for g in raw.get("groups", ())
         )

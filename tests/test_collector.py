@@ -124,6 +124,7 @@ def test_phase_step_and_close(journals: dict[int, Path]) -> None:
     assert st.status == JournalStatus.CLOSED and st.step == 1 and st.phase == ""
     meta = read_meta(journals[0])
     assert meta.job == "ctest" and meta.pg_timeout_s == 1800.0 and meta.groups[0].backend
+    assert [g.timeout_s for g in meta.groups] == [1800.0, 1800.0]
 
 
 @pytest.mark.slow

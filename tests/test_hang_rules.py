@@ -287,3 +287,21 @@ def test_a_relaunch_recovers_once_the_dead_rank_is_out_of_view() -> None:
     relaunched = obs(rank(0, last=NOW + 70), rank(1, last=NOW + 70))
     d = _decide(relaunched, state=first.state)
     assert [e.kind for e in d.events] == [EventKind.RECOVERED] and d.state.incident is None
+
+
+def test_every_wait_is_judged_before_torch_aborts_its_group() -> None:
+    # Rank 0 is in a phase with a 600 s limit, which the waiters inherit; their group's
+    # collective timeout is 300 s, so torch would abort first: act at 80% of it.
+    waiting = [rank(r, last=NOW - 250, pending=(op(42, NOW - 250),)) for r in (1, 2)]
+    evaluating = rank(0, last=NOW - 250, last_seq=41, phase="eval")
+    o = Observation(
+        now=NOW,
+        ranks=(evaluating, *waiting),
+        groups={"0": (0, 1, 2)},
+        world_size=3,
+        group_timeouts={"0": 300.0},
+    )
+    v = _decide(o).verdict
+    assert v is not None and v.culprit == 0
+    assert v.overdue[0].limit.seconds == pytest.approx(240.0)
+    assert "collective timeout" in v.overdue[0].limit.basis

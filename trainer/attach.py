@@ -75,7 +75,7 @@ class Session:
         self.instrumentation.install()
         self._last_step = 0
 
-    def _on_new_group(self, index: int, pg: Any, ranks: tuple[int, ...]) -> None:
+    def _on_new_group(self, index: int, pg: Any, ranks: tuple[int, ...], timeout: float) -> None:
         try:
             backend = pg._get_backend_name() if hasattr(pg, "_get_backend_name") else ""
         except Exception:
@@ -86,6 +86,7 @@ class Session:
             ranks=ranks,
             backend=str(backend),
             desc=str(getattr(pg, "group_desc", "")),
+            timeout_s=timeout,
         )
         with self._meta_lock:
             device = self.meta.device
