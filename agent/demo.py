@@ -246,9 +246,9 @@ def report(opts: DemoOptions, result: DemoResult, out=sys.stdout) -> int:
     for s in shown:
         flag = "STRAGGLER" if s.is_straggler else "ok"
         p(
-            f"  rank {s.rank}: last to arrive in {s.late_share:.0%} of {s.ops} collectives, "
-            f"others wait {s.wait_caused * 1000:.0f} ms for it each time "
-            f"({s.score:.0%} of wall time) [{flag}]"
+            f"  rank {s.rank}: others wait {s.wait_caused * 1000:.0f} ms for it per collective, "
+            f"{s.score:.0%} of the wall time, {s.wait_share:.0%} of all waiting; last to arrive "
+            f"in {s.late_share:.0%} of {s.ops} collectives [{flag}]"
         )
     if opts.fault == "straggler":
         if result.incidents:

@@ -15,7 +15,7 @@ from statistics import median
 from diag.agent.observation import OpView
 
 STRAGGLER_SCORE = 0.1  # the others lose at least 10% of the wall time waiting for this rank
-STRAGGLER_LATE_SHARE = 0.5  # ... and it is the last to arrive in most collectives
+STRAGGLER_WAIT_SHARE = 0.5  # ... and it causes most of all the waiting there is
 
 
 @dataclass(frozen=True)
@@ -25,10 +25,14 @@ class StragglerScore:
     late_share: float  # share of them where this rank arrived last
     wait_caused: float  # mean seconds the others waited for this rank per collective
     score: float  # waiting this rank caused, as a share of the window's wall time
+    wait_share: float = 0.0  # its share of all the waiting the compared ranks caused
 
     @property
     def is_straggler(self) -> bool:
-        return self.score >= STRAGGLER_SCORE and self.late_share >= STRAGGLER_LATE_SHARE
+        # Not "last most often": a rank that sleeps before each step is last only in the step's
+        # first collective, and arrival order in the others is noise. What singles it out is
+        # that the others' waiting is mostly for it.
+        return self.score >= STRAGGLER_SCORE and self.wait_share >= STRAGGLER_WAIT_SHARE
 
 
 def straggler_scores(
@@ -56,6 +60,7 @@ def straggler_scores(
         caused[last_rank] = caused.get(last_rank, 0.0) + (last_t - median(others))
         t_min, t_max = min(t_min, *ranks.values()), max(t_max, *ranks.values())
     window = t_max - t_min
+    all_caused = sum(caused.values())
     out = []
     for r, n in seen.items():
         if n < min_ops or window <= 0:
@@ -68,6 +73,7 @@ def straggler_scores(
                 late_share=late.get(r, 0) / n,
                 wait_caused=total / n,
                 score=min(total / window, 1.0),
+                wait_share=total / all_caused if all_caused > 0 else 0.0,
             )
         )
     out.sort(key=lambda s: (-s.score, s.rank))

@@ -305,3 +305,22 @@ def test_every_wait_is_judged_before_torch_aborts_its_group() -> None:
     assert v is not None and v.culprit == 0
     assert v.overdue[0].limit.seconds == pytest.approx(240.0)
     assert "collective timeout" in v.overdue[0].limit.basis
+
+
+def test_a_rank_slow_before_each_step_is_a_straggler_though_rarely_last() -> None:
+    # Six collectives per 0.5 s step. Rank 2 sleeps 0.3 s before each step, so it arrives last
+    # only at the step's first collective; later ones arrive in an order that is noise.
+    recent: dict[int, list[OpView]] = {r: [] for r in range(4)}
+    seq = 0
+    for step in range(20):
+        base = step * 0.5
+        for k in range(6):
+            seq += 1
+            for r in range(4):
+                jitter = 0.001 * ((r * 7 + seq * 3) % 4)
+                late = 0.3 if (r == 2 and k == 0) else 0.0
+                t = base + 0.3 * (k > 0) + 0.02 * k + late + jitter
+                recent[r].append(op(seq, t, OpState.COMPLETED))
+    scores = {s.rank: s for s in straggler_scores({r: tuple(v) for r, v in recent.items()})}
+    assert scores[2].late_share < 0.5 and scores[2].is_straggler
+    assert [r for r, s in scores.items() if s.is_straggler] == [2]
