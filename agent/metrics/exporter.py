@@ -248,6 +248,7 @@ def _rank_families(d: _Derived | None, node: str) -> Iterator[Metric]:
         (f.RANK_CPU, lambda r: r.cpu_ratio),
         (f.STRAGGLER_SCORE, lambda r: r.straggler_score),
         (f.STRAGGLER_LATE, lambda r: r.straggler_late),
+        (f.STRAGGLER_WAIT_SHARE, lambda r: r.straggler_wait_share),
     )
     for fam, get in getters:
         m = fam.new()

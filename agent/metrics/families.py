@@ -126,6 +126,12 @@ STRAGGLER_LATE = Family(
     "Share of recent collectives in which the rank arrived last",
     RANK,
 )
+STRAGGLER_WAIT_SHARE = Family(
+    "diag_rank_straggler_wait_share",
+    Kind.GAUGE,
+    "Share of all the waiting in recent collectives that this rank caused",
+    RANK,
+)
 
 # -- collectives, per rank and op kind ------------------------------------------------------------
 COLL = (*RANK, "op")

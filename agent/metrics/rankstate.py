@@ -29,6 +29,7 @@ class RankMetrics:
     cpu_ratio: float
     straggler_score: float | None = None  # None until enough collectives were compared
     straggler_late: float | None = None
+    straggler_wait_share: float | None = None
 
 
 def rank_metrics(
@@ -65,6 +66,7 @@ def rank_metrics(
                 cpu_ratio=r.cpu_busy,
                 straggler_score=s.score if s is not None else None,
                 straggler_late=s.late_share if s is not None else None,
+                straggler_wait_share=s.wait_share if s is not None else None,
             )
         )
     return tuple(out)

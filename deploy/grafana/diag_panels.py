@@ -120,7 +120,15 @@ ROWS: tuple[tuple[str, tuple[P, ...]], ...] = (
                 "Last to arrive",
                 (Q(f"diag_rank_straggler_late_ratio{R}", "rank {{rank}}"),),
                 unit="percentunit",
-                width=12,
+                width=6,
+            ),
+            P(
+                "Share of all waiting",
+                (Q(f"diag_rank_straggler_wait_share{R}", "rank {{rank}}"),),
+                unit="percentunit",
+                width=6,
+                description="Share of the waiting in recent collectives this rank caused "
+                "(alert >= 50%, with a score >= 10%)",
             ),
         ),
     ),
