@@ -212,7 +212,7 @@ class Observer:
         on disk for evidence, but a rank that is gone for good must not hold an incident open
         or be judged again (a relaunch under another job name, a rank of a finished run)."""
         for path, t in list(self.trackers.items()):
-            info = self.procs.refresh(t.meta.pid, now)
+            info = self.procs.info(t.meta.pid)  # deaths are stamped by wait() and _snapshot
             if (
                 info is not None
                 and info.exited_at is not None

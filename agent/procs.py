@@ -114,6 +114,10 @@ class ProcessWatch:
                 dead.append(pid)
         return dead
 
+    def info(self, pid: int) -> ProcInfo | None:
+        """What is known of a watched process, without looking again."""
+        return self._info.get(pid)
+
     def refresh(self, pid: int, now: float) -> ProcInfo | None:
         """Updates the /proc state and CPU share of a live process."""
         info = self._info.get(pid)

@@ -157,6 +157,9 @@ def run(args: argparse.Namespace, files: contextlib.ExitStack) -> int:
     common = [
         PY, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir), "--timeline",
         str(timeline), "--job", "bench", "--interval", str(args.interval),
+        # Two agents watch one run dir: only one may serve its control socket, and neither needs
+        # it here.
+        "--control", "false",
     ]  # fmt: skip
     agents = {
         "reference (no metrics)": subprocess.Popen(
