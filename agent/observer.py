@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -133,16 +134,28 @@ class Observer:
         self._stale: set[tuple[Path, tuple[int, int]]] = set()
         self._warned_invisible: set[int] = set()
         self._started = time.monotonic()
+        self._ns_shared = False  # seen a trainer PID: we share its PID namespace
 
     def discover(self) -> None:
         if not self.run_dir.is_dir():
             return
+        new = []
         for path in self.run_dir.glob(f"*{JOURNAL_SUFFIX}"):
             t = self.trackers.get(path)
             if t is not None and not t.reader.replaced():
                 continue
             if t is not None:
                 self._drop(path)
+            new.append(path)
+        if new and not self._ns_shared:
+            # One live writer we can see proves the PID namespace is shared with the trainer;
+            # from then on a PID we cannot see is a process that is gone.
+            for path in new:
+                with contextlib.suppress(OSError, ValueError):
+                    if os.path.exists(f"/proc/{read_meta(path).pid}"):
+                        self._ns_shared = True
+                        break
+        for path in new:
             self._open(path)
 
     def _open(self, path: Path) -> None:
@@ -172,14 +185,18 @@ class Observer:
         if not info.visible:
             status = reader.state().status
             created = reader.header.created_mono_ns * _NS
-            if status != JournalStatus.RUNNING or created < self._started - _LEFTOVER_IDLE_S:
-                # Left by a process that ended before we started (or of another PID namespace
-                # long gone): not ours to judge.
+            # Left by a process that ended before we started (or, when we cannot tell, by one
+            # long idle): not ours to judge.
+            oldest = self._started if self._ns_shared else self._started - _LEFTOVER_IDLE_S
+            if status != JournalStatus.RUNNING or created < oldest:
                 reader.close()
                 self._stale.add(key)
                 self.procs.forget(meta.pid)
                 return
-            if meta.pid not in self._warned_invisible:
+            if self._ns_shared:
+                # Made since we started, already gone: it died before we first looked.
+                info.exited_at = time.monotonic()
+            elif meta.pid not in self._warned_invisible:
                 self._warned_invisible.add(meta.pid)
                 log.warning(
                     "rank %d: PID %d is not visible to the agent; share the PID namespace with "

@@ -1,0 +1,96 @@
+"""The observer with real writer processes: leftovers of earlier runs are ignored, a live rank is
+watched, deaths are seen (also of a rank that died before it was first seen), and ranks that
+ended a while ago leave the view."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from diag.agent import observer as observer_mod
+from diag.agent.observation import Liveness
+from diag.agent.observer import Observer
+from diag.collector.journal import JournalWriter
+from diag.collector.meta import JournalMeta, journal_path, write_meta
+from diag.collector.records import RecordKind
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _writer(run_dir: str, rank: int, ready) -> None:
+    path = journal_path(Path(run_dir), "obs", rank)
+    w = JournalWriter(path, rank=rank, world_size=4, local_rank=rank)
+    write_meta(
+        path,
+        JournalMeta(
+            job="obs",
+            rank=rank,
+            world_size=4,
+            local_rank=rank,
+            local_world_size=4,
+            pid=os.getpid(),
+            pid_start_time=psutil.Process().create_time(),
+            node="n",
+        ),
+    )
+    w.mark("hello")
+    ready.set()
+    time.sleep(30)  # until the test kills it
+
+
+def _start(ctx, run_dir: Path, rank: int):
+    ready = ctx.Event()
+    p = ctx.Process(target=_writer, args=(str(run_dir), rank, ready), daemon=True)
+    p.start()
+    assert ready.wait(30)
+    return p
+
+
+def _liveness(obs, rank: int) -> Liveness | None:
+    r = obs.rank(rank)
+    return r.liveness if r is not None else None
+
+
+def test_leftovers_live_ranks_deaths_and_forgetting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(observer_mod, "ENDED_LINGER_S", 1.0)
+    ctx = mp.get_context("spawn")
+    old = _start(ctx, tmp_path, 0)  # a rank of an earlier run, killed before we start
+    os.kill(old.pid, signal.SIGKILL)
+    old.join(10)
+    time.sleep(0.1)
+    obs = Observer(tmp_path, "obs")
+    live = _start(ctx, tmp_path, 1)
+    try:
+        first = obs.observe(time.monotonic())
+        assert _liveness(first, 0) is None  # the leftover is not judged
+        assert _liveness(first, 1) == Liveness.RUNNING
+        assert [r.kind for r in obs.trackers[next(iter(obs.trackers))].reader.tail(1)] == [
+            RecordKind.MARK
+        ]
+        # A rank that starts and dies between two looks: seen as dead, not as a silent live one.
+        quick = _start(ctx, tmp_path, 2)
+        os.kill(quick.pid, signal.SIGKILL)
+        quick.join(10)
+        second = obs.observe(time.monotonic())
+        assert _liveness(second, 2) == Liveness.DIED
+        os.kill(live.pid, signal.SIGKILL)
+        live.join(10)
+        obs.wait(2.0)  # the pidfd wakes us
+        third = obs.observe(time.monotonic())
+        assert _liveness(third, 1) == Liveness.DIED and third.rank(1).exited_at is not None
+        time.sleep(1.2)
+        later = obs.observe(time.monotonic())
+        assert later.ranks == ()  # ended over a second ago (the linger here): out of view
+    finally:
+        if live.is_alive():
+            live.kill()
+            live.join(10)
+        obs.close()
