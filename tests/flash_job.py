@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -169,4 +168,6 @@ def _gathered_params(engine, zero: int) -> dict:  # type: ignore[no-untyped-def]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diag.trainer import exit_process
+
+    exit_process(main())

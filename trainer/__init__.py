@@ -3,6 +3,7 @@ Never imports diag.agent."""
 
 from diag.trainer.attach import Session, attach, current, mark, phase, step
 from diag.trainer.flash import FlashCheckpointer, FlashCheckpointError, FlashStats
+from diag.trainer.teardown import exit_process
 
 __all__ = [
     "FlashCheckpointError",
@@ -11,6 +12,7 @@ __all__ = [
     "Session",
     "attach",
     "current",
+    "exit_process",
     "mark",
     "phase",
     "step",

@@ -17,7 +17,6 @@ import datetime as dt
 import os
 import re
 import signal
-import sys
 import time
 
 FAULTS = ("none", "hang", "exit", "gil", "straggler")
@@ -144,4 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diag.trainer.teardown import exit_process
+
+    # Not sys.exit: see diag.trainer.teardown (a gloo teardown race aborts ZeRO-3 ranks).
+    exit_process(main())
