@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import mmap
 import os
 import struct
@@ -16,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diag.collector.locks import EXCLUSIVE, SHARED, UNLOCK, ofd_lock
 from diag.collector.meta import safe_job_name
 from diag.collector.snapshot import (
     CLOSED_OFFSET,
@@ -31,22 +31,6 @@ from diag.collector.snapshot import (
     align,
     unpack_header,
 )
-
-# -- locks ----------------------------------------------------------------------------------------
-
-_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux; OFD locks need l_pid == 0
-
-
-def _ofd_lock(fd: int, kind: int, wait: bool) -> bool:
-    cmd = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
-    try:
-        fcntl.fcntl(fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, 0, 0, 0))
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
 
 # -- one slot file ----------------------------------------------------------------------------------
 
@@ -191,7 +175,7 @@ class SlotFile:
     # locks
 
     def try_lock_exclusive(self) -> bool:
-        self._locked = _ofd_lock(self.fd, fcntl.F_WRLCK, wait=False)
+        self._locked = ofd_lock(self.fd, EXCLUSIVE, wait=False)
         return self._locked
 
     def lock_shared(self, timeout: float) -> bool:
@@ -199,7 +183,7 @@ class SlotFile:
         stall the agent)."""
         deadline = time.monotonic() + timeout
         while True:
-            if _ofd_lock(self.fd, fcntl.F_RDLCK, wait=False):
+            if ofd_lock(self.fd, SHARED, wait=False):
                 self._locked = True
                 return True
             if time.monotonic() >= deadline:
@@ -208,7 +192,7 @@ class SlotFile:
 
     def unlock(self) -> None:
         if self._locked:
-            _ofd_lock(self.fd, fcntl.F_UNLCK, wait=False)
+            ofd_lock(self.fd, UNLOCK, wait=False)
             self._locked = False
 
     @contextlib.contextmanager
