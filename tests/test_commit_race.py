@@ -7,6 +7,8 @@ backwards, no commit raises, no temporary file is left behind, and the newest st
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import multiprocessing as mp
 import random
 import threading
@@ -58,10 +60,8 @@ def _reader(save_dir: str, stop, out) -> None:
     latest, tracker = Path(save_dir, LATEST_FILE), Path(save_dir, TRACKER_FILE)
     while not stop.is_set():
         for path, kind in ((latest, "latest"), (tracker, "tracker")):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 seen.append((kind, path.read_text()))
-            except FileNotFoundError:
-                pass
     out.put(seen)
 
 
@@ -126,7 +126,7 @@ def test_concurrent_commits_never_move_latest_backwards(tmp_path: Path) -> None:
         steps = _steps_of(seen, kind)
         assert steps, f"the reader never saw {kind}"
         assert None not in steps, f"{kind} was seen torn or empty"
-        backwards = [(a, b) for a, b in zip(steps, steps[1:], strict=False) if b < a]
+        backwards = [(a, b) for a, b in itertools.pairwise(steps) if b < a]
         assert not backwards, f"{kind} moved backwards: {backwards[:5]}"
     assert read_latest_step(save_dir) == STEPS
     assert (save_dir / TRACKER_FILE).read_text() == str(STEPS)
