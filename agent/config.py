@@ -292,6 +292,7 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
             keep_last=values["keep_last"],
             linger=values["snapshot_linger"],
             workers=max(1, values["persist_workers"]),
+            persist_on_death=values["persist_on_incident"],
         ),
     )
 

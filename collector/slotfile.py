@@ -18,6 +18,8 @@ from pathlib import Path
 from diag.collector.locks import EXCLUSIVE, SHARED, UNLOCK, ofd_lock
 from diag.collector.meta import safe_job_name
 from diag.collector.snapshot import (
+    CLOSED_CLEAN,
+    CLOSED_FAILED,
     CLOSED_OFFSET,
     GEN_OFFSET,
     HEADER_SIZE,
@@ -169,8 +171,9 @@ class SlotFile:
         )  # fmt: skip
         struct.pack_into("<Q", self.mm, GEN_OFFSET, gen + 1)  # even: complete, written last
 
-    def mark_closed(self) -> None:
-        struct.pack_into("<i", self.mm, CLOSED_OFFSET, 1)
+    def mark_closed(self, failed: bool = False) -> None:
+        flag = CLOSED_FAILED if failed else CLOSED_CLEAN
+        struct.pack_into("<i", self.mm, CLOSED_OFFSET, flag)
 
     # locks
 

@@ -179,8 +179,9 @@ def _start_control(session: Session, run_dir: Path, ident: RankIdentity) -> None
 
     m = session.meta
     client_ident = ClientIdentity(
-        m.job, ident.rank, ident.world_size, ident.local_rank, ident.attempt, m.node, m.pid
-    )
+        m.job, ident.rank, ident.world_size, ident.local_rank, ident.attempt, m.node, m.pid,
+        m.pid_start_time, m.pid_ns,
+    )  # fmt: skip
     shared_client(run_dir, client_ident, journal=str(session.path))
 
 
