@@ -17,8 +17,8 @@ from diag.agent.hang import Verdict
 from diag.agent.incident import VERDICT_FILE, VERDICT_FORMAT, IncidentDir, utc_iso
 from diag.agent.machine import machine_snapshot
 from diag.agent.parallelism import (
-    NATIVE_DUMP_BYTES,
-    PYTHON_DUMP_BYTES,
+    NATIVE_DUMP,
+    PYTHON_DUMP,
     ContainerLimits,
     dump_parallelism,
 )
@@ -187,7 +187,7 @@ def capture(
     doc = dict(verdict_doc)
     limits = limits if limits is not None else read_limits()
     python_width = dump_parallelism(
-        len(targets), limits, PYTHON_DUMP_BYTES, override=dump_parallel or len(targets)
+        len(targets), limits, PYTHON_DUMP, override=dump_parallel or len(targets)
     )
     try:
         dumps = dump_all(
@@ -203,7 +203,7 @@ def capture(
         for d in dumps:
             incident.write_text(d.file_name, d.to_json())
         width = dump_parallelism(
-            len(targets), limits, NATIVE_DUMP_BYTES, override=dump_parallel
+            len(targets), limits, NATIVE_DUMP, override=dump_parallel
         ) if native and targets else None  # fmt: skip
         doc["evidence"] = _evidence_doc(
             targets, dumps, python_done - started, native_pending=bool(width and width.count)

@@ -13,10 +13,21 @@ from dataclasses import dataclass
 
 MiB = 1 << 20
 
-# Peak resident memory of one py-spy dump of a rank blocked in a gloo collective, measured with
-# bench/dump_memory.py (the largest of 8 dumps, rounded up; BENCHMARKS.md, "Stack dumps").
-NATIVE_DUMP_BYTES = 320 * MiB  # py-spy dump --native: libtorch's symbol tables are loaded
-PYTHON_DUMP_BYTES = 16 * MiB  # py-spy dump: Python frames only
+
+@dataclass(frozen=True)
+class DumpCost:
+    """Memory one py-spy dump takes while it runs."""
+
+    each: int  # its own (anonymous) memory: parsed symbol tables, unwinding state
+    shared: int = 0  # mapped library files: page cache, counted once however many dumps run
+
+
+# Measured with bench/dump_memory.py on CPU ranks blocked in gloo collectives (BENCHMARKS.md,
+# "Stack dumps"): --native peaked at 158 MiB anonymous and 191 MiB of mapped files (the largest
+# of 8 dumps; +10% and rounded up here); a Python-only dump at 23 MiB in all. Images with CUDA
+# libraries load more symbols: measure yours with the bench, cap it with --dump-parallel.
+NATIVE_DUMP = DumpCost(each=176 * MiB, shared=192 * MiB)  # py-spy dump --native
+PYTHON_DUMP = DumpCost(each=24 * MiB)  # py-spy dump: Python frames only
 RESERVE_BYTES = 64 * MiB  # the agent's own growth while it parses and writes the dumps
 
 
@@ -51,14 +62,15 @@ class Parallelism:
 def dump_parallelism(
     dumps: int,
     limits: ContainerLimits,
-    per_dump: int,
+    cost: DumpCost,
     *,
     override: int = 0,
     reserve: int = RESERVE_BYTES,
 ) -> Parallelism:
     """At most `dumps`, at most one per core of the CPU quota (or per usable CPU without one; an
-    `override` > 0 replaces that CPU bound), and only as many as fit, `per_dump` bytes each, in
-    the memory left under the tightest cgroup limit and on the host, less `reserve`."""
+    `override` > 0 replaces that CPU bound), and only as many as fit in the memory left under the
+    tightest cgroup limit and on the host, less `reserve`: `cost.shared` once, `cost.each` per
+    dump."""
     if dumps <= 0:
         return Parallelism(0, "nothing to dump")
     bounds: list[tuple[int, str]] = [(dumps, f"{dumps} rank(s)")]
@@ -77,10 +89,13 @@ def dump_parallelism(
         rooms.append((limits.available, f"{_mib(limits.available)} available on the host"))
     if rooms:
         room, where = min(rooms, key=lambda r: r[0])
-        fit = (room - reserve) // per_dump if per_dump > 0 else dumps
+        fit = (room - reserve - cost.shared) // cost.each if cost.each > 0 else dumps
         if fit < 1:
-            return Parallelism(0, f"{where}: one dump needs {_mib(per_dump + reserve)}")
-        bounds.append((fit, f"memory: {where}, {_mib(per_dump)} per dump"))
+            need = cost.each + cost.shared + reserve
+            return Parallelism(0, f"{where}: one dump needs {_mib(need)}")
+        bounds.append(
+            (fit, f"memory: {where}, {_mib(cost.each)} per dump + {_mib(cost.shared)} shared")
+        )
     count, reason = min(bounds, key=lambda b: b[0])  # the first of equal bounds names it
     return Parallelism(count, reason)
 

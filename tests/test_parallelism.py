@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from diag.agent.parallelism import ContainerLimits, MemoryLimit, dump_parallelism
+from diag.agent.parallelism import ContainerLimits, DumpCost, MemoryLimit, dump_parallelism
 
 MiB = 1 << 20
 GiB = 1 << 30
-DUMP = 300 * MiB
+DUMP = DumpCost(each=250 * MiB, shared=100 * MiB)
 RESERVE = 64 * MiB
 
 
@@ -30,6 +30,8 @@ def limits(cpus: int = 96, quota: float | None = None, *memory: MemoryLimit, ava
         (8, limits(96, None, MemoryLimit(1 * GiB, 60 * MiB)), 0, 3, "memory"),
         # The same node with room for all eight.
         (8, limits(96, None, MemoryLimit(3 * GiB, 60 * MiB)), 0, 8, "8 rank(s)"),
+        # Mapped library files are shared by the dumps: counted once (2048 - 64 - 100) // 250.
+        (8, limits(96, None, MemoryLimit(2 * GiB, 0)), 0, 7, "memory"),
         # The tightest level counts (a pod limit above a looser container limit).
         (
             8,
