@@ -193,9 +193,13 @@ class Observer:
             created = reader.header.created_mono_ns * _NS
             shared = self._shares_namespace(meta)
             # Left by a process that ended before we started (or, when we cannot tell whether
-            # its PID is ours to see, by one long idle): not ours to judge.
+            # its PID is ours to see, by one long idle), or one that finished cleanly: not ours
+            # to judge. One that failed since we started is judged like a death.
             oldest = self._started if shared else self._started - _LEFTOVER_IDLE_S
-            if status != JournalStatus.RUNNING or created < oldest:
+            ended = status == JournalStatus.CLOSED or (
+                status == JournalStatus.FAILED and not shared
+            )
+            if ended or created < oldest:
                 reader.close()
                 self._stale.add(key)
                 self.procs.forget(meta.pid)
