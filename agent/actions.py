@@ -47,6 +47,7 @@ class Executor:
         stop_grace: float = 10.0,
         native_stacks: bool = True,
         pyspy_timeout: float = 10.0,
+        dump_parallel: int = 0,
     ) -> None:
         self.observer = observer
         self.timeline = timeline
@@ -54,6 +55,7 @@ class Executor:
         self.stop_grace = stop_grace
         self.native_stacks = native_stacks
         self.pyspy_timeout = pyspy_timeout
+        self.dump_parallel = dump_parallel
         self.listeners: list[IncidentListener] = []
         self.persist_hooks: list[PersistHook] = []
         self.reports: list[IncidentReport] = []
@@ -112,6 +114,7 @@ class Executor:
                 doc,
                 native=self.native_stacks,
                 pyspy_timeout=self.pyspy_timeout,
+                dump_parallel=self.dump_parallel,
             )
             log.warning(
                 "evidence of %d ranks in %s (on disk after %.2f s, native stacks after %.2f s)",

@@ -45,6 +45,7 @@ class AgentConfig:
     stop_grace: float = 10.0
     native_stacks: bool = True
     pyspy_timeout: float = 10.0
+    dump_parallel: int = 0  # 0: from the container's CPU quota (memory always bounds it)
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
     xpu_timer: XpuTimerIdentity | None = None  # expose XPU_TIMER_COMMON_HANG when set
@@ -149,6 +150,13 @@ OPTIONS = (
     _Opt("until", str, "forever", "when the agent exits", choices=tuple(m.value for m in Until)),
     _Opt("native_stacks", _bool, True, "include native frames in stack dumps (py-spy --native)"),
     _Opt("pyspy_timeout", _positive, 10.0, "seconds allowed for one stack dump"),
+    _Opt(
+        "dump_parallel",
+        _count,
+        0,
+        "stack dumps run at once (0: from the container's CPU quota); never more than its "
+        "memory limit leaves room for",
+    ),
     _Opt("metrics_port", _port, None, "serve Prometheus metrics on this port (0: any free port)"),
     _Opt("metrics_host", str, "0.0.0.0", "address the metrics server binds"),
     _Opt(
@@ -277,6 +285,7 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         stop_grace=values["stop_grace"],
         native_stacks=values["native_stacks"],
         pyspy_timeout=values["pyspy_timeout"],
+        dump_parallel=values["dump_parallel"],
         metrics_port=metrics_port,
         metrics_host=values["metrics_host"],
         xpu_timer=xpu_timer,
@@ -292,6 +301,7 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
             keep_last=values["keep_last"],
             linger=values["snapshot_linger"],
             workers=max(1, values["persist_workers"]),
+            persist_on_death=values["persist_on_incident"],
         ),
     )
 

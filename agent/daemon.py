@@ -47,6 +47,7 @@ class Agent:
             stop_grace=cfg.stop_grace,
             native_stacks=cfg.native_stacks,
             pyspy_timeout=cfg.pyspy_timeout,
+            dump_parallel=cfg.dump_parallel,
         )
         self.state = WatchState()
         self.incidents = 0

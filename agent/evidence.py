@@ -12,9 +12,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from diag.agent.cgroup import read_limits
 from diag.agent.hang import Verdict
 from diag.agent.incident import VERDICT_FILE, VERDICT_FORMAT, IncidentDir, utc_iso
 from diag.agent.machine import machine_snapshot
+from diag.agent.parallelism import (
+    NATIVE_DUMP,
+    PYTHON_DUMP,
+    ContainerLimits,
+    dump_parallelism,
+)
 from diag.agent.pyspy import DumpTarget, dump_all
 from diag.collector.journal import JournalFormatError, JournalReader
 from diag.collector.meta import JournalMeta, read_meta, write_atomic
@@ -163,17 +170,29 @@ def capture(
     native: bool = True,
     pyspy_timeout: float = 10.0,
     journal_tail: int = 256,
+    dump_parallel: int = 0,
+    limits: ContainerLimits | None = None,
 ) -> EvidenceResult:
     """Two passes: Python stacks of all ranks (~10 ms each) go to disk with the journals and the
     verdict at once; native stacks (slower: py-spy loads the libraries' symbols) then replace them
-    rank by rank. A crash or a kill between the passes still leaves a complete incident."""
+    rank by rank. A crash or a kill between the passes still leaves a complete incident.
+
+    How many dumps run at once is bounded by the container's CPU quota (or `dump_parallel`) and
+    by the memory its cgroup limits leave (`limits`, read now when not given): native dumps that
+    would not fit are not started, so the agent is not OOM-killed in the middle of an incident."""
     started = time.monotonic()
     when = dt.datetime.now(dt.UTC)
     dump_targets = [t.dump for t in targets]
     incident = IncidentDir.create(timeline, verdict_doc["kind"], verdict_doc["node"], when)
     doc = dict(verdict_doc)
+    limits = limits if limits is not None else read_limits()
+    python_width = dump_parallelism(
+        len(targets), limits, PYTHON_DUMP, override=dump_parallel or len(targets)
+    )
     try:
-        dumps = dump_all(dump_targets, native=False, timeout=pyspy_timeout, parallel=len(targets))
+        dumps = dump_all(
+            dump_targets, native=False, timeout=pyspy_timeout, parallel=max(1, python_width.count)
+        )
         python_done = time.monotonic()
         for t in targets:
             if t.journal is not None:
@@ -183,17 +202,26 @@ def capture(
         incident.write_json("machine.json", snap.to_dict())
         for d in dumps:
             incident.write_text(d.file_name, d.to_json())
+        width = dump_parallelism(
+            len(targets), limits, NATIVE_DUMP, override=dump_parallel
+        ) if native and targets else None  # fmt: skip
         doc["evidence"] = _evidence_doc(
-            targets, dumps, python_done - started, native_pending=native
+            targets, dumps, python_done - started, native_pending=bool(width and width.count)
         )
         doc["evidence"]["on_disk_seconds"] = round(time.monotonic() - started, 3)
+        if width is not None:
+            doc["evidence"]["native_parallel"] = width.count
+            doc["evidence"]["native_parallel_reason"] = width.reason
         incident.write_json(VERDICT_FILE, doc)
         path = incident.commit()
     except BaseException:
         incident.abandon()
         raise
     on_disk = time.monotonic()
-    if native:
+    if width is not None and width.count == 0:
+        log.warning("native stacks skipped, no room for py-spy (%s)", width.reason)
+    elif width is not None:
+        log.info("native stacks, %d at a time (%s)", width.count, width.reason)
         python = {d.rank: d for d in dumps}
         kept: dict[int, RankDump] = {}
 
@@ -207,15 +235,17 @@ def capture(
             kept[nat.rank] = nat
 
         natives = dump_all(
-            dump_targets, native=True, timeout=pyspy_timeout, on_done=replace_with_native
-        )
+            dump_targets, native=True, timeout=pyspy_timeout, parallel=width.count,
+            on_done=replace_with_native,
+        )  # fmt: skip
         dumps = [kept[d.rank] for d in dumps]
-        on_disk_seconds = doc["evidence"]["on_disk_seconds"]
+        previous = doc["evidence"]
         doc["evidence"] = _evidence_doc(
             targets, dumps, time.monotonic() - started, native_pending=False,
             native_failures={n.rank: n.error for n in natives if n.error},
         )  # fmt: skip
-        doc["evidence"]["on_disk_seconds"] = on_disk_seconds
+        for key in ("on_disk_seconds", "native_parallel", "native_parallel_reason"):
+            doc["evidence"][key] = previous[key]
         write_atomic(path / VERDICT_FILE, json.dumps(doc, indent=1).encode())
     return EvidenceResult(path, tuple(dumps), started, on_disk, time.monotonic())
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.agent.procs import ProcessWatch
+from diag.agent.procs import ProcessWatch, ProcInfo, same_process
 from diag.collector.journal import JournalFormatError, JournalReader, JournalStatus
 from diag.collector.meta import JOURNAL_SUFFIX, JournalMeta, read_meta
 from diag.collector.records import OpState, Record, RecordKind
+from diag.collector.rundir import pid_namespace
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,9 @@ class Observer:
         self._stale: set[tuple[Path, tuple[int, int]]] = set()
         self._warned_invisible: set[int] = set()
         self._started = time.monotonic()
+        self._pid_ns = pid_namespace()
         self._ns_shared = False  # seen a trainer PID: we share its PID namespace
+        self._unsure: set[Path] = set()  # invisible PIDs of journals that do not name their ns
 
     def discover(self) -> None:
         if not self.run_dir.is_dir():
@@ -148,15 +150,18 @@ class Observer:
                 self._drop(path)
             new.append(path)
         if new and not self._ns_shared:
-            # One live writer we can see proves the PID namespace is shared with the trainer;
-            # from then on a PID we cannot see is a process that is gone.
+            # Journals without the writer's namespace (older trainers): one live writer we can
+            # see proves the namespace is shared; from then on a PID we cannot see is gone.
             for path in new:
                 with contextlib.suppress(OSError, ValueError):
-                    if os.path.exists(f"/proc/{read_meta(path).pid}"):
+                    meta = read_meta(path)
+                    if meta.pid_ns == 0 and same_process(meta.pid, meta.pid_start_time):
                         self._ns_shared = True
                         break
         for path in new:
             self._open(path)
+        if self._ns_shared and self._unsure:
+            self._judge_unsure()
 
     def _open(self, path: Path) -> None:
         try:
@@ -182,21 +187,29 @@ class Observer:
             self._stale.add(key)
             return
         info = self.procs.watch(meta.pid, meta.pid_start_time)
+        gone = False
         if not info.visible:
             status = reader.state().status
             created = reader.header.created_mono_ns * _NS
-            # Left by a process that ended before we started (or, when we cannot tell, by one
-            # long idle): not ours to judge.
-            oldest = self._started if self._ns_shared else self._started - _LEFTOVER_IDLE_S
-            if status != JournalStatus.RUNNING or created < oldest:
+            shared = self._shares_namespace(meta)
+            # Left by a process that ended before we started (or, when we cannot tell whether
+            # its PID is ours to see, by one long idle), or one that finished cleanly: not ours
+            # to judge. One that failed since we started is judged like a death.
+            oldest = self._started if shared else self._started - _LEFTOVER_IDLE_S
+            ended = status == JournalStatus.CLOSED or (
+                status == JournalStatus.FAILED and not shared
+            )
+            if ended or created < oldest:
                 reader.close()
                 self._stale.add(key)
                 self.procs.forget(meta.pid)
                 return
-            if self._ns_shared:
-                # Made since we started, already gone: it died before we first looked.
-                info.exited_at = time.monotonic()
-            elif meta.pid not in self._warned_invisible:
+            # Same namespace: made since we started and already gone, it died before we first
+            # looked (a rank killed early). Otherwise we cannot watch it: say what to change.
+            gone = bool(shared)
+            if shared is None:
+                self._unsure.add(path)
+            if not shared and meta.pid not in self._warned_invisible:
                 self._warned_invisible.add(meta.pid)
                 log.warning(
                     "rank %d: PID %d is not visible to the agent; share the PID namespace with "
@@ -208,6 +221,44 @@ class Observer:
         tracker.last_activity = reader.header.created_mono_ns * _NS
         self.trackers[path] = tracker
         log.info("watching rank %d (pid %d) via %s", meta.rank, meta.pid, path.name)
+        if gone:
+            self._declare_gone(tracker, info)
+
+    def _shares_namespace(self, meta: JournalMeta) -> bool | None:
+        """Whether the writer's PIDs are ours to see; None when we cannot tell yet."""
+        if meta.pid_ns:
+            return meta.pid_ns == self._pid_ns
+        return True if self._ns_shared else None
+
+    def _declare_gone(self, t: RankTracker, info: ProcInfo) -> None:
+        """A rank whose process ended before we first saw it. When it died is unknown: its last
+        sign of life in the journal stands for it, so that of several ranks found dead at once
+        the one that went silent first is named first."""
+        t.poll()
+        state = t.reader.state()
+        last = max(t.last_activity, state.step_mono_ns * _NS, state.phase_mono_ns * _NS)
+        now = time.monotonic()
+        info.exited_at = min(now, last)
+        log.warning(
+            "rank %d (pid %d) ended before the agent first saw it (last sign of life %.2f s ago)",
+            t.rank,
+            t.meta.pid,
+            now - info.exited_at,
+        )
+
+    def _judge_unsure(self) -> None:
+        """Ranks whose PID we could not see before we knew the namespace is shared: gone."""
+        for path in sorted(self._unsure):
+            self._unsure.discard(path)
+            t = self.trackers.get(path)
+            info = self.procs.info(t.meta.pid) if t is not None else None
+            if t is None or info is None or info.visible or info.exited_at is not None:
+                continue
+            if t.reader.header.created_mono_ns * _NS < self._started:
+                self._stale.add((path, t.reader.inode))  # a leftover of an earlier run
+                self._drop(path)
+            else:
+                self._declare_gone(t, info)
 
     def _drop(self, path: Path) -> None:
         t = self.trackers.pop(path)

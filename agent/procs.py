@@ -147,6 +147,14 @@ class ProcessWatch:
         self._fds.clear()
 
 
+def same_process(pid: int, start_time: float) -> bool:
+    """Whether `pid` is visible and still names the process started at `start_time`."""
+    try:
+        return abs(psutil.Process(pid).create_time() - start_time) <= _START_TIME_SLACK
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
 def proc_state(pid: int) -> str:
     """The state letter from /proc/PID/stat ("R", "S", "D", "Z", ...); "" when gone."""
     try:

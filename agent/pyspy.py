@@ -60,7 +60,8 @@ def dump_all(
     parallel: int | None = None,
     on_done: Callable[[RankDump], None] | None = None,
 ) -> list[RankDump]:
-    """Dumps every target, `parallel` at a time (default: one per CPU core; a native dump of a rank
+    """Dumps every target, `parallel` at a time (default: one per usable CPU; the incident path
+    decides it from the container's limits, see agent.parallelism: a native dump of a rank
     blocked in a collective costs ~0.7 s of CPU and ~300 MB while py-spy loads libtorch's
     symbols). Never raises for one rank's failure: it is recorded in that rank's dump.
     `on_done` sees each dump as soon as it is taken, in the order of `targets`."""
@@ -68,7 +69,7 @@ def dump_all(
         binary = pyspy_binary()
     except FileNotFoundError as e:
         return [_failed(t, proc_state_word(t.pid), native, str(e), 0.0) for t in targets]
-    width = max(1, parallel or os.cpu_count() or 1)
+    width = max(1, parallel or len(os.sched_getaffinity(0)))
     deadline = time.monotonic() + timeout
     queue = list(targets)
     running: list[_Running] = []

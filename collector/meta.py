@@ -50,6 +50,7 @@ class JournalMeta:
     pg_timeout_s: float = 0.0  # the collective timeout of the default group, 0 if unknown
     groups: tuple[GroupInfo, ...] = field(default_factory=tuple)
     version: int = META_VERSION
+    pid_ns: int = 0  # inode of the writer's PID namespace (rundir.pid_namespace), 0 if unknown
 
     def group(self, index: int) -> GroupInfo | None:
         for g in self.groups:

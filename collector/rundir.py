@@ -49,6 +49,16 @@ def control_socket_candidates(run_dir: Path, job: str) -> list[Path]:
     return [control_socket_path(run_dir, job), control_socket_path(run_dir, None)]
 
 
+def pid_namespace(pid: int | None = None) -> int:
+    """The inode of a process's PID namespace (this process's by default), 0 when unreadable.
+    Processes with the same one see each other's PIDs: the agent can watch a trainer whose
+    namespace is its own, and a PID of that namespace it cannot see is a process that is gone."""
+    try:
+        return os.stat(f"/proc/{pid or 'self'}/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def node_name(env: Mapping[str, str] = os.environ) -> str:
     return env.get("DIAG_NODE") or env.get("NODE_NAME") or socket.gethostname()
 

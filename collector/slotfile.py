@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import mmap
 import os
 import struct
@@ -16,8 +15,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diag.collector.locks import EXCLUSIVE, SHARED, UNLOCK, ofd_lock
 from diag.collector.meta import safe_job_name
 from diag.collector.snapshot import (
+    CLOSED_CLEAN,
+    CLOSED_FAILED,
     CLOSED_OFFSET,
     GEN_OFFSET,
     HEADER_SIZE,
@@ -31,22 +33,6 @@ from diag.collector.snapshot import (
     align,
     unpack_header,
 )
-
-# -- locks ----------------------------------------------------------------------------------------
-
-_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux; OFD locks need l_pid == 0
-
-
-def _ofd_lock(fd: int, kind: int, wait: bool) -> bool:
-    cmd = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
-    try:
-        fcntl.fcntl(fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, 0, 0, 0))
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
 
 # -- one slot file ----------------------------------------------------------------------------------
 
@@ -185,13 +171,14 @@ class SlotFile:
         )  # fmt: skip
         struct.pack_into("<Q", self.mm, GEN_OFFSET, gen + 1)  # even: complete, written last
 
-    def mark_closed(self) -> None:
-        struct.pack_into("<i", self.mm, CLOSED_OFFSET, 1)
+    def mark_closed(self, failed: bool = False) -> None:
+        flag = CLOSED_FAILED if failed else CLOSED_CLEAN
+        struct.pack_into("<i", self.mm, CLOSED_OFFSET, flag)
 
     # locks
 
     def try_lock_exclusive(self) -> bool:
-        self._locked = _ofd_lock(self.fd, fcntl.F_WRLCK, wait=False)
+        self._locked = ofd_lock(self.fd, EXCLUSIVE, wait=False)
         return self._locked
 
     def lock_shared(self, timeout: float) -> bool:
@@ -199,7 +186,7 @@ class SlotFile:
         stall the agent)."""
         deadline = time.monotonic() + timeout
         while True:
-            if _ofd_lock(self.fd, fcntl.F_RDLCK, wait=False):
+            if ofd_lock(self.fd, SHARED, wait=False):
                 self._locked = True
                 return True
             if time.monotonic() >= deadline:
@@ -208,7 +195,7 @@ class SlotFile:
 
     def unlock(self) -> None:
         if self._locked:
-            _ofd_lock(self.fd, fcntl.F_UNLCK, wait=False)
+            ofd_lock(self.fd, UNLOCK, wait=False)
             self._locked = False
 
     @contextlib.contextmanager

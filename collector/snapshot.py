@@ -51,6 +51,8 @@ _NAME_RE = re.compile(r"^(?P<job>.+)-rank(?P<rank>\d{5})\.snap(?P<slot>\d+)$")
 HEADER_STRUCT = struct.Struct("<8sIIQqQQQQiiiiiiddd64s")
 GEN_OFFSET = 16
 CLOSED_OFFSET = 84
+CLOSED_CLEAN = 1  # the closed flag: the writer closed the slot at a clean exit
+CLOSED_FAILED = 2  # ... at an exit after an uncaught exception (the snapshot is for a restart)
 
 
 class SnapshotError(Exception):
@@ -127,6 +129,7 @@ class SlotHeader:
     completed_at: float  # unix time the snapshot became complete
     copy_seconds: float
     job: str
+    failed: bool = False  # the writer closed the slot at an exit after an uncaught exception
 
     @property
     def complete(self) -> bool:
@@ -155,11 +158,12 @@ def unpack_header(buf: bytes | mmap.mmap) -> SlotHeader:
         local_rank=raw[11],
         slot=raw[12],
         writer_pid=raw[13],
-        closed=bool(raw[14]),
+        closed=raw[14] == CLOSED_CLEAN,
         writer_start=raw[15],
         completed_at=raw[16],
         copy_seconds=raw[17],
         job=raw[18].rstrip(b"\0").decode(errors="replace"),
+        failed=raw[14] == CLOSED_FAILED,
     )
 
 

@@ -35,16 +35,20 @@ class RankId(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("id", "pid", "journal", "save_dir")
+    __slots__ = ("id", "pid", "journal", "save_dir", "start_time", "pid_ns")
     ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     JOURNAL_FIELD_NUMBER: _ClassVar[int]
     SAVE_DIR_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_FIELD_NUMBER: _ClassVar[int]
+    PID_NS_FIELD_NUMBER: _ClassVar[int]
     id: RankId
     pid: int
     journal: str
     save_dir: str
-    def __init__(self, id: _Optional[_Union[RankId, _Mapping]] = ..., pid: _Optional[int] = ..., journal: _Optional[str] = ..., save_dir: _Optional[str] = ...) -> None: ...
+    start_time: float
+    pid_ns: int
+    def __init__(self, id: _Optional[_Union[RankId, _Mapping]] = ..., pid: _Optional[int] = ..., journal: _Optional[str] = ..., save_dir: _Optional[str] = ..., start_time: _Optional[float] = ..., pid_ns: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("agent_pid", "agent_version")

@@ -103,3 +103,44 @@ def test_gone_process_and_several_at_once(tmp_path: Path) -> None:
         for p in sleepers:
             p.kill()
             p.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("room_mib", "native_at_once"),
+    [(4096, 2), (300, 0)],  # room for both dumps at once; less than one native dump needs
+)
+def test_native_pass_follows_the_memory_left(tmp_path: Path, room_mib: int, native_at_once) -> None:
+    """The incident path with the container's limits given: native dumps run as many at once as
+    fit; when not even one fits, the Python stacks stay and the verdict says why."""
+    import datetime as dt
+    import json
+
+    from diag.agent.evidence import EvidenceTarget, capture, verdict_document
+    from diag.agent.parallelism import ContainerLimits, MemoryLimit
+
+    sleepers = [_python("import time\ndef idle():\n    time.sleep(60)\nidle()\n") for _ in range(2)]
+    try:
+        for p in sleepers:
+            _wait_state(p.pid, "S")
+        time.sleep(0.5)
+        targets = [EvidenceTarget(DumpTarget(r, 2, p.pid)) for r, p in enumerate(sleepers)]
+        now = dt.datetime.now(dt.UTC)
+        doc = verdict_document(
+            None, kind="manual", incident_id="t", job="j", node="n", world_size=2,
+            detected_at=now, summary="test",
+        )  # fmt: skip
+        limits = ContainerLimits(cpus=8, memory=(MemoryLimit(room_mib << 20, 0, "/cg"),))
+        result = capture(targets, tmp_path, doc, native=True, pyspy_timeout=30, limits=limits)
+        ev = json.loads((result.path / "verdict.json").read_text())["evidence"]
+        assert ev["native_parallel"] == native_at_once, ev
+        assert ev["native_pending"] is False
+        assert [d.native for d in result.dumps] == [native_at_once > 0] * 2
+        for d in result.dumps:
+            assert not d.error and "idle" in [f.func for t in d.threads for f in t.frames]
+        if native_at_once == 0:
+            assert "one dump needs" in ev["native_parallel_reason"]
+            assert "/cg" in ev["native_parallel_reason"]
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait(timeout=30)

@@ -94,3 +94,82 @@ def test_leftovers_live_ranks_deaths_and_forgetting(
             live.kill()
             live.join(10)
         obs.close()
+
+
+_NS_WRITER = """
+import os, sys, time
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", DIAG_CONTROL="0")
+import diag.trainer
+diag.trainer.attach(run_dir=sys.argv[1], job="obs")
+print(os.getpid(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_rank_in_another_pid_namespace_is_not_taken_for_dead(tmp_path: Path, caplog) -> None:
+    """A trainer in a PID namespace of its own (a pod without shareProcessNamespace): its PID
+    names nothing of ours, or another process (PID 1 exists in every namespace). That is a
+    warning to fix the deployment, never a death."""
+    import subprocess
+    import sys
+
+    obs = Observer(tmp_path, "obs")
+    proc = subprocess.Popen(
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            sys.executable,
+            "-c",
+            _NS_WRITER,
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "1"  # PID 1 in its own namespace
+        for _ in range(3):
+            first = obs.observe(time.monotonic())
+            assert _liveness(first, 0) == Liveness.RUNNING
+            time.sleep(0.2)
+        assert "is not visible to the agent" in caplog.text
+    finally:
+        proc.kill()
+        proc.wait(10)
+        obs.close()
+
+
+def _failing_writer(run_dir: str, rank: int) -> None:
+    from diag.collector.journal import JournalStatus
+    from diag.collector.rundir import pid_namespace
+
+    path = journal_path(Path(run_dir), "obs", rank)
+    w = JournalWriter(path, rank=rank, world_size=2, local_rank=rank)
+    meta = JournalMeta(
+        job="obs", rank=rank, world_size=2, local_rank=rank, local_world_size=2,
+        pid=os.getpid(), pid_start_time=psutil.Process().create_time(), node="n",
+        pid_ns=pid_namespace(),
+    )  # fmt: skip
+    write_meta(path, meta)
+    w.mark("hello")
+    w.close(JournalStatus.FAILED if rank == 1 else JournalStatus.CLOSED)
+
+
+def test_ranks_that_ended_before_the_first_look(tmp_path: Path) -> None:
+    """Both gone before the agent first looks: the one that failed is judged, the one that
+    finished cleanly is not."""
+    obs = Observer(tmp_path, "obs")
+    ctx = mp.get_context("spawn")
+    for rank in (0, 1):
+        p = ctx.Process(target=_failing_writer, args=(str(tmp_path), rank))
+        p.start()
+        p.join(30)
+    try:
+        first = obs.observe(time.monotonic())
+        assert _liveness(first, 1) == Liveness.FAILED
+        assert _liveness(first, 0) is None
+    finally:
+        obs.close()

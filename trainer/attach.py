@@ -31,6 +31,7 @@ from diag.collector.rundir import (
     job_name,
     launcher_name,
     node_name,
+    pid_namespace,
 )
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Session:
             attempt=ident.attempt,
             run_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
             launcher=launcher_name(),
+            pid_ns=pid_namespace(),
         )
         write_meta(self.path, self.meta)
         self.instrumentation = Instrumentation(self.writer, self._on_new_group)
@@ -177,8 +179,9 @@ def _start_control(session: Session, run_dir: Path, ident: RankIdentity) -> None
 
     m = session.meta
     client_ident = ClientIdentity(
-        m.job, ident.rank, ident.world_size, ident.local_rank, ident.attempt, m.node, m.pid
-    )
+        m.job, ident.rank, ident.world_size, ident.local_rank, ident.attempt, m.node, m.pid,
+        m.pid_start_time, m.pid_ns,
+    )  # fmt: skip
     shared_client(run_dir, client_ident, journal=str(session.path))
 
 

@@ -38,6 +38,8 @@ class ClientIdentity:
     attempt: int
     node: str
     pid: int
+    start_time: float = 0.0  # the process's create time: with the PID, the agent watches it
+    pid_ns: int = 0  # inode of the process's PID namespace (collector.rundir.pid_namespace)
 
 
 CommandHandler = Callable[[Any], None]  # gets a diag.proto.control_pb2.Command
@@ -199,9 +201,11 @@ class ControlClient:
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     def _register_request(self, pb: Any) -> Any:
+        i = self.ident
         return pb.RegisterRequest(
-            id=self._rank_id(pb), pid=self.ident.pid, journal=self.journal, save_dir=self.save_dir
-        )
+            id=self._rank_id(pb), pid=i.pid, journal=self.journal, save_dir=self.save_dir,
+            start_time=i.start_time, pid_ns=i.pid_ns,
+        )  # fmt: skip
 
     def _dispatch(self, msg: Any) -> None:
         which = msg.WhichOneof("body")

@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diag.collector.rundir import RankIdentity, default_run_dir, job_name, node_name
+from diag.collector.rundir import (
+    RankIdentity,
+    default_run_dir,
+    job_name,
+    node_name,
+    pid_namespace,
+)
 from diag.collector.snapshot import (
     SnapshotMeta,
     read_latest_step,
@@ -138,7 +144,7 @@ class FlashCheckpointer:
             session = current()
             ident = ClientIdentity(
                 self.job, self.rank, self.world_size, self.local_rank, attempt, self.node,
-                os.getpid(),
+                os.getpid(), self._slots.owner.start_time, pid_namespace(),
             )  # fmt: skip
             journal = str(session.path) if session is not None else ""
             self._client = shared_client(self.run_dir, ident, journal=journal)
@@ -335,7 +341,7 @@ class FlashCheckpointer:
             # After a failure the snapshots stay: the agent persists them, a restart loads them.
             remove = not _failed and not (pending and client is not None and client.connected)
         self._copier.pinned.release_all()
-        self._slots.close(remove=remove)
+        self._slots.close(remove=remove, failed=_failed)
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
 

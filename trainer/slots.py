@@ -165,7 +165,7 @@ class RankSlots:
                 out[h.step] = slot
         return out
 
-    def close(self, remove: bool) -> None:
+    def close(self, remove: bool, failed: bool = False) -> None:
         for i, slot in enumerate(self.slots):
             if slot is None:
                 continue
@@ -174,6 +174,6 @@ class RankSlots:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(slot.path)
             elif not slot.replaced():
-                slot.mark_closed()
+                slot.mark_closed(failed)
             slot.close()
             self.slots[i] = None

@@ -7,6 +7,9 @@
   on) persists synchronously, before anything is killed, every complete snapshot newer than
   storage, newest first. Persisting also the older of a rank's two snapshots lets a step commit
   when another node's rank died in the middle of copying the newest one.
+- Every registered rank process is watched through a pidfd (`writers.WriterWatch`), journal or
+  not: one that ends without closing its flash checkpointer (killed), or after an uncaught
+  exception, gets the newest snapshots of its jobs persisted at once, as a failure would.
 - Snapshots of a job whose writers are all gone are removed once nothing is left to persist:
   at once after a clean exit, after `linger` seconds after a failure (a restart loads them).
 """
@@ -30,6 +33,7 @@ from diag.agent.checkpoint.persist import PersistResult, persist_slot
 from diag.agent.checkpoint.sessions import CommandReport, RankKey, Sessions
 from diag.agent.checkpoint.stats import CheckpointStats, RankCheckpointStats
 from diag.agent.checkpoint.storage import marker_path
+from diag.agent.checkpoint.writers import WatchOutcome, Writer, WriterWatch
 from diag.collector.slotfile import SlotFile, read_snapshots
 from diag.collector.snapshot import SnapshotError, find_slots, read_latest_step
 
@@ -46,6 +50,7 @@ class CheckpointOptions:
     linger: float = 300.0
     workers: int = 2
     lock_timeout: float = 10.0
+    persist_on_death: bool = True  # a registered rank that dies gets its snapshots persisted
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,9 @@ class CheckpointManager:
         self._dead_since: dict[str, float] = {}
         self._last_scan = 0.0
         self._persisted: dict[RankKey, PersistResult] = {}
+        self._warned_invisible: set[str] = set()
         self.results: list[PersistResult] = []
+        self.writers = WriterWatch(self._writer_exited)
         self._workers = [
             threading.Thread(target=self._work, name=f"diag-persist-{i}", daemon=True)
             for i in range(max(1, self.options.workers))
@@ -95,6 +102,75 @@ class CheckpointManager:
 
     def connected(self, job: str) -> list[int]:
         return self.sessions.connected(job)
+
+    # -- rank processes ------------------------------------------------------------------------------
+
+    def watch_writer(self, key: RankKey, pid: int, start_time: float, pid_ns: int) -> WatchOutcome:
+        """Watches a rank process that registered (from the control channel's thread)."""
+        outcome = self.writers.watch(pid, start_time, pid_ns, f"rank {key.rank} of {key.job}")
+        if outcome == WatchOutcome.INVISIBLE and pid_ns and key.job not in self._warned_invisible:
+            self._warned_invisible.add(key.job)
+            log.warning(
+                "rank %d of %s (pid %d) runs in another PID namespace: its death cannot be seen "
+                "and its checkpoint is persisted only on request; share the PID namespace with "
+                "the trainer (shareProcessNamespace: true)",
+                key.rank, key.job, pid,
+            )  # fmt: skip
+        return outcome
+
+    def _writer_exited(self, writer: Writer) -> None:
+        """A registered rank process ended (on the watch's thread). Killed (its slots never
+        closed) or failed: its jobs' newest snapshots go to storage now. A clean close asked for
+        what it wanted persisted already."""
+        mine = []
+        for p in find_slots(self.run_dir, self.job):
+            try:
+                slot = SlotFile.open(p)
+            except (OSError, SnapshotError):
+                continue
+            try:
+                h = slot.header()
+            finally:
+                slot.close()
+            if h.writer_pid == writer.pid and (
+                not writer.start_time or abs(h.writer_start - writer.start_time) <= 0.05
+            ):
+                mine.append(h)
+        if not mine or all(h.closed for h in mine):
+            log.debug("%s (pid %d) ended; nothing of it to persist", writer.label, writer.pid)
+            return
+        failed = any(h.failed for h in mine)
+        how = "failed" if failed else "died"
+        what = (
+            "failed with an uncaught exception" if failed
+            else "died without closing its flash checkpointer"
+        )  # fmt: skip
+        jobs = sorted({h.job for h in mine})
+        if not self.options.persist_on_death:
+            log.warning("%s (pid %d) %s; not persisting (--persist-on-incident false)",
+                        writer.label, writer.pid, what)  # fmt: skip
+            return
+        log.warning(
+            "%s (pid %d) %s: persisting the newest in-memory checkpoints of %s",
+            writer.label, writer.pid, what, ", ".join(jobs),
+        )  # fmt: skip
+        with self._lock:
+            for job in jobs:
+                self._inflight[job] += 1  # the cleanup keeps its slots meanwhile
+        t0 = time.monotonic()
+        try:
+            results = self.persist_all_jobs(set(jobs))
+        finally:
+            with self._lock:
+                for job in jobs:
+                    self._inflight[job] -= 1
+        done = sorted({(r.job, r.step) for r in results if r.ok})
+        log.log(
+            logging.WARNING if results else logging.INFO,
+            "persisted %d in-memory checkpoint part(s) in %.2f s after %s %s: %s",
+            sum(r.ok for r in results), time.monotonic() - t0, writer.label, how,
+            ", ".join(f"{j} step {s}" for j, s in done) or "nothing new",
+        )  # fmt: skip
 
     # -- persisting ----------------------------------------------------------------------------------
 
@@ -294,9 +370,10 @@ class CheckpointManager:
 
     def close(self, timeout: float = 60.0) -> None:
         """Finishes queued persists (up to `timeout` seconds), ends the workers and the streams."""
+        deadline = time.monotonic() + timeout
+        self.writers.close(timeout)  # a death's persist in progress finishes first
         for _ in self._workers:
             self._queue.put(None)
-        deadline = time.monotonic() + timeout
         for t in self._workers:
             t.join(max(0.0, deadline - time.monotonic()))
         self.sessions.close()

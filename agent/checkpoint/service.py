@@ -47,14 +47,18 @@ class ControlService(pb_grpc.ControlServicer):
 
     def Register(self, request: Any, context: Any) -> Any:
         rid = request.id
+        key = _key(rid)
         self.manager.sessions.register(
-            _key(rid),
+            key,
             request.pid,
             world_size=rid.world_size,
             node=rid.node,
             journal=request.journal,
             save_dir=request.save_dir,
         )
+        # The caller is alive while it waits for this answer: the moment to make sure its PID
+        # names it, and to start watching it.
+        self.manager.watch_writer(key, request.pid, request.start_time, request.pid_ns)
         log.debug("rank %d of %s registered (pid %d)", rid.rank, rid.job, request.pid)
         return pb.RegisterReply(agent_pid=os.getpid(), agent_version=self.version)
 

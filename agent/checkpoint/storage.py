@@ -8,6 +8,7 @@
     <save_dir>/latest                       "global_step{N}", written last, and only once every
                                             rank's marker of step N exists
     <save_dir>/dlrover_latest.txt           "N": the tracker DLRover and ms-swift resume from
+    <save_dir>/.diag/commit.lock            held while a commit checks and writes the two above
 
 `should_commit` and `prune_plan` are the pure rules; the rest are thin file operations.
 """
@@ -15,12 +16,18 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
+import secrets
 import shutil
-from collections.abc import Callable, Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from diag.collector.locks import EXCLUSIVE, UNLOCK, ofd_lock
 from diag.collector.snapshot import (
     LATEST_FILE,
     TRACKER_FILE,
@@ -29,7 +36,13 @@ from diag.collector.snapshot import (
     tag_step,
 )
 
+log = logging.getLogger(__name__)
+
 MARKER_DIR = ".diag"
+COMMIT_LOCK = "commit.lock"
+COMMIT_LOCK_TIMEOUT_S = 30.0  # a commit holds it for milliseconds; longer is a wedged holder
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_warned_no_locks: set[str] = set()
 
 
 def should_commit(step: int, world_size: int, done: set[int], latest: int | None) -> bool:
@@ -84,18 +97,23 @@ def write_atomic(path: Path, fill: Callable[[int], object], mode: int = 0o644) -
     """Writes a file through `fill(fd)` under a temporary name, fsyncs it, renames it into place.
     Readers see the old file or the complete new one, never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    # Unique per writer: the persist workers of one agent (threads) and the agents of other
+    # nodes may write the same file at the same time; each renames a complete file of its own.
+    tmp = path.with_name(
+        f".{path.name}.tmp-{os.getpid()}-{threading.get_native_id()}-{secrets.token_hex(4)}"
+    )
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
-        fill(fd)
-        os.fsync(fd)
+        try:
+            fill(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
     except BaseException:
-        os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    os.close(fd)
-    os.replace(tmp, path)
 
 
 def write_bytes_atomic(path: Path, data: bytes | memoryview, mode: int = 0o644) -> None:
@@ -113,16 +131,68 @@ def write_marker(save_dir: Path, step: int, rank: int, doc: dict) -> None:
     fsync_dir(path.parent)
 
 
+@contextlib.contextmanager
+def commit_lock(save_dir: Path, timeout: float = COMMIT_LOCK_TIMEOUT_S) -> Iterator[bool]:
+    """Holds the save directory's commit lock; yields False when its filesystem has no locks.
+
+    Why a lock: the check (every marker there, `latest` older) and the writes must be one step
+    for every committer at once, the persist threads of this agent as well as the agents of
+    other nodes sharing the directory; renames alone cannot order them (an older step's rename
+    may land after a newer one's). Why a lock file with an OFD lock (collector.locks): it
+    excludes threads and processes alike (a classic POSIX lock would not exclude two threads of
+    one process), it works across nodes on filesystems with POSIX locks (NFS, CephFS, Lustre),
+    taking it makes NFS revalidate its cached view of `latest`, and the kernel (or NFS lock
+    recovery) drops it when its holder dies, so a crash never leaves it taken (an O_EXCL lock
+    file would stay behind a killed holder)."""
+    path = save_dir / MARKER_DIR / COMMIT_LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            deadline = time.monotonic() + timeout
+            while not ofd_lock(fd, EXCLUSIVE, wait=False):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"the commit lock {path} stayed held for {timeout:.0f} s (another agent "
+                        "stuck in a commit?); the step is committed by the next persist"
+                    )
+                time.sleep(0.005)
+            locked = True
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                raise
+            locked = False
+            if str(save_dir) not in _warned_no_locks:
+                _warned_no_locks.add(str(save_dir))
+                log.warning(
+                    "the filesystem of %s has no file locks (%s): agents of several nodes "
+                    "committing at once could move `latest` backwards; mount it with locking",
+                    save_dir, os.strerror(e.errno),
+                )  # fmt: skip
+        try:
+            yield locked
+        finally:
+            if locked:
+                ofd_lock(fd, UNLOCK, wait=False)
+    finally:
+        os.close(fd)
+
+
 def try_commit(save_dir: Path, step: int, world_size: int, keep: int) -> bool:
-    """Writes `latest` and the tracker file when every rank's part of `step` is on storage, then
-    prunes old steps. Agents of several nodes may race here: both write the same content, and
+    """Writes `latest` and the tracker file when every rank's part of `step` is on storage and
+    `latest` names an older step, then prunes old steps. The check and the writes happen under
+    the commit lock, so concurrent commits (threads, other nodes' agents) apply in step order:
     `latest` only ever moves forward."""
-    if not should_commit(step, world_size, done_ranks(save_dir, step), read_latest_step(save_dir)):
-        return False
-    # Every rank's files and their directory entries were fsynced before its marker was written.
-    write_bytes_atomic(save_dir / LATEST_FILE, step_tag(step).encode())
-    write_bytes_atomic(save_dir / TRACKER_FILE, str(step).encode())
-    fsync_dir(save_dir)
+    with commit_lock(save_dir):
+        latest = read_latest_step(save_dir)
+        if not should_commit(step, world_size, done_ranks(save_dir, step), latest):
+            return False
+        # Every rank's files and their directory entries were fsynced before its marker.
+        write_bytes_atomic(save_dir / LATEST_FILE, step_tag(step).encode())
+        write_bytes_atomic(save_dir / TRACKER_FILE, str(step).encode())
+        fsync_dir(save_dir)
+    # Outside the lock (removing big steps takes a while): only steps older than this commit
+    # are touched, and removing twice is harmless.
     for old in prune_plan(marked_steps(save_dir), step, keep):
         shutil.rmtree(save_dir / step_tag(old), ignore_errors=True)
         shutil.rmtree(save_dir / MARKER_DIR / step_tag(old), ignore_errors=True)
