@@ -24,6 +24,7 @@ from diag.agent.timeouts import (
     TimeoutPolicy,
     effective_ceiling,
     rank_limit,
+    stepless,
 )
 
 
@@ -49,6 +50,7 @@ class EventKind(enum.Enum):
     RECOVERED = "recovered"  # progress resumed after an incident
     NEW_ATTEMPT = "new-attempt"  # the ranks restarted
     JOB_ENDED = "job-ended"
+    NO_STEPS = "no-steps"  # ranks mark no steps: their op pace ended warm-up (once per attempt)
 
 
 class OverdueKind(enum.Enum):
@@ -98,6 +100,7 @@ class WatchState:
     incident: Verdict | None = None
     activity_at_incident: tuple[tuple[int, float], ...] = ()
     job_ended: bool = False
+    warned_no_steps: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,11 @@ def decide(state: WatchState, obs: Observation, policy: Policy) -> Decision:
         state = WatchState(attempt=obs.attempt)
     if not obs.ranks:
         return Decision(state, events=tuple(events))
+    if not state.warned_no_steps:
+        warning = _no_steps_warning(obs, policy.timeouts)
+        if warning is not None:
+            events.append(warning)
+            state = replace(state, warned_no_steps=True)
 
     if state.incident is not None:
         if _progressed_since(state, obs):
@@ -154,6 +162,27 @@ def decide(state: WatchState, obs: Observation, policy: Policy) -> Decision:
         activity_at_incident=tuple((r.rank, r.last_activity) for r in obs.ranks),
     )
     return Decision(state, verdict, tuple(actions), tuple(events))
+
+
+def _no_steps_warning(obs: Observation, timeouts: TimeoutPolicy) -> Event | None:
+    """Said once: a job that marks no steps is judged on the pace of its ops, not on steps."""
+    ranks = [r for r in obs.ranks if r.alive and stepless(r)]
+    if not ranks:
+        return None
+    first = ranks[0]
+    limit = rank_limit(first, timeouts, obs.pg_timeout)
+    held = first.cadence.steady_over if first.cadence is not None else 0.0
+    which = (
+        f"ranks {','.join(str(r.rank) for r in ranks)}" if len(ranks) > 1 else f"rank {first.rank}"
+    )
+    return Event(
+        EventKind.NO_STEPS,
+        f"{which} mark no training steps (no engine given to diag.trainer.attach(), no "
+        f"diag.trainer.step()); their ops have completed at a steady pace for {held:.0f} s, so "
+        f"the {timeouts.warmup_timeout:g} s warm-up limit no longer applies: hang limit of rank "
+        f"{first.rank} now {limit.seconds:.1f} s ({limit.basis}). Call diag.trainer.step() at "
+        "each step boundary for limits based on steps",
+    )
 
 
 def _progressed_since(state: WatchState, obs: Observation) -> bool:
@@ -182,6 +211,8 @@ def _incident_id(obs: Observation, kind: VerdictKind, ws: list[Wait]) -> str:
     # Agents on other nodes see the same stuck collective, so (group, seq) makes the id they
     # share; directories of one incident are grouped by it when merged.
     where = f"pg{ws[0].group}-seq{ws[0].group_seq}" if ws else "noop"
+    if ws and ws[0].pair is not None:
+        where += f"-p2p{ws[0].pair[0]}-{ws[0].pair[1]}"
     return f"a{obs.attempt}-{kind.value}-{where}"
 
 
