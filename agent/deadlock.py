@@ -21,6 +21,7 @@ from diag.agent.observation import Observation, OpView, RankSnapshot
 from diag.agent.waitgraph import Blocked, cycles, path, waiting_behind
 from diag.collector.records import OpCode
 
+NO_ONE_STANDS_OUT = "no rank on the cycle stands out"
 _PERIODS = (1, 2, 3, 4)  # p2p orders repeat within a few ops per peer (send/recv, 1F1B, ...)
 
 
@@ -76,8 +77,7 @@ def find_deadlocks(obs: Observation, graph: Mapping[int, Blocked]) -> list[Deadl
                 culprits = ranks
                 text = _cycle_text(ranks[0], graph, ranks)
                 reasons = {
-                    c: f"{text}; no rank on the cycle stands out (all {len(ranks)} take part in "
-                    f"it){tail}"
+                    c: f"{text}; {NO_ONE_STANDS_OUT} ({len(ranks)} ranks on it){tail}"
                     for c in culprits
                 }
         out.append(Deadlock(ranks, culprits, reasons, behind))

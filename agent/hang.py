@@ -17,6 +17,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from diag.agent.culprit import Suspect, SuspectKind, Wait, find_suspects, waits
+from diag.agent.deadlock import NO_ONE_STANDS_OUT
 from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.agent.timeouts import (
     PG_TIMEOUT_MARGIN,
@@ -304,6 +305,15 @@ def overdue_ranks(
     return limits, overdue
 
 
+def _no_one_stands_out(suspects: list[Suspect]) -> bool:
+    """The leading suspects are the ranks of one deadlock, none of which stands out."""
+    return (
+        bool(suspects)
+        and suspects[0].kind == SuspectKind.DEADLOCK
+        and (NO_ONE_STANDS_OUT in suspects[0].reason)
+    )
+
+
 def _hang_verdict(obs: Observation, policy: Policy) -> Verdict | None:
     _, overdue = overdue_ranks(obs, policy.timeouts)
     if not overdue:
@@ -320,6 +330,11 @@ def _hang_verdict(obs: Observation, policy: Policy) -> Verdict | None:
     culprit = suspects[0].rank if suspects else None
     first = max(overdue, key=lambda o: o.age - o.limit.seconds)
     lead = suspects[0].reason if suspects else first.describe()
+    if _no_one_stands_out(suspects):
+        # A deadlock of ranks that all did the same thing (each receives before it sends):
+        # naming one of them would send the reader after the wrong rank.
+        culprit = None
+        lead = f"no single culprit: {lead}"
     summary = f"{kind.value}: " + (
         f"rank {culprit} is the likely culprit: {lead}" if culprit is not None else lead
     )

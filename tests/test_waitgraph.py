@@ -195,6 +195,9 @@ def test_every_rank_receiving_first_in_a_ring_names_them_all() -> None:
     assert "rank 0 waits in recv #5 of group 0 from rank 3" in reason
     assert "rank 1 waits in recv #5 of group 0 from rank 0" in reason
     assert "no rank on the cycle stands out" in reason
+    v = decide(WatchState(), o, Policy(timeouts=TimeoutPolicy(floor=2.0))).verdict
+    assert v is not None and v.culprit is None
+    assert v.summary.startswith("hang: no single culprit: deadlock (wait-for cycle): rank 0 waits")
 
 
 def test_partners_that_both_receive_name_the_one_that_changed_its_order() -> None:
