@@ -78,6 +78,7 @@ def board_document(obs: Observation, node: str, wall: float) -> dict[str, Any]:
                 "cpu_busy": round(r.cpu_busy, 3),
                 "pending": [_op_doc(op, now) for op in r.pending[:4]],
                 "last_ops": [_op_doc(op, now) for op in r.last_ops.values()],
+                "p2p": [_op_doc(op, now) for ops in r.p2p.values() for op in ops[-4:]],
             }
             for r in obs.ranks
         ],
@@ -96,6 +97,10 @@ def snapshots_from(doc: dict[str, Any], now: float, wall: float) -> list[RankSna
         for d in r.get("last_ops", ()):
             v = _op_view(d, at)
             last_ops[v.group] = v
+        p2p: dict[tuple[str, int], list[OpView]] = {}
+        for d in r.get("p2p", ()):
+            v = _op_view(d, at)
+            p2p.setdefault((v.group, v.peer), []).append(v)
         out.append(
             RankSnapshot(
                 rank=int(r["rank"]),
@@ -110,6 +115,7 @@ def snapshots_from(doc: dict[str, Any], now: float, wall: float) -> list[RankSna
                 exited_at=at - float(r["exited_age"]) if r.get("exited_age") is not None else None,
                 pending=tuple(_op_view(d, at) for d in r.get("pending", ())),
                 last_ops=last_ops,
+                p2p={k: tuple(sorted(v, key=lambda o: o.group_seq)) for k, v in p2p.items()},
                 proc_state=str(r.get("proc_state", "")),
                 cpu_busy=float(r.get("cpu_busy", 0.0)),
             )

@@ -81,6 +81,13 @@ def _positive(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {text}")
+    return value
+
+
 def _phases(text: str) -> dict[str, float]:
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -136,6 +143,13 @@ OPTIONS = (
     _Opt("hang_factor", _positive, 5.0, "adaptive limit = factor x slowest recent step/op"),
     _Opt("warmup_steps", int, 2, "steps before the adaptive limit applies"),
     _Opt("warmup_timeout", _positive, 900.0, "hang limit during the warm-up steps"),
+    _Opt(
+        "warmup_cadence",
+        _non_negative,
+        30.0,
+        "a rank that marks no steps leaves warm-up after its ops completed at a steady pace for "
+        "this many seconds (0: it keeps the warm-up limit)",
+    ),
     _Opt("phase_timeout", _phases, {}, "per-phase limits, NAME=SECONDS[,NAME=SECONDS]"),
     _Opt("default_phase_timeout", _positive, 1800.0, "limit inside phases not listed"),
     _Opt(
@@ -258,6 +272,7 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
             factor=values["hang_factor"],
             warmup_steps=values["warmup_steps"],
             warmup_timeout=values["warmup_timeout"],
+            warmup_cadence=values["warmup_cadence"],
             phase_timeouts=values["phase_timeout"],
             default_phase_timeout=values["default_phase_timeout"],
         )

@@ -7,7 +7,9 @@ that is not is the suspect:
 - it is dead;
 - it is behind (its newest op on that group is older than #N) and not inside any collective: it
   is computing, sleeping, spinning or stuck in something that is not communication;
-- it is behind but waits inside a collective of another group: follow it to that group;
+- it is behind but waits inside an op of another group or with another peer: follow it there;
+  when the waits lead back (a wait-for cycle: a deadlock), name the rank whose order of ops
+  differs from the others' (waitgraph.py, deadlock.py);
 - it is inside #N but its device has not started it while the others' have (CUDA);
 - it called a different collective as #N (op or size mismatch);
 - it is on another node (we cannot see it from here).
@@ -19,13 +21,16 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from diag.agent.deadlock import find_deadlocks, ranks_text
 from diag.agent.observation import Observation, OpView, RankSnapshot
+from diag.agent.waitgraph import arrived, blocked_ranks, wait_key
 from diag.collector.records import OpState
 
 
 class SuspectKind(enum.Enum):
     DIED = "died"
     BEHIND_IDLE = "behind"  # behind in the group and not inside any collective
+    DEADLOCK = "deadlock"  # on a wait-for cycle, its order of ops differing from the others'
     NOT_STARTED = "device-not-started"
     MISMATCH = "mismatch"
     REMOTE = "remote"  # a member on another node
@@ -35,6 +40,7 @@ class SuspectKind(enum.Enum):
 _SCORES = {
     SuspectKind.DIED: 1.0,
     SuspectKind.BEHIND_IDLE: 0.9,
+    SuspectKind.DEADLOCK: 0.85,
     SuspectKind.NOT_STARTED: 0.8,
     SuspectKind.MISMATCH: 0.7,
     SuspectKind.REMOTE: 0.5,
@@ -55,16 +61,23 @@ class Suspect:
 
 @dataclass(frozen=True)
 class Wait:
-    """Ranks stuck inside one collective."""
+    """Ranks stuck inside one collective, or inside one p2p op between two ranks."""
 
     group: str
     group_seq: int
     op: OpView
     waiting: tuple[int, ...]
     since: float  # the earliest enqueue among them
+    pair: tuple[int, int] | None = None  # the two ranks of a p2p op
+
+    @property
+    def members(self) -> tuple[int, ...] | None:
+        """The ranks it needs, when that is not the whole group."""
+        return self.pair
 
     def describe(self) -> str:
-        return f"{self.op.op.label} #{self.group_seq} of group {self.group}"
+        between = f" between ranks {self.pair[0]} and {self.pair[1]}" if self.pair else ""
+        return f"{self.op.op.label} #{self.group_seq} of group {self.group}{between}"
 
 
 def _fmt_ranks(ranks: Iterable[int]) -> str:
@@ -74,32 +87,42 @@ def _fmt_ranks(ranks: Iterable[int]) -> str:
 def waits(obs: Observation, local_only: bool = True) -> list[Wait]:
     """Collectives that ranks are stuck in, oldest first, one per (group, seq): local ranks
     only, or with `local_only=False` also the remote ranks the observation carries."""
-    by_key: dict[tuple[str, int], list[tuple[RankSnapshot, OpView]]] = {}
+    by_key: dict[tuple, list[tuple[RankSnapshot, OpView]]] = {}
     for r in obs.ranks if local_only else obs.all_ranks:
         if r.alive and r.pending:
             op = r.pending[0]
-            by_key.setdefault((op.group, op.group_seq), []).append((r, op))
+            by_key.setdefault(wait_key(r.rank, op), []).append((r, op))
     out = [
         Wait(
-            group=g,
-            group_seq=s,
+            group=key[0],
+            group_seq=key[1],
             op=members[0][1],
             waiting=tuple(sorted(r.rank for r, _ in members)),
             since=min(op.t_enqueue for _, op in members),
+            pair=(key[2], key[3]) if len(key) == 4 else None,
         )
-        for (g, s), members in by_key.items()
+        for key, members in by_key.items()
     ]
     out.sort(key=lambda w: w.since)
     return out
 
 
 def _behind_reason(r: RankSnapshot, w: Wait, now: float, node: str) -> str:
-    last = r.last_ops.get(w.group)
-    where = (
-        f"its last op on group {w.group} was #{last.group_seq}"
-        if last
-        else (f"it has issued nothing on group {w.group}")
-    )
+    if w.pair is not None:
+        other = w.pair[0] if w.pair[1] == r.rank else w.pair[1]
+        hist = r.p2p.get((w.group, other), ())
+        where = (
+            f"its last op with rank {other} was {hist[-1].op.label} #{hist[-1].group_seq}"
+            if hist
+            else f"it has exchanged nothing with rank {other} on group {w.group}"
+        )
+    else:
+        last = r.last_ops.get(w.group)
+        where = (
+            f"its last op on group {w.group} was #{last.group_seq}"
+            if last
+            else (f"it has issued nothing on group {w.group}")
+        )
     idle = now - r.last_activity
     who = f"rank {r.rank} on node {r.node}" if r.node != node else f"rank {r.rank}"
     if r.phase:
@@ -110,8 +133,9 @@ def _behind_reason(r: RankSnapshot, w: Wait, now: float, node: str) -> str:
         doing = f"busy on CPU ({r.cpu_busy:.0%} of a core) outside any collective"
     else:
         doing = "idle outside any collective"
+    verb = "waits" if len(w.waiting) == 1 else "wait"
     return (
-        f"ranks {_fmt_ranks(w.waiting)} wait in {w.describe()} since "
+        f"{ranks_text(w.waiting)} {verb} in {w.describe()} since "
         f"{now - w.since:.1f} s; {who} never joined: {where}, no progress for "
         f"{idle:.1f} s, {doing}"
     )
@@ -134,7 +158,7 @@ def find_suspects(obs: Observation) -> list[Suspect]:
             add(Suspect(r.rank, SuspectKind.DIED, _died_reason(r, obs)))
 
     for w in waits(obs, local_only=False):
-        members = obs.groups.get(w.group, ())
+        members = w.members or obs.groups.get(w.group, ())
         for m in members:
             if m in w.waiting:
                 continue
@@ -151,14 +175,18 @@ def find_suspects(obs: Observation) -> list[Suspect]:
                 continue
             if not r.alive:
                 continue  # reported as dead above (or closed: then the others wait in vain)
-            last = r.last_ops.get(w.group)
-            if last is not None and last.group_seq >= w.group_seq:
-                continue  # already past it (p2p orders differ); not the blocker
+            if arrived(r, w.waiting[0], by_rank[w.waiting[0]].pending[0]):
+                continue  # inside it or past it: not the blocker
             if r.pending:
                 continue  # waiting elsewhere: the wait it is in gets its own analysis
             add(Suspect(m, SuspectKind.BEHIND_IDLE, _behind_reason(r, w, now, local_node)))
         _mismatches(w, by_rank, add)
         _not_started(w, by_rank, add)
+
+    # Waits that lead back to where they started: nobody on the cycle can move first.
+    for d in find_deadlocks(obs, blocked_ranks(obs)):
+        for c in d.culprits:
+            add(Suspect(c, SuspectKind.DEADLOCK, d.reasons[c]))
 
     if not found:
         # Everyone is inside the same collective: the transport or a device is stuck. The rank

@@ -34,12 +34,15 @@ from diag.collector.rundir import control_socket_path
 log = logging.getLogger(__name__)
 
 CHECKPOINT_METRICS_EVERY = 5.0  # seconds
+_WARNINGS = frozenset({EventKind.INCIDENT, EventKind.NO_STEPS})
 
 
 class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
-        self.observer = Observer(cfg.run_dir, cfg.job)
+        self.observer = Observer(
+            cfg.run_dir, cfg.job, warmup_cadence=cfg.policy.timeouts.warmup_cadence
+        )
         self.executor = Executor(
             self.observer,
             cfg.timeline,
@@ -129,7 +132,7 @@ class Agent:
         if self.metrics is not None:
             self.metrics.update(obs, self.state, decision.verdict)
         for e in decision.events:
-            level = logging.WARNING if e.kind == EventKind.INCIDENT else logging.INFO
+            level = logging.WARNING if e.kind in _WARNINGS else logging.INFO
             log.log(level, "%s: %s", e.kind.value, e.message)
         for action in decision.actions:
             self.executor.execute(action)

@@ -17,6 +17,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from diag.agent.culprit import Suspect, SuspectKind, Wait, find_suspects, waits
+from diag.agent.deadlock import NO_ONE_STANDS_OUT
 from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.agent.timeouts import (
     PG_TIMEOUT_MARGIN,
@@ -24,6 +25,7 @@ from diag.agent.timeouts import (
     TimeoutPolicy,
     effective_ceiling,
     rank_limit,
+    stepless,
 )
 
 
@@ -49,6 +51,7 @@ class EventKind(enum.Enum):
     RECOVERED = "recovered"  # progress resumed after an incident
     NEW_ATTEMPT = "new-attempt"  # the ranks restarted
     JOB_ENDED = "job-ended"
+    NO_STEPS = "no-steps"  # ranks mark no steps: their op pace ended warm-up (once per attempt)
 
 
 class OverdueKind(enum.Enum):
@@ -98,6 +101,7 @@ class WatchState:
     incident: Verdict | None = None
     activity_at_incident: tuple[tuple[int, float], ...] = ()
     job_ended: bool = False
+    warned_no_steps: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,11 @@ def decide(state: WatchState, obs: Observation, policy: Policy) -> Decision:
         state = WatchState(attempt=obs.attempt)
     if not obs.ranks:
         return Decision(state, events=tuple(events))
+    if not state.warned_no_steps:
+        warning = _no_steps_warning(obs, policy.timeouts)
+        if warning is not None:
+            events.append(warning)
+            state = replace(state, warned_no_steps=True)
 
     if state.incident is not None:
         if _progressed_since(state, obs):
@@ -154,6 +163,27 @@ def decide(state: WatchState, obs: Observation, policy: Policy) -> Decision:
         activity_at_incident=tuple((r.rank, r.last_activity) for r in obs.ranks),
     )
     return Decision(state, verdict, tuple(actions), tuple(events))
+
+
+def _no_steps_warning(obs: Observation, timeouts: TimeoutPolicy) -> Event | None:
+    """Said once: a job that marks no steps is judged on the pace of its ops, not on steps."""
+    ranks = [r for r in obs.ranks if r.alive and stepless(r)]
+    if not ranks:
+        return None
+    first = ranks[0]
+    limit = rank_limit(first, timeouts, obs.pg_timeout)
+    held = first.cadence.steady_over if first.cadence is not None else 0.0
+    which = (
+        f"ranks {','.join(str(r.rank) for r in ranks)}" if len(ranks) > 1 else f"rank {first.rank}"
+    )
+    return Event(
+        EventKind.NO_STEPS,
+        f"{which} mark no training steps (no engine given to diag.trainer.attach(), no "
+        f"diag.trainer.step()); their ops have completed at a steady pace for {held:.0f} s, so "
+        f"the {timeouts.warmup_timeout:g} s warm-up limit no longer applies: hang limit of rank "
+        f"{first.rank} now {limit.seconds:.1f} s ({limit.basis}). Call diag.trainer.step() at "
+        "each step boundary for limits based on steps",
+    )
 
 
 def _progressed_since(state: WatchState, obs: Observation) -> bool:
@@ -182,6 +212,8 @@ def _incident_id(obs: Observation, kind: VerdictKind, ws: list[Wait]) -> str:
     # Agents on other nodes see the same stuck collective, so (group, seq) makes the id they
     # share; directories of one incident are grouped by it when merged.
     where = f"pg{ws[0].group}-seq{ws[0].group_seq}" if ws else "noop"
+    if ws and ws[0].pair is not None:
+        where += f"-p2p{ws[0].pair[0]}-{ws[0].pair[1]}"
     return f"a{obs.attempt}-{kind.value}-{where}"
 
 
@@ -273,6 +305,15 @@ def overdue_ranks(
     return limits, overdue
 
 
+def _no_one_stands_out(suspects: list[Suspect]) -> bool:
+    """The leading suspects are the ranks of one deadlock, none of which stands out."""
+    return (
+        bool(suspects)
+        and suspects[0].kind == SuspectKind.DEADLOCK
+        and (NO_ONE_STANDS_OUT in suspects[0].reason)
+    )
+
+
 def _hang_verdict(obs: Observation, policy: Policy) -> Verdict | None:
     _, overdue = overdue_ranks(obs, policy.timeouts)
     if not overdue:
@@ -289,6 +330,11 @@ def _hang_verdict(obs: Observation, policy: Policy) -> Verdict | None:
     culprit = suspects[0].rank if suspects else None
     first = max(overdue, key=lambda o: o.age - o.limit.seconds)
     lead = suspects[0].reason if suspects else first.describe()
+    if _no_one_stands_out(suspects):
+        # A deadlock of ranks that all did the same thing (each receives before it sends):
+        # naming one of them would send the reader after the wrong rank.
+        culprit = None
+        lead = f"no single culprit: {lead}"
     summary = f"{kind.value}: " + (
         f"rank {culprit} is the likely culprit: {lead}" if culprit is not None else lead
     )

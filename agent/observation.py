@@ -10,6 +10,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from diag.agent.cadence import Cadence
 from diag.collector.records import OpCode, OpState
 
 
@@ -35,8 +36,17 @@ class OpView:
     def pending(self) -> bool:
         return self.state.pending
 
+    @property
+    def is_p2p(self) -> bool:
+        return self.op.is_p2p
+
     def describe(self) -> str:
-        peer = f" peer {self.peer}" if self.peer >= 0 else ""
+        if self.op == OpCode.SEND:
+            peer = f" to rank {self.peer}"
+        elif self.op.is_p2p:
+            peer = f" from rank {self.peer}" if self.peer >= 0 else " from any rank"
+        else:
+            peer = ""
         return f"{self.op.label} #{self.group_seq} of group {self.group}{peer}"
 
 
@@ -54,11 +64,16 @@ class RankSnapshot:
     phase_since: float | None = None
     exited_at: float | None = None  # when the agent saw the process end
     pending: tuple[OpView, ...] = ()  # unfinished ops, oldest first
-    last_ops: Mapping[str, OpView] = field(default_factory=dict)  # newest op per group
+    last_ops: Mapping[str, OpView] = field(default_factory=dict)  # newest collective per group
+    # Recent point-to-point ops per (group, peer), issued or finished, oldest first. Their
+    # sequence numbers count the pair's ops (sends and receives alike), so #k of one side
+    # matches #k of the other.
+    p2p: Mapping[tuple[str, int], tuple[OpView, ...]] = field(default_factory=dict)
     step_durations: tuple[float, ...] = ()  # recent completed steps, oldest first
     max_op_seconds: float = 0.0  # longest completed op seen recently
     proc_state: str = ""  # /proc state letter: R, S, D, Z, T ...
     cpu_busy: float = 0.0  # share of one core used since the last observation
+    cadence: Cadence | None = None  # pace of its ops while it has marked no step (cadence.py)
 
     @property
     def alive(self) -> bool:

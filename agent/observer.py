@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diag.agent.cadence import Cadence, fold
 from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.agent.procs import ProcessWatch, ProcInfo, same_process
 from diag.collector.journal import JournalFormatError, JournalReader, JournalStatus
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 _NS = 1e-9
 _HISTORY_STEPS = 16
 _HISTORY_OPS = 256
+_HISTORY_P2P = 8  # recent ops per (group, peer): enough to see a send/recv order repeat
 _LEFTOVER_IDLE_S = 600.0  # an unseen writer this idle before we started is a leftover
 _UNSETTLED_TRIES = 20
 ENDED_LINGER_S = 60.0  # how long a rank whose process ended stays in view
@@ -42,11 +44,14 @@ class RankTracker:
     pending: dict[int, Record] = field(default_factory=dict)
     unsettled: dict[int, int] = field(default_factory=dict)
     last_ops: dict[str, OpView] = field(default_factory=dict)
+    p2p: dict[tuple[str, int], deque] = field(default_factory=dict)
     step_ends: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_STEPS + 1))
     done_ops: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_OPS))
     op_seconds: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_OPS))
     last_activity: float = 0.0
     lost: int = 0  # records the ring overwrote before we read them
+    cadence: Cadence = field(default_factory=Cadence)
+    new_done: list[tuple[float, float]] = field(default_factory=list)  # not yet in `cadence`
 
     @property
     def rank(self) -> int:
@@ -105,18 +110,35 @@ class RankTracker:
         if rec.kind != RecordKind.OP:
             return
         v = self.view(rec)
-        prev = self.last_ops.get(v.group)
-        if prev is None or (v.group_seq, v.peer) >= (prev.group_seq, prev.peer) or v.peer >= 0:
-            self.last_ops[v.group] = v
+        if rec.op.is_p2p:
+            self._note_p2p(v)
+        else:
+            prev = self.last_ops.get(v.group)
+            if prev is None or v.group_seq >= prev.group_seq:
+                self.last_ops[v.group] = v
         if rec.state.pending:
             self.pending[rec.seq] = rec
             return
         self.pending.pop(rec.seq, None)
+        if v.t_end is not None and rec.state == OpState.COMPLETED and rec.step == 0:
+            self.new_done.append((v.t_enqueue, v.t_end))  # the pace of a rank without steps
         if v.t_end is not None and rec.state == OpState.COMPLETED and rec.step >= _SETTLED_STEP:
             # Ops of the first steps are dominated by start-up skew: not a basis for limits
             # or straggler scores.
             self.done_ops.append(v)
             self.op_seconds.append(v.t_end - v.t_enqueue)
+
+    def _note_p2p(self, v: OpView) -> None:
+        hist = self.p2p.get((v.group, v.peer))
+        if hist is None:
+            hist = self.p2p[(v.group, v.peer)] = deque(maxlen=_HISTORY_P2P)
+        if not hist or v.group_seq > hist[-1].group_seq:
+            hist.append(v)
+            return
+        for i in range(len(hist) - 1, -1, -1):  # a pending op read again: its state changed
+            if hist[i].group_seq == v.group_seq:
+                hist[i] = v
+                return
 
     def step_durations(self) -> tuple[float, ...]:
         ends = list(self.step_ends)
@@ -126,9 +148,10 @@ class RankTracker:
 class Observer:
     """Owns the journal readers and the process watch of one agent."""
 
-    def __init__(self, run_dir: Path, job: str | None = None) -> None:
+    def __init__(self, run_dir: Path, job: str | None = None, warmup_cadence: float = 30.0) -> None:
         self.run_dir = run_dir
         self.job = job
+        self.warmup_cadence = warmup_cadence  # seconds of steady pace (cadence.py)
         self.procs = ProcessWatch()
         self.trackers: dict[Path, RankTracker] = {}
         self._stale: set[tuple[Path, tuple[int, int]]] = set()
@@ -340,6 +363,9 @@ class Observer:
         if state.phase_mono_ns:
             last = max(last, state.phase_mono_ns * _NS)
         pending = tuple(t.view(r) for _, r in sorted(t.pending.items()))
+        if state.step == 0:
+            t.cadence = fold(t.cadence, t.new_done, now, self.warmup_cadence)
+        t.new_done.clear()
         return RankSnapshot(
             rank=t.rank,
             local_rank=t.meta.local_rank,
@@ -354,10 +380,12 @@ class Observer:
             exited_at=exited_at,
             pending=pending,
             last_ops=dict(t.last_ops),
+            p2p={k: tuple(h) for k, h in t.p2p.items()},
             step_durations=t.step_durations(),
             max_op_seconds=max(t.op_seconds, default=0.0),
             proc_state=info.state if info is not None else "",
             cpu_busy=info.cpu_busy if info is not None else 0.0,
+            cadence=t.cadence if state.step == 0 else None,
         )
 
     def close(self) -> None:

@@ -39,6 +39,7 @@ def _diag(*args: str, env: dict | None = None, timeout: float = 60) -> subproces
         (("agent", "--hang-timeout", "-5"), "--hang-timeout: must be > 0"),
         (("agent", "--hang-timeout", "5", "--hang-floor", "9"), None),  # floor is clamped
         (("agent", "--phase-timeout", "eval"), "expected NAME=SECONDS"),
+        (("agent", "--warmup-cadence", "-1"), "--warmup-cadence: must be >= 0"),
         (("agent", "--on-hang", "explode"), "invalid choice"),
         (("agent", "--config", "/nonexistent/diag.toml"), "no such file"),
         (("dump", "--pid", "999999999"), "--pid 999999999: no such process"),
@@ -88,7 +89,11 @@ def test_config_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
     assert c.policy.timeouts.floor == 3  # flag beats file
     assert c.policy.on_hang == OnHang.STOP  # file beats default
     assert c.policy.timeouts.phase_timeouts == {"eval": 99.0}
+    assert c.policy.timeouts.warmup_cadence == 30.0  # the default
     assert c.run_dir == tmp_path
+    assert (
+        config_mod.load(args, env={"DIAG_WARMUP_CADENCE": "0"}).policy.timeouts.warmup_cadence == 0
+    )
     defaults = config_mod.load(parser.parse_args([]), env={})
     assert defaults.timeline == Path("/root/timeline") and isinstance(defaults.run_dir, Path)
     assert defaults.peers_dir == Path("/root/timeline/.peers")
