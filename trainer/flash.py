@@ -242,7 +242,7 @@ class FlashCheckpointer:
         if plan.source == Source.STORAGE:
             # Through a universal checkpoint when the step was saved at another data-parallel
             # size (snapshots in memory are per partition: at another size there are none).
-            result = reshard.load(self.engine, self.save_dir, tag, group=self._group)
+            result = reshard.load(self.engine, self.save_dir, tag)
             path, client_state = result.path, result.client_state
             if result.verdict.resharded:
                 self.stats.resharded_from = result.verdict.saved_dp

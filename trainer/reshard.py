@@ -39,6 +39,7 @@ LATEST_UNIVERSAL = "latest_universal"  # what DeepSpeed's converter and loader c
 CONVERTER = "deepspeed.checkpoint.ds_to_universal"
 _PARTITION_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _TMP_MARK = ".tmp-"
+WAIT_TIMEOUT_S = 6 * 3600.0  # how long the other ranks wait for rank 0's conversion
 
 
 class ReshardError(RuntimeError):
@@ -210,34 +211,42 @@ def load(
     load_dir: str | os.PathLike[str],
     tag: str,
     *,
-    group: Any = None,
+    timeout_s: float = WAIT_TIMEOUT_S,
     workers: int | None = None,
     **load_kwargs: Any,
 ) -> LoadResult:
     """`engine.load_checkpoint(load_dir, tag)`, through a universal checkpoint when `tag` was
-    saved at another data-parallel size. Collective: call it on every rank. The ranks wait for
-    rank 0's conversion inside the "load" phase, so an agent watching them allows for it."""
+    saved at another data-parallel size. Collective: call it on every rank. The other ranks wait
+    for rank 0's conversion on a gloo group of their own whose timeout is `timeout_s` (a big
+    checkpoint converts for longer than a default group's 30 minutes), inside the "load" phase,
+    so an agent watching them allows for it."""
     from diag.trainer.attach import phase
 
     with phase("load"):
-        return _load(engine, load_dir, tag, group, workers, load_kwargs)
+        return _load(engine, load_dir, tag, timeout_s, workers, load_kwargs)
 
 
 def _load(
     engine: Any,
     load_dir: str | os.PathLike[str],
     tag: str,
-    group: Any,
+    timeout_s: float,
     workers: int | None,
     load_kwargs: dict[str, Any],
 ) -> LoadResult:
+    import datetime
+
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box: list[Any] = (
-            [decide(engine, load_dir, tag, workers=workers)] if dist.get_rank() == 0 else [None]
-        )
-        dist.broadcast_object_list(box, src=0, group=group)
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            box: list[Any] = (
+                [decide(engine, load_dir, tag, workers=workers)] if dist.get_rank() == 0 else [None]
+            )
+            dist.broadcast_object_list(box, src=0, group=group)
+        finally:
+            dist.destroy_process_group(group)
         verdict: Verdict = box[0]
     else:
         verdict = decide(engine, load_dir, tag, workers=workers)
@@ -297,8 +306,6 @@ def _engine_batch(engine: Any) -> int | None:
 
 _local = threading.local()
 _hook_lock = threading.Lock()
-_group: Any = None
-_group_made = False
 
 
 @contextlib.contextmanager
@@ -331,24 +338,9 @@ def install_load_hook() -> None:
                     tag = Path(load_dir, "latest").read_text().strip()
                 except OSError:
                     return original(self, load_dir, tag, **kwargs)
-            result = load(self, load_dir, str(tag), group=_hook_group(), **kwargs)
+            result = load(self, load_dir, str(tag), **kwargs)
             return result.path, result.client_state
 
         load_checkpoint._diag_reshard = True  # type: ignore[attr-defined]
         load_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
         DeepSpeedEngine.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
-
-
-def _hook_group() -> Any:
-    """A CPU group for the verdict (None: the default group, when it is gloo). Made once; making
-    it is collective, and so are loads."""
-    global _group, _group_made
-    import torch.distributed as dist
-
-    from diag.trainer.commands import command_group
-
-    if not dist.is_initialized():
-        return None
-    if not _group_made:
-        _group, _group_made = command_group(dist), True
-    return _group
