@@ -1,5 +1,7 @@
 """Trainer-side API of diag: attach the collector, phases and steps, flash checkpoints.
-Never imports diag.agent."""
+Elsewhere in the package: diag.trainer.elastic (elastic batch config), diag.trainer.reshard
+(resume at another data-parallel size), diag.trainer.drain (the stop flag), diag.trainer.hf
+(HuggingFace Trainer callbacks). Never imports diag.agent."""
 
 from diag.trainer.attach import Session, attach, current, mark, phase, step
 from diag.trainer.flash import FlashCheckpointer, FlashCheckpointError, FlashStats

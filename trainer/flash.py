@@ -38,7 +38,7 @@ from diag.collector.snapshot import (
     read_latest_step,
     step_tag,
 )
-from diag.trainer import layout
+from diag.trainer import layout, reshard
 from diag.trainer.capture import CapturedFile, capture_checkpoint
 from diag.trainer.commands import CommandBox, Pending, agree, command_group
 from diag.trainer.control import ClientIdentity, ControlClient, shared_client
@@ -80,6 +80,8 @@ class FlashStats:
     last_persist_bytes: int = 0
     persist_failures: int = 0
     loaded_from: str = ""  # "memory", "storage" or "" (nothing loaded)
+    resharded_from: int | None = None  # data-parallel size of the step loaded, when it differed
+    last_reshard_seconds: float = 0.0  # converting it to a universal checkpoint (0: reused)
 
 
 class FlashCheckpointer:
@@ -244,7 +246,13 @@ class FlashCheckpointer:
             return
         tag = step_tag(plan.step)
         if plan.source == Source.STORAGE:
-            path, client_state = self.engine.load_checkpoint(self.save_dir, tag=tag)
+            # Through a universal checkpoint when the step was saved at another data-parallel
+            # size (snapshots in memory are per partition: at another size there are none).
+            result = reshard.load(self.engine, self.save_dir, tag)
+            path, client_state = result.path, result.client_state
+            if result.verdict.resharded:
+                self.stats.resharded_from = result.verdict.saved_dp
+                self.stats.last_reshard_seconds = result.verdict.seconds
         else:
             index = self._memory_index().get(plan.step)
             if index is None:

@@ -17,6 +17,7 @@ from typing import Any
 from diag.collector.meta import safe_job_name
 from diag.collector.slotfile import SlotFile, read_snapshots
 from diag.collector.snapshot import FileEntry, find_slots, step_tag
+from diag.trainer import reshard
 from diag.trainer.capture import loading_engine, relative, swapped_engine, unpickle_state
 
 LOAD_LOCK_TIMEOUT_S = 30.0
@@ -100,7 +101,7 @@ def load_from_memory(engine: Any, place: Place, step: int, index: FileIndex) -> 
                 map_location,
             )
 
-        with swapped_engine(engine, loading_engine(str(shadow), load)):
+        with swapped_engine(engine, loading_engine(str(shadow), load)), reshard.direct():
             return engine.load_checkpoint(str(shadow), tag=step_tag(step))
     finally:
         for slot in opened.values():

@@ -1,0 +1,146 @@
+"""HuggingFace Trainer callbacks, named as ms-swift names them:
+
+    from diag.trainer.hf import deepspeed_elastic, graceful_exit
+
+    args = TrainingArguments(..., deepspeed=ds_config)        # ds_config has an `elasticity` block
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[graceful_exit(), deepspeed_elastic(args)])
+    trainer.train(resume_from_checkpoint=last_checkpoint)     # at any valid world size
+
+- `deepspeed_elastic(args)` resolves the DeepSpeed config's `elasticity` block for this world
+  size (diag.trainer.elastic) into the batch settings of the arguments and of the DeepSpeed
+  config, before the Trainer reads them, and makes `resume_from_checkpoint` load a checkpoint saved
+  at another data-parallel size through DeepSpeed's universal checkpoint (diag.trainer.reshard).
+- `graceful_exit()` turns SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 into a stop request
+  (diag.trainer.drain); at the end of each step the ranks agree on it (one three-byte all-reduce
+  over a CPU group), save a checkpoint at that same step, and stop training: `train()` returns.
+
+With ms-swift: `swift.plugin.callbacks_map.update(diag.trainer.hf.callbacks_map)`; it builds them
+as `Callback(args, trainer)`, which both accept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from transformers import TrainerCallback
+
+from diag.trainer import reshard
+from diag.trainer.commands import Agreement, agree, command_group
+from diag.trainer.drain import DRAIN_SIGNALS, StopFlag, StopRequest, stop_flag
+from diag.trainer.elastic import ElasticConfigError, ElasticPlan, apply_elastic
+
+log = logging.getLogger(__name__)
+
+
+class GracefulExitCallback(TrainerCallback):
+    def __init__(
+        self,
+        args: Any = None,
+        trainer: Any = None,
+        *,
+        signals: tuple[Any, ...] = DRAIN_SIGNALS,
+        every: int = 1,
+        flag: StopFlag | None = None,
+    ) -> None:
+        self.flag = flag or stop_flag()
+        self.flag.install(signals)
+        self.every = max(1, every)
+        self.stopped_at: int | None = None  # the step saved and stopped at
+        self._group: Any = None
+        self._world = 1
+        self._pending = False
+
+    @property
+    def requested(self) -> StopRequest | None:
+        """This rank's own stop request (None when the stop came from another rank's)."""
+        return self.flag.requested
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            self._world = dist.get_world_size()
+            self._group = command_group(dist)  # collective: every rank begins training
+        return control
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step % self.every:
+            return control
+        local = Agreement(flush=False, exit=self.flag.is_set(), exit_code=0)
+        if agree(local, self._group, self._world).exit and not self._pending:
+            why = self.flag.requested.reason if self.flag.requested else "another rank's request"
+            log.warning("diag: stopping after step %d (%s): saving first", state.global_step, why)
+            self._pending = True
+            control.should_save = True
+        return control
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self._pending:
+            self._pending = False
+            self.stopped_at = state.global_step
+            control.should_training_stop = True
+        return control
+
+
+class DeepspeedElasticCallback(TrainerCallback):
+    def __init__(self, args: Any = None, trainer: Any = None) -> None:
+        if trainer is not None:
+            args = trainer.args
+        if args is None:
+            raise TypeError(
+                "deepspeed_elastic needs the TrainingArguments, before the Trainer is built: "
+                "Trainer(..., args=args, callbacks=[deepspeed_elastic(args)])"
+            )
+        self.plan = apply_to_arguments(args)
+        if trainer is not None:  # built after the Trainer (ms-swift): it cached the batch size
+            trainer._train_batch_size = args.train_batch_size
+        reshard.install_load_hook()
+
+
+def apply_to_arguments(args: Any) -> ElasticPlan | None:
+    """Writes the elastic plan for this world size into the TrainingArguments and the DeepSpeed
+    config the Trainer will hand to deepspeed.initialize (the same dict accelerate holds)."""
+    if not getattr(args, "deepspeed", None):
+        raise ElasticConfigError(
+            "deepspeed_elastic needs a DeepSpeed config: TrainingArguments(deepspeed=...)"
+        )
+    hf_config = getattr(args, "hf_deepspeed_config", None)
+    if hf_config is None:
+        raise ElasticConfigError("the TrainingArguments hold no processed DeepSpeed config")
+    # Whether the user set batch keys is judged on their config as written ("auto" is unset):
+    # the processed one has them all filled in.
+    written = args.deepspeed
+    if isinstance(written, str):
+        with open(written) as f:
+            written = json.load(f)
+    _, plan = apply_elastic(written, world_size=args.world_size)
+    config = hf_config.config
+    config.pop("elasticity", None)  # DeepSpeed 0.19.8 rejects the block
+    if plan is None:
+        return None
+    config.update(plan.as_config())
+    args.per_device_train_batch_size = plan.micro_batch_size
+    args.gradient_accumulation_steps = plan.gradient_accumulation_steps
+    log.info(
+        "diag: elastic batch at %d ranks: global %d = micro %d x accumulation %d x ranks",
+        plan.world_size, plan.train_batch_size, plan.micro_batch_size,
+        plan.gradient_accumulation_steps,
+    )  # fmt: skip
+    return plan
+
+
+def graceful_exit(args: Any = None, trainer: Any = None, **kwargs: Any) -> GracefulExitCallback:
+    return GracefulExitCallback(args, trainer, **kwargs)
+
+
+def deepspeed_elastic(args: Any = None, trainer: Any = None) -> DeepspeedElasticCallback:
+    return DeepspeedElasticCallback(args, trainer)
+
+
+callbacks_map = {
+    "graceful_exit": GracefulExitCallback,
+    "deepspeed_elastic": DeepspeedElasticCallback,
+}
