@@ -166,7 +166,10 @@ def main() -> None:
     a = p.parse_args()
     if a.worker:
         _worker(a.worker, a.blocks, a.out)
-        return
+        # A ZeRO rank leaves without finalizing the interpreter (gloo teardown race).
+        from diag.trainer import exit_process
+
+        exit_process(0)
     print(f"journal append+complete: {journal_cost():.2f} us per op (single process)")
     print(f"instrumented op, host cost (wrapper + journal + completion): {wrapper_cost():.2f} us")
     ops = run_ranks("ops", a.blocks)

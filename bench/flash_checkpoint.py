@@ -264,7 +264,10 @@ def sequential_write(run_dir: Path, target: Path, per_rank: list[int]) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.worker is not None:
-        return worker(args)
+        # A ZeRO rank leaves without finalizing the interpreter (gloo teardown race).
+        from diag.trainer import exit_process
+
+        exit_process(worker(args))
     if args.gpu:
         import torch
 

@@ -112,7 +112,10 @@ def _run(nproc: int, *args: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.worker:
-        return worker(args)
+        # A ZeRO rank leaves without finalizing the interpreter (gloo teardown race).
+        from diag.trainer import exit_process
+
+        exit_process(worker(args))
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="diag-bench-reshard-", dir=args.dir))
     rows = []
