@@ -8,7 +8,7 @@ It resumes from D with `engine.load_checkpoint` when D holds a checkpoint. Each 
 "<step> <monotonic time>" to O/progress-r<rank>.txt as each step completes (CLOCK_MONOTONIC is
 the same clock in every process of the machine, so a test can tell which steps were complete
 when it sent a signal); rank 0 appends each step's loss to O/loss.jsonl, writes where each
-attempt started to O/start-<attempt>.json and, after the last step, the parameters to
+attempt started to O/starts.jsonl and, after the last step, the parameters to
 O/params.pt. Without --no-drain the ranks save and leave with the drain exit code when asked.
 """
 
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         assert path is not None, "the checkpoint named by latest did not load"
         start = engine.global_steps
     if rank == 0:
-        (out / f"start-{attempt}.json").write_text(json.dumps({"step": start, "attempt": attempt}))
+        with open(out / "starts.jsonl", "a") as f:
+            f.write(json.dumps({"step": start, "attempt": attempt, "pid": os.getpid()}) + "\n")
     progress = open(out / f"progress-r{rank}.txt", "a", buffering=1)  # noqa: SIM115
     for step in range(start + 1, args.steps + 1):
         gen = torch.Generator().manual_seed(args.seed * 1000 + step * 10 + rank)
