@@ -312,7 +312,8 @@ def plan_taint(
     ours = node.ours
     record = node.record
     if not faults:
-        if ours or record is not None:
+        cond = node.condition()
+        if ours or record is not None or (cond is not None and cond.status == "True"):
             return _plan_clear_if_due(node, evidence, now)
         return TaintPlan(node.name, Action.NONE, "no evidence that taints", taints=node.taints)
 
@@ -366,7 +367,6 @@ def plan_taint(
         )
 
     blocked = _budget_blocks(node.name, policy, budget, now)
-    condition = _condition(node, "True", main.reason.value, message, now)
     if blocked:
         text = f"{message}; not tainted: {blocked}"
         return TaintPlan(
@@ -374,7 +374,7 @@ def plan_taint(
             Action.BLOCKED,
             text,
             taints=node.taints,
-            condition=condition,
+            condition=_condition(node, "True", main.reason.value, text, now),
             event=NodeEvent("Warning", EVENT_BLOCKED, text, incident_id, incident_path),
             faults=faults,
             blocked_by=blocked.split(":")[0],
@@ -397,7 +397,7 @@ def plan_taint(
         message,
         taints=node.taints + added,
         added=added,
-        condition=condition,
+        condition=_condition(node, "True", main.reason.value, message, now),
         record=rec,
         event=NodeEvent(
             "Warning", EVENT_TAINTED, _event_text(message, rec), incident_id, incident_path

@@ -239,3 +239,13 @@ def test_describe_names_every_change():
     text = plan_taint(NodeView("n1"), [xid(79)], POLICY, JobBudget(), NOW).describe()
     assert "node n1: taint" in text and f"+ taint {TAINT_KEY}=GpuXidCritical:NoSchedule" in text
     assert "condition DiagUnhealthy=True" in text and "event Warning DiagTainted" in text
+
+
+def test_condition_left_by_a_blocked_plan_is_cleared_by_a_clean_precheck():
+    cond = Condition(CONDITION_TYPE, "True", "GpuXidCritical", "XID 79; not tainted: job-cap")
+    node = NodeView("n1", conditions=(cond,))
+    assert plan_taint(node, [], POLICY, JobBudget(), NOW).action == Action.NONE
+    clean = [Evidence(Signal.PRECHECK_HEALTHY, NOW)]
+    plan = plan_taint(node, clean, POLICY, JobBudget(), NOW)
+    assert plan.action == Action.UNTAINT and plan.condition.status == "False"
+    assert not plan.removed and not plan.clear_record
