@@ -11,6 +11,7 @@ HANG_DETECTED = 3  # `diag agent --until incident`: an incident was detected and
 PRECHECK_FAULTY = 4  # `diag precheck`: faulty or straggling nodes were found
 PRECHECK_ERROR = 5  # `diag precheck`: the check could not run (rendezvous failed, timeout)
 DEMO_MISMATCH = 6  # `diag demo`: the verdict did not name the injected rank
+KUBE_ERROR = 7  # `diag taint`/`untaint`: the Kubernetes API refused or could not be reached
 INTERRUPTED = 130  # SIGINT
 
 
