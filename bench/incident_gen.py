@@ -570,7 +570,7 @@ def python_threads(plan: RankPlan, rng: random.Random) -> list[ThreadModel]:
         ThreadModel(
             numbered(4, "_thread_body"), "python", "other", tuple(uploader(rng.randrange(3)))
         ),
-        ThreadModel(numbered(6, "serve_forever"), "python", "other", tuple(http_server())),
+        ThreadModel(numbered(6, "serve_forever"), "python", "rpc", tuple(http_server())),
         ThreadModel(numbered(7, "_read_thread"), "python", "other", tuple(compile_reader())),
     ]
     return out
