@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diag.agent import taintconfig
 from diag.agent.checkpoint.manager import CheckpointOptions
 from diag.agent.exitcodes import UsageError
 from diag.agent.hang import OnHang, Policy
 from diag.agent.metrics.precheck import DEFAULT_NAME as PRECHECK_FILE
 from diag.agent.metrics.xputimer import PORT_ENV as XPU_TIMER_PORT_ENV
 from diag.agent.metrics.xputimer import XpuTimerIdentity
+from diag.agent.taintconfig import TaintSettings
 from diag.agent.timeouts import TimeoutPolicy
 from diag.collector.rundir import default_run_dir, node_name
 
@@ -55,6 +57,7 @@ class AgentConfig:
     control: bool = True
     control_socket: Path | None = None  # None: derived from the run dir and job
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    taint: TaintSettings = field(default_factory=TaintSettings)
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,9 @@ OPTIONS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, help="TOML file with an [agent] table")
+    parser.add_argument(
+        "--config", type=Path, help="TOML file with an [agent] table (and a [taint] table)"
+    )
     for opt in OPTIONS:
         default = opt.default if not isinstance(opt.default, dict) else ""
         parser.add_argument(
@@ -239,6 +244,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             choices=opt.choices,
             help=f"{opt.help} [env {opt.env}; default {default}]",
         )
+    taintconfig.add_arguments(parser)
 
 
 def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> AgentConfig:
@@ -318,6 +324,9 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
             workers=max(1, values["persist_workers"]),
             persist_on_death=values["persist_on_incident"],
         ),
+        taint=taintconfig.load(
+            args, job=values["job"], env=env, config=getattr(args, "config", None)
+        ),
     )
 
 
@@ -341,7 +350,7 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise UsageError(f"--config {path}: no such file") from e
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"--config {path}: not valid TOML: {e}") from e
-    table = raw.get("agent", raw)
+    table = raw.get("agent", {k: v for k, v in raw.items() if k != "taint"})
     known = {o.name for o in OPTIONS}
     out = {}
     for key, value in table.items():

@@ -26,6 +26,7 @@ from diag.agent.culprit import SuspectKind
 from diag.agent.hang import EventKind, Verdict, WatchState, decide
 from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.server import MetricsServer
+from diag.agent.nodetaint import NodeTainter
 from diag.agent.observer import Observer
 from diag.agent.pyspy import can_trace
 from diag.collector.meta import safe_job_name
@@ -77,6 +78,8 @@ class Agent:
         if cfg.policy.persist_on_incident:
             self.executor.persist_hooks.append(self.persist_on_incident)
         self.executor.listeners.append(self.dump_fallback)
+        self.tainter = NodeTainter(cfg.taint, cfg.node, cfg.timeline)
+        self.executor.listeners.append(self.tainter.on_incident)
         self.control: ControlServer | None = None
         self._checkpoint_fed = float("-inf")
 
@@ -189,6 +192,7 @@ class Agent:
                 self.observer.wait(cfg.interval)
         finally:
             self.executor.join(timeout=cfg.stop_grace + 5)
+            self.tainter.join(timeout=30)
             if self.control is not None:
                 self.control.stop()
             self.checkpoints.close()

@@ -195,9 +195,10 @@ def test_unreadable_files_show_as_failed_ranks(tmp_path: Path):
     assert result.ranks == "0-3"
     summary = json.loads(result.summary_json.read_text())
     assert [e["rank"] for e in summary["errors"]] == [2, 3]
-    assert "      no stack: State@error: unreadable xpu_timer .stacktrace file" in (
-        result.summary_txt.read_text()
-    )
+    # they did not answer: no class of their own, suspects (the ranks that answered agree)
+    assert "did not answer: 2 ranks 2-3" in result.summary_txt.read_text()
+    assert [(s.rank, s.score) for s in result.suspects] == [(2, 1.0), (3, 1.0)]
+    assert "bad protobuf" in result.suspects[1].reasons[0]
     assert (
         "rank 2: no stack: unreadable diag.stack/1 file: bad JSON" in result.summary_txt.read_text()
     )

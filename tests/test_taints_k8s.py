@@ -363,3 +363,63 @@ def test_bad_input_is_a_clear_error(kube, tmp_path):
              "--timeline", str(tmp_path))  # fmt: skip
     assert r.returncode == exitcodes.KUBE_ERROR and "HTTP 404" in r.stderr
     assert "Traceback" not in r.stderr
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    n = kube.create_node("bad")
+    r = diag(
+        kube, "taint", "--node", n, "--timeline", str(blocked), "--no-gpu-probe", "--xid", "79"
+    )
+    assert r.returncode == exitcodes.USAGE and "cannot use the timeline" in r.stderr
+    assert "Traceback" not in r.stderr and not ours(kube.node(n))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_agent_taints_its_node_after_an_incident(kube, tmp_path):
+    """A real agent watching a real 2-rank job whose rank 1 hangs: the incident names rank 1,
+    which runs on this node, so the agent taints its node with the incident as evidence."""
+    from diag.agent.procs import stop_tree
+
+    name = kube.create_node("agent", conditions=[READY])
+    other = kube.create_node("bystander", conditions=[READY])
+    run_dir, timeline = tmp_path / "run", tmp_path / "timeline"
+    env = dict(os.environ, DIAG_RUN_DIR=str(run_dir), DIAG_JOB="taintjob", OMP_NUM_THREADS="1",
+               KUBECONFIG=kube.kubeconfig)  # fmt: skip
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "diag.trainer.demo_job", "--fault", "hang",
+         "--fault-rank", "1", "--fault-step", "3", "--steps", "1000"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        agent = subprocess.run(
+            [sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir),
+             "--timeline", str(timeline), "--job", "taintjob", "--node", name,
+             "--until", "incident", "--hang-timeout", "8", "--hang-floor", "3",
+             "--warmup-timeout", "20", "--native-stacks", "false", "--control", "false",
+             "--taint-mode", "on", "--taint-culprit-threshold", "1"],
+            env=env, capture_output=True, text=True, timeout=200,
+        )  # fmt: skip
+    finally:
+        stop_tree(job.pid, grace=5)
+        job.wait(timeout=30)
+    assert agent.returncode == exitcodes.HANG_DETECTED, agent.stderr[-3000:]
+    incident = next(p for p in timeline.iterdir() if not p.name.startswith("."))
+    verdict = json.loads((incident / "verdict.json").read_text())
+    assert verdict["culprit"] == 1
+    node = kube.node(name)
+    assert [(t.value, t.effect) for t in ours(node)] == [("RepeatedCulprit", "NoSchedule")]
+    record = json.loads(node.metadata.annotations[RECORD_ANNOTATION])
+    assert record["job"] == "taintjob" and record["incident_path"] == str(incident)
+    assert record["incident_id"] == verdict["incident_id"]
+    assert [e.reason for e in kube.events_for(name)] == ["DiagTainted"]
+    assert not ours(kube.node(other)) and not kube.events_for(other)
+    assert "taint:" in agent.stderr

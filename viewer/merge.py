@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diag.viewer import ranksets
+from diag.viewer.absent import Absent, find_absent, local_world_size, stand_ins
 from diag.viewer.classes import RankClass, Suspect, ViewClasses, equivalence_classes, suspects
 from diag.viewer.flame import FlameHeader, FlameOptions, render_svg
 from diag.viewer.folded import write_folded
 from diag.viewer.incidents import Incident, IncidentError, find_incidents, pick_incident
+from diag.viewer.roles import RoleCache
 from diag.viewer.sources import DumpFile, default_workers, load_dumps
 from diag.viewer.stacks import RankDump
 from diag.viewer.summary import VIEW_TITLES, MergeReport, ViewReport, to_json, to_text
@@ -45,6 +47,7 @@ class MergeResult:
     culprits: tuple[int, ...]
     classes: dict[View, tuple[RankClass, ...]]
     suspects: tuple[Suspect, ...]  # best first
+    absent: Absent  # ranks that did not answer, and whole nodes of them
     svgs: dict[View, Path]
     folded: dict[View, Path]
     summary_txt: Path
@@ -115,6 +118,25 @@ def load_incident(inc: Incident, workers: int = 1) -> tuple[list[RankDump], int,
     return dumps, world, formats
 
 
+JOURNAL_SUFFIX = ".journal.json"
+
+
+def journal_local_sizes(inc: Incident) -> list[int]:
+    """The local world size the journal tails of the incident record (one read per
+    directory: the ranks of one job agree)."""
+    out = []
+    for d in inc.dirs:
+        try:
+            first = next((e for e in os.scandir(d.path) if e.name.endswith(JOURNAL_SUFFIX)), None)
+            if first is None:
+                continue
+            meta = json.loads(Path(first.path).read_bytes()).get("meta") or {}
+            out.append(int(meta.get("local_world_size") or 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+    return out
+
+
 def _out_dir(inc: Incident) -> Path:
     if len(inc.dirs) == 1:
         return inc.dirs[0].path
@@ -123,7 +145,13 @@ def _out_dir(inc: Incident) -> Path:
 
 
 def _header(
-    view: View, inc: Incident, world: int, dumped: int, vc: ViewClasses, sus: tuple[Suspect, ...]
+    view: View,
+    inc: Incident,
+    world: int,
+    dumped: int,
+    vc: ViewClasses,
+    sus: tuple[Suspect, ...],
+    absent: Absent,
 ) -> FlameHeader:
     n = dumped.bit_count()
     title = f"{VIEW_TITLES[view].capitalize()} of {n} rank{'s' if n != 1 else ''}, merged"
@@ -136,6 +164,7 @@ def _header(
                 ", ".join(inc.nodes),
                 f"world size {world}",
                 f"missing ranks {ranksets.fold(((1 << world) - 1) & ~dumped)}" if n < world else "",
+                "silent " + ", ".join(x.label for x in absent.nodes) if absent.nodes else "",
             )
             if x
         )
@@ -158,6 +187,12 @@ def _header(
     return FlameHeader(title=title, lines=tuple(lines), warnings=tuple(warnings))
 
 
+def _local_size(dumps: list[RankDump], inc: Incident, given: int | None) -> int | None:
+    if given:
+        return given
+    return local_world_size(dumps, journal_local_sizes(inc))
+
+
 def merge_incident(
     path: Path,
     *,
@@ -165,12 +200,15 @@ def merge_incident(
     out_dir: Path | None = None,
     flame: FlameOptions | None = None,
     workers: int | None = None,
+    local_world_size: int | None = None,
 ) -> MergeResult:
     """Merges the newest incident at `path` (or the one named `incident`) and writes
     py_stack.svg, cpp_stack.svg, py_stack.folded, cpp_stack.folded, summary.txt and
     summary.json into its directory (`out_dir` to write elsewhere). Several nodes' directories
     of one incident are written to `merged-<incident id>` beside them. `workers`: processes
     that parse dump files when there are thousands (default: one per CPU, at most 8).
+    `local_world_size`: ranks per node, to name nodes none of whose ranks answered, when
+    neither the dumps nor the journals say it.
     Raises IncidentError when the path holds nothing to merge or mixes runs."""
     path = Path(path)
     t0 = time.perf_counter()
@@ -182,9 +220,14 @@ def merge_incident(
     dumped = ranksets.bits_of(d.rank for d in dumps)
     culprits = tuple(c for c in inc.culprits if 0 <= c < world)
 
-    trees: dict[View, StackTree] = {v: build_tree(dumps, v, world) for v in View}
-    view_classes = {v: equivalence_classes(t) for v, t in trees.items()}
-    sus = suspects(list(view_classes.values()), culprits)
+    local = _local_size(dumps, inc, local_world_size)
+    absent = find_absent(world, dumps, local)
+    # the ranks without a file get stand-ins, so the pictures show them as a tower
+    everyone = sorted([*dumps, *stand_ins(absent, world)], key=lambda d: d.rank)
+    cache = RoleCache()
+    trees: dict[View, StackTree] = {v: build_tree(everyone, v, world, cache) for v in View}
+    view_classes = {v: equivalence_classes(t, absent.bits) for v, t in trees.items()}
+    sus = suspects(list(view_classes.values()), culprits, absent)
     suspect_bits = ranksets.bits_of(s.rank for s in sus)
     # Only the best few are widened to stay visible: dozens of widened frames would crowd out
     # the picture of everybody else; the rest stay red at their true (maybe merged) width.
@@ -202,7 +245,7 @@ def merge_incident(
         with open(tmp, "w") as fh:
             lines = write_folded(tree, fh)
         os.replace(tmp, folded[view])
-        header = _header(view, inc, world, dumped, view_classes[view], sus)
+        header = _header(view, inc, world, dumped, view_classes[view], sus, absent)
         t = time.perf_counter()
         svg = render_svg(tree, suspect_bits, header, flame, highlight)
         drawing += time.perf_counter() - t
@@ -237,6 +280,7 @@ def merge_incident(
         problems=tuple(p for d in inc.dirs for p in d.problems),
         views=tuple(reports),
         suspects=sus,
+        absent=absent,
     )
     summary_txt, summary_json = out / SUMMARY_TXT, out / SUMMARY_JSON
     _write(summary_txt, to_text(report))
@@ -259,6 +303,7 @@ def merge_incident(
         culprits=culprits,
         classes={v: vc.classes for v, vc in view_classes.items()},
         suspects=sus,
+        absent=absent,
         svgs=svgs,
         folded=folded,
         summary_txt=summary_txt,

@@ -2,14 +2,16 @@
 
 Every node is a frame reached along one path from the root; it carries the set of ranks that
 reach it (a bitset) and the number of stacks through it (its width). Each stack starts with its
-thread (`Thread@name`), so that threads stay apart, then its frames, and ends in a cap with the
+thread's role (`Role@data loader`) and its thread (`Thread@name`), so that threads stay apart, then
+its frames, and ends in a cap with the
 process state of its rank (`State@S (sleeping)`), when known: ranks in different states still
 share every frame, and the caps show who is sleeping and who spins. A rank with no stack in a
 view has a marker instead: its state alone (D state: nothing was taken), `State@error: ...` or
 `State@no native stack`.
 
-A rank's signature is the set of nodes where its stacks end, below the cap: ranks with equal
-signatures have identical stacks, whatever their state.
+Each stack starts with its thread's role (see roles.py), then the thread. A rank's signature is
+the set of nodes where its training threads' stacks end, below the cap: ranks with equal
+signatures have identical training stacks, whatever their state and their helper threads.
 
 Building goes by distinct stack, not by rank: the dumps share frame tuples (see FrameInterner),
 so 16k ranks stuck in a handful of places cost a handful of tree walks.
@@ -23,7 +25,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from diag.viewer import ranksets
-from diag.viewer.labels import ROOT_INFO, FrameInfo, FrameKind, frame_info, state_info, thread_info
+from diag.viewer.labels import (
+    ROOT_INFO,
+    FrameInfo,
+    FrameKind,
+    frame_info,
+    role_info,
+    state_info,
+    thread_info,
+)
+from diag.viewer.roles import Role, RoleCache, dump_roles, thread_label
 from diag.viewer.stacks import Frame, RankDump, ThreadStack
 
 
@@ -33,6 +44,9 @@ class View(enum.StrEnum):
 
 
 NO_NATIVE = "no native stack"
+# Errors of ranks that did not answer at all (no dump file), shown as they are: they name the
+# node or rank, which must not be blanked like pids in other errors.
+NO_DUMP = "no dump"
 _VARYING = re.compile(r"0x[0-9a-fA-F]+|\d{3,}")  # pids, addresses: they differ per rank
 
 
@@ -79,30 +93,28 @@ def error_text(error: str) -> str:
     return "error: " + _VARYING.sub("N", first)[:100]
 
 
-# diag's own helper threads inside the trainer (the collector's completion poller, the CUDA event
-# watcher, ...): their state follows the ranks' ops, so they would only echo the main thread's
-# difference as noise.
-OWN_THREAD_PREFIX = "diag-"
-
-
-def view_stacks(dump: RankDump, view: View) -> Iterator[tuple[ThreadStack, bool]]:
-    """The thread stacks of a dump that a view shows; the flag says whether to keep native
-    frames. A thread with nothing left in the view is dropped, and so are diag's own."""
+def view_stacks(
+    dump: RankDump, view: View, cache: RoleCache | None = None
+) -> Iterator[tuple[ThreadStack, bool, Role]]:
+    """The thread stacks of a dump that a view shows, with whether to keep native frames and
+    the thread's role (see roles.py). A thread with nothing left in the view draws nothing."""
+    py, nat = dump_roles(dump, cache)
     if view is View.PY:
-        threads, native = dump.threads, False
+        threads, native, roles = dump.threads, False, py.roles
     elif dump.native_threads:
-        threads, native = dump.native_threads, True
+        threads, native, roles = dump.native_threads, True, nat.roles
     elif dump.native or any(f.native for t in dump.threads for f in t.frames):
-        threads, native = dump.threads, True
+        threads, native, roles = dump.threads, True, py.roles
     else:
         return
-    for t in threads:
-        if not t.name.startswith(OWN_THREAD_PREFIX):
-            yield t, native
+    for t, role in zip(threads, roles, strict=True):
+        yield t, native, role
 
 
 def marker(dump: RankDump, view: View, has_stacks: bool) -> str | None:
     """What stands for a rank's missing stacks (None: its stacks or its state say it all)."""
+    if dump.error.startswith(NO_DUMP):
+        return dump.error
     if dump.error:
         return error_text(dump.error)
     if has_stacks:
@@ -165,18 +177,28 @@ class _Builder:
         return node
 
 
-def build_tree(dumps: Sequence[RankDump], view: View, world_size: int) -> StackTree:
+def build_tree(
+    dumps: Sequence[RankDump], view: View, world_size: int, cache: RoleCache | None = None
+) -> StackTree:
+    """The merged tree of a view. Each stack's path starts with its thread's role and its name
+    (counters folded), so helpers of one kind sit side by side. Only the training threads (and
+    the markers of ranks without stacks) make a rank's signature: helper threads are drawn but
+    do not set ranks apart."""
     b = _Builder()
-    # distinct path -> (length of the stack before its state cap, ranks: one per stack)
-    groups: dict[tuple[int, ...], tuple[int, list[int]]] = {}
+    cache = cache or RoleCache()
+    # distinct path -> (length of the stack before its state cap, ranks: one per stack, whether
+    # it counts in the signature)
+    groups: dict[tuple[int, ...], tuple[int, list[int], bool]] = {}
     caps: dict[str, tuple[int, ...]] = {}
-    # (state, thread name, id(frames), native) -> (frames, path); `frames` keeps the id unique
-    paths: dict[tuple[str, str, int, bool], tuple[tuple[Frame, ...], tuple[int, ...]]] = {}
+    # (state, thread name, role, id(frames), native) -> (frames, path); `frames` keeps the id
+    # unique
+    paths: dict[tuple[str, str, Role, int, bool], tuple[tuple[Frame, ...], tuple[int, ...]]] = {}
+    heads: dict[tuple[Role, str], tuple[int, int]] = {}
 
-    def add(path: tuple[int, ...], stack_len: int, rank: int) -> None:
+    def add(path: tuple[int, ...], stack_len: int, rank: int, counted: bool = True) -> None:
         found = groups.get(path)
         if found is None:
-            found = groups[path] = (stack_len, [])
+            found = groups[path] = (stack_len, [], counted)
         found[1].append(rank)
 
     for d in dumps:
@@ -185,17 +207,24 @@ def build_tree(dumps: Sequence[RankDump], view: View, world_size: int) -> StackT
         if cap is None:
             cap = caps[state] = (b.fid(state_info(state)),) if state else ()
         has_stacks = False
-        for thread, native in view_stacks(d, view):
-            key = (state, thread.name, id(thread.frames), native)
+        for thread, native, role in view_stacks(d, view, cache):
+            key = (state, thread.name, role, id(thread.frames), native)
             found = paths.get(key)
             if found is None:
                 frames = b.frame_path(thread.frames, native)
-                path = (b.fid(thread_info(thread.name)), *frames, *cap) if frames else ()
+                head = heads.get((role, thread.name))
+                if head is None:
+                    head = heads[(role, thread.name)] = (
+                        b.fid(role_info(role.value)),
+                        b.fid(thread_info(thread_label(thread.name))),
+                    )
+                path = (*head, *frames, *cap) if frames else ()
                 found = paths[key] = (thread.frames, path)
             path = found[1]
             if path:
-                has_stacks = True
-                add(path, len(path) - len(cap), d.rank)
+                training = role is Role.TRAINING
+                has_stacks = has_stacks or training
+                add(path, len(path) - len(cap), d.rank, training)
         mark = marker(d, view, has_stacks)
         if mark is not None:
             add((b.fid(state_info(mark)), *cap), 1, d.rank)
@@ -203,9 +232,11 @@ def build_tree(dumps: Sequence[RankDump], view: View, world_size: int) -> StackT
             add(cap, 1, d.rank)
 
     sig: dict[int, list[int]] = {d.rank: [] for d in dumps}
-    for path, (stack_len, ranks) in groups.items():
+    for path, (stack_len, ranks, counted) in groups.items():
         node = b.insert(path)
         b.ranks[node].extend(ranks)
+        if not counted:
+            continue
         end = node
         for _ in range(len(path) - stack_len):
             end = b.parent[end]
@@ -225,7 +256,8 @@ def build_tree(dumps: Sequence[RankDump], view: View, world_size: int) -> StackT
     return StackTree(
         view=view,
         world_size=world_size,
-        present=ranksets.bits_of(sig),
+        # stand-ins of ranks without a dump are drawn, but "without" sets leave them out
+        present=ranksets.bits_of(d.rank for d in dumps if not d.error.startswith(NO_DUMP)),
         info=b.info,
         parent=parent,
         depth=b.depth,
