@@ -16,6 +16,7 @@ from diag.agent.config import DEFAULT_TIMELINE
 from diag.agent.exitcodes import UsageError
 from diag.agent.kube import KubeError
 from diag.agent.taintflow import TaintOutcome, taint
+from diag.agent.taintledger import LedgerBusy
 from diag.agent.taints import Evidence, Signal
 
 
@@ -72,6 +73,13 @@ def resolve_node(args: argparse.Namespace) -> str:
             "spec.nodeName); the hostname of a pod is not its node's name"
         )
     return node
+
+
+def timeline_problem(timeline: Path, e: Exception) -> str:
+    return (
+        f"cannot use the timeline {timeline} (incidents and the job's taint ledger): {e}. "
+        "Set --timeline or DIAG_TIMELINE to the shared timeline volume, writable by this user"
+    )
 
 
 def resolve_timeline(args: argparse.Namespace) -> Path:
@@ -159,11 +167,13 @@ def run(args: argparse.Namespace) -> int:
     timeline = resolve_timeline(args)
     settings = taintconfig.load(args, job=job, config=args.config)
     now = time.time()
-    evidence, notes = gather(args, node, timeline, now, settings.policy.culprit_window)
     try:
+        evidence, notes = gather(args, node, timeline, now, settings.policy.culprit_window)
         out = taint(settings, node, timeline, evidence, dry_run=args.dry_run)
     except KubeError as e:
         print(f"diag taint: {e}", file=sys.stderr)
         return exitcodes.KUBE_ERROR
+    except (OSError, LedgerBusy) as e:
+        raise UsageError(timeline_problem(timeline, e)) from e
     print_outcome(out, args.json, notes)
     return exitcodes.OK

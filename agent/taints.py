@@ -17,6 +17,7 @@ What untaints: a clean precheck after the taint, `diag untaint` (`plan_untaint`)
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 import json
 from collections.abc import Sequence
@@ -246,13 +247,17 @@ class TaintPlan:
             c = self.condition
             lines.append(f"  condition {c.type}={c.status} ({c.reason}): {c.message}")
         if self.record is not None:
-            until = "never" if self.record.until is None else f"{self.record.until:.0f}"
-            lines.append(f"  record: since {self.record.since:.0f}, expires {until}")
+            until = "never" if self.record.until is None else _utc(self.record.until)
+            lines.append(f"  record: since {_utc(self.record.since)}, expires {until}")
         if self.clear_record:
             lines.append(f"  - annotation {RECORD_ANNOTATION}")
         if self.event is not None:
             lines.append(f"  event {self.event.type} {self.event.reason}: {self.event.message}")
         return "\n".join(lines)
+
+
+def _utc(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _taint_text(t: Taint) -> str:

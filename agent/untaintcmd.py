@@ -10,8 +10,15 @@ import sys
 
 from diag.agent import exitcodes, taintconfig
 from diag.agent.kube import KubeError
-from diag.agent.taintcmd import add_common, print_outcome, resolve_node, resolve_timeline
+from diag.agent.taintcmd import (
+    add_common,
+    print_outcome,
+    resolve_node,
+    resolve_timeline,
+    timeline_problem,
+)
 from diag.agent.taintflow import untaint
+from diag.agent.taintledger import LedgerBusy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,11 +32,14 @@ def run(args: argparse.Namespace) -> int:
     job = args.job or os.environ.get("DIAG_JOB") or ""
     settings = taintconfig.load(args, job=job, config=args.config)
     why = args.reason or f"diag untaint by {_who()}"
+    timeline = resolve_timeline(args)
     try:
-        out = untaint(settings, node, resolve_timeline(args), dry_run=args.dry_run, why=why)
+        out = untaint(settings, node, timeline, dry_run=args.dry_run, why=why)
     except KubeError as e:
         print(f"diag untaint: {e}", file=sys.stderr)
         return exitcodes.KUBE_ERROR
+    except (OSError, LedgerBusy) as e:
+        raise exitcodes.UsageError(timeline_problem(timeline, e)) from e
     print_outcome(out, args.json)
     return exitcodes.OK
 

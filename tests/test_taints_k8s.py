@@ -363,6 +363,14 @@ def test_bad_input_is_a_clear_error(kube, tmp_path):
              "--timeline", str(tmp_path))  # fmt: skip
     assert r.returncode == exitcodes.KUBE_ERROR and "HTTP 404" in r.stderr
     assert "Traceback" not in r.stderr
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    n = kube.create_node("bad")
+    r = diag(
+        kube, "taint", "--node", n, "--timeline", str(blocked), "--no-gpu-probe", "--xid", "79"
+    )
+    assert r.returncode == exitcodes.USAGE and "cannot use the timeline" in r.stderr
+    assert "Traceback" not in r.stderr and not ours(kube.node(n))
 
 
 def _free_port() -> int:
