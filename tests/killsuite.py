@@ -5,6 +5,7 @@ chosen instant of save, copy, persist or commit (faults.py), restarted, and chec
 - `latest` never names an incomplete step (every rank's marker and files there, sizes as marked)
   and never moves backwards (a watcher thread reads it every few milliseconds, and after each
   kill);
+- the ranks hold the same steps in memory (saves are all or none), but for the one being copied;
 - after a trainer kill the step restored is not older than the newest step every rank held
   complete in memory, or that `latest` named, at the kill; the steps trained again after it give
   the same losses to the bit (a torn or mixed restore would not);
@@ -334,6 +335,11 @@ class KillSuite:
             trained_at_kill=max(self._gen_steps(self.gen - 1), default=0),
             memory_by_rank=held,
         )  # fmt: skip
+        newest = [max(steps) for steps in held.values()]
+        if killed_ranks and len(newest) == WORLD and result.memory_at_kill != min(newest):
+            # Saves are collective: a rank's newest step is held by every rank, except the one
+            # step a rank may have finished copying before the other was killed copying it.
+            result.problems.append(f"the ranks hold different steps in memory: {held}")
         if killed_agent:
             self._release_agent()
         if killed_ranks:
