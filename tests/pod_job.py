@@ -36,6 +36,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--persist-every", type=int, default=0, help="periodic persists (0: none)")
     p.add_argument("--long-step", default="", help="K:S: step K takes S seconds more")
     p.add_argument("--digest-every-step", action="store_true")
+    p.add_argument("--no-flash", action="store_true", help="no flash checkpointer (a reference)")
     return p.parse_args(argv)
 
 
@@ -76,14 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
     )
-    ckpt = diag.trainer.FlashCheckpointer(engine, args.save_dir)
+    ckpt = None if args.no_flash else diag.trainer.FlashCheckpointer(engine, args.save_dir)
     if args.drain:
         diag.trainer.graceful_exit(engine, args.save_dir, checkpointer=ckpt)
-    start = ckpt.load() or 0
+    start = 0
+    if ckpt is not None:
+        start = ckpt.load() or 0
+    elif (Path(args.save_dir) / "latest").exists():
+        engine.load_checkpoint(args.save_dir)
+        start = engine.global_steps
     long_step, long_s = (int(x) for x in args.long_step.split(":")) if args.long_step else (0, 0)
     if rank == 0:
         with open(out / "starts.jsonl", "a") as f:
-            row = {"step": start, "from": ckpt.stats.loaded_from, "digest": digest(engine)}
+            how = ckpt.stats.loaded_from if ckpt is not None else "storage" if start else ""
+            row = {"step": start, "from": how, "digest": digest(engine)}
             f.write(json.dumps(row) + "\n")
     progress = open(out / f"progress-r{rank}.txt", "a", buffering=1)  # noqa: SIM115
     digests = open(out / "digests.jsonl", "a", buffering=1) if rank == 0 else None  # noqa: SIM115
@@ -96,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(long_s)
         engine.step()  # a drain saves and leaves in here
         persist = bool(args.persist_every) and step % args.persist_every == 0
-        ckpt.save(step, persist=persist)
-        ckpt.wait()  # "complete" below means: in memory too
+        if ckpt is not None:
+            ckpt.save(step, persist=persist)
+            ckpt.wait()  # "complete" below means: in memory too
         progress.write(f"{step} {time.monotonic()}\n")
         if rank == 0:
             with open(out / "loss.jsonl", "a") as f:
@@ -106,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 digests.write(json.dumps({"step": step, "digest": digest(engine)}) + "\n")
         if args.step_sleep:
             time.sleep(args.step_sleep)
-    ckpt.close()
+    if ckpt is not None:
+        ckpt.close()
     dist.destroy_process_group()
     return 0
 

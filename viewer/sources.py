@@ -162,8 +162,10 @@ def load_dump(
     )
 
 
-# Below this many files, starting worker processes costs more than it saves.
+# Below this many files (and this many bytes), starting worker processes costs more than it
+# saves: production dumps (~150 KB each, 75 threads) pay at a few hundred files already.
 PARALLEL_FROM = 2048
+PARALLEL_FROM_BYTES = 32 << 20
 
 
 def _load_chunk(files: list[DumpFile]) -> list[RankDump | None]:
@@ -180,6 +182,17 @@ def default_workers() -> int:
     return max(1, min(cpus, 8))
 
 
+def _worth_it(files: Sequence[DumpFile], parallel_from: int) -> bool:
+    if len(files) >= parallel_from:
+        return True
+    if len(files) < 64:
+        return False
+    try:  # the first file's size stands for all: one stat, not thousands
+        return os.stat(files[0].path).st_size * len(files) >= PARALLEL_FROM_BYTES
+    except OSError:
+        return False
+
+
 def map_chunks(
     files: Sequence[DumpFile],
     work: Callable[[list[DumpFile]], T],
@@ -189,7 +202,7 @@ def map_chunks(
     """`work` on consecutive chunks of `files`, one per worker process when there are
     `parallel_from` files or more (JSON and protobuf parsing hold the GIL), else on all of them
     here; the results in order."""
-    if workers <= 1 or len(files) < parallel_from:
+    if workers <= 1 or not _worth_it(files, parallel_from):
         return [work(list(files))]
     # imported here: only a merge of thousands of files pays for them
     import multiprocessing

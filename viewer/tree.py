@@ -192,14 +192,12 @@ class Collected:
 
 def collect(dumps: Sequence[RankDump], view: View, cache: RoleCache | None = None) -> Collected:
     cache = cache or RoleCache()
-    ranks: dict[StackKey, list[int]] = {}
-    keep_py: dict[int, tuple[tuple[Frame, ...], bool]] = {}  # id(frames) -> has Python frames
-
-    def add(key: StackKey, rank: int) -> None:
-        found = ranks.get(key)
-        if found is None:
-            found = ranks[key] = []
-        found.append(rank)
+    # keyed by id(frames): hashing a tuple of 200 frames per thread would cost more than all
+    # the rest; `frames_of` keeps each tuple alive, so its id stays unique
+    ranks: dict[tuple[str, Role | None, str | None, int, bool], list[int]] = {}
+    frames_of: dict[int, tuple[Frame, ...] | None] = {0: None}
+    has_py: dict[int, bool] = {}
+    labels: dict[str, str] = {}
 
     for d in dumps:
         state = d.process_state
@@ -208,18 +206,33 @@ def collect(dumps: Sequence[RankDump], view: View, cache: RoleCache | None = Non
             frames = thread.frames
             if not frames:
                 continue
-            if not native:
-                found = keep_py.get(id(frames))
-                if found is None:
-                    found = keep_py[id(frames)] = (frames, any(not f.native for f in frames))
-                if not found[1]:
-                    continue
+            fid = id(frames)
+            if fid not in frames_of:
+                frames_of[fid] = frames
+                has_py[fid] = any(not f.native for f in frames)
+            if not native and not has_py[fid]:
+                continue
             has_stacks = has_stacks or role is Role.TRAINING
-            add((state, role, thread_label(thread.name), frames, native), d.rank)
+            label = labels.get(thread.name)
+            if label is None:
+                label = labels[thread.name] = thread_label(thread.name)
+            key = (state, role, label, fid, native)
+            found = ranks.get(key)
+            if found is None:
+                found = ranks[key] = []
+            found.append(d.rank)
         mark = marker(d, view, has_stacks)
         if mark is not None or not has_stacks:
-            add((state, None, mark, None, False), d.rank)
-    return Collected(view, {k: (len(v), ranksets.bits_of(v)) for k, v in ranks.items()})
+            key = (state, None, mark, 0, False)
+            found = ranks.get(key)
+            if found is None:
+                found = ranks[key] = []
+            found.append(d.rank)
+    stacks: dict[StackKey, list[int]] = {}
+    for (state, role, label, fid, native), rs in ranks.items():
+        # equal stacks in distinct tuples (not interned) meet here
+        stacks.setdefault((state, role, label, frames_of[fid], native), []).extend(rs)
+    return Collected(view, {k: (len(rs), ranksets.bits_of(rs)) for k, rs in stacks.items()})
 
 
 def build_tree(
