@@ -43,7 +43,12 @@ def check(truth, result) -> None:
 
 @pytest.mark.parametrize(
     ("fmt", "scenario", "local"),
-    [("xpu", "odd", 8), ("diag", "agree", None), ("pyspy", "odd", 8), ("xpu", "agree", 8)],
+    [
+        ("xpu", "odd", 8),
+        pytest.param("diag", "agree", None, marks=pytest.mark.slow),
+        pytest.param("pyspy", "odd", 8, marks=pytest.mark.slow),
+        pytest.param("xpu", "agree", 8, marks=pytest.mark.slow),
+    ],
 )
 def test_1344_ranks(tmp_path: Path, fmt: str, scenario: str, local: int | None) -> None:
     truth, result = merged(tmp_path, 1344, fmt, scenario, local, odd=2)

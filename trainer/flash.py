@@ -192,10 +192,18 @@ class FlashCheckpointer:
                 save_dir=self.save_dir, files=tuple(entries), device=_device_of(files),
             ).to_json()  # fmt: skip
             got = self._slots.acquire(data_end + len(meta))
-            if got is None:
+            # All ranks save a step or none does: a step one rank skipped alone could never be
+            # restored from memory, and it would push out the ranks' common older one.
+            if not self._everyone(got is not None):
+                if got is not None:
+                    got[1].unlock()
                 self.stats.skipped += 1
-                log.warning("diag: flash save of step %d skipped: persists still pending", step)
+                log.warning(
+                    "diag: flash save of step %d skipped: %s", step,
+                    "persists still pending" if got is None else "persists pending on another rank",
+                )  # fmt: skip
                 return False
+            assert got is not None
             index, slot = got
             # Odd generation from here on: a death before the copy completes leaves it torn.
             gen = slot.begin_write()
@@ -208,6 +216,17 @@ class FlashCheckpointer:
         s.last_save_seconds = time.perf_counter() - t0
         s.last_save_bytes = sum(f.nbytes for f in files)
         return True
+
+    def _everyone(self, ok: bool) -> bool:
+        """True when `ok` holds on every rank (collective)."""
+        if self.world_size <= 1:
+            return ok
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
 
     def wait(self) -> None:
         """Waits until the last save's copy into shared memory is complete."""

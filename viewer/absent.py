@@ -74,13 +74,18 @@ def local_world_size(
     return top + 1 if top >= 0 else None
 
 
-def find_absent(world: int, dumps: Sequence[RankDump], local: int | None = None) -> Absent:
+def find_absent(
+    world: int, dumps: Sequence[RankDump], local: int | None = None, with_stacks: int | None = None
+) -> Absent:
     """Which ranks of `world` did not answer: those without a dump in `dumps`, and those whose
-    dump carries an error instead of stacks. Runs of them that fill whole nodes of `local`
-    ranks are named as nodes."""
+    dump carries an error instead of stacks (`with_stacks`: the ranks whose dumps hold stacks,
+    when `dumps` were read without them). Runs of them that fill whole nodes of `local` ranks
+    are named as nodes."""
     present = ranksets.bits_of(d.rank for d in dumps)
     missing = ((1 << world) - 1) & ~present
-    failed = tuple((d.rank, d.error) for d in dumps if d.error and not d.threads)
+    if with_stacks is None:
+        with_stacks = ranksets.bits_of(d.rank for d in dumps if d.threads or d.native_threads)
+    failed = tuple((d.rank, d.error) for d in dumps if d.error and not with_stacks >> d.rank & 1)
     silent = missing | ranksets.bits_of(r for r, _ in failed)
     nodes = []
     if local and local > 0 and world % local == 0:

@@ -21,12 +21,12 @@ from diag.viewer.absent import Absent, find_absent, local_world_size, stand_ins
 from diag.viewer.classes import RankClass, Suspect, ViewClasses, equivalence_classes, suspects
 from diag.viewer.flame import FlameHeader, FlameOptions, render_svg
 from diag.viewer.folded import write_folded
+from diag.viewer.gather import gather
 from diag.viewer.incidents import Incident, IncidentError, find_incidents, pick_incident
-from diag.viewer.roles import RoleCache
 from diag.viewer.sources import DumpFile, default_workers, load_dumps
 from diag.viewer.stacks import RankDump
 from diag.viewer.summary import VIEW_TITLES, MergeReport, ViewReport, to_json, to_text
-from diag.viewer.tree import StackTree, View, build_tree
+from diag.viewer.tree import StackTree, View, collect, merged_tree
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,9 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def load_incident(inc: Incident, workers: int = 1) -> tuple[list[RankDump], int, Counter]:
-    """All dumps of one incident, checked to be of one run: one world size, each rank once."""
+def incident_files(inc: Incident) -> list[DumpFile]:
+    """The dump files of one incident, checked to be of one run: one world size, each rank
+    once."""
     worlds: dict[int, Path] = {}
     files: list[DumpFile] = []
     for d in inc.dirs:
@@ -99,21 +100,38 @@ def load_incident(inc: Incident, workers: int = 1) -> tuple[list[RankDump], int,
                 f" and {f.path}; remove the stale one or merge the directories one at a time"
             )
         seen_at[f.rank] = f
+    return files
+
+
+def _world(inc: Incident, files: list[DumpFile]) -> int:
+    for d in inc.dirs:
+        if d.verdict is not None and d.verdict.world_size:
+            return d.verdict.world_size
+    return files[0].world_size
+
+
+def _check(inc: Incident, dumps: list[RankDump], world: int) -> None:
+    if not dumps:
+        raise IncidentError(
+            f"incident {inc.incident_id} ({', '.join(str(d.path) for d in inc.dirs)}) has no "
+            "readable dump file"
+        )
+    bad = [d.rank for d in dumps if d.rank >= world]
+    if bad:
+        raise IncidentError(f"rank {bad[0]} is out of range for world size {world}")
+
+
+def load_incident(inc: Incident, workers: int = 1) -> tuple[list[RankDump], int, Counter]:
+    """All dumps of one incident, with their threads, checked to be of one run."""
+    files = incident_files(inc)
     dumps: list[RankDump] = []
     formats: Counter = Counter()
     for f, dump in zip(files, load_dumps(files, workers), strict=True):
         if dump is not None:
             dumps.append(dump)
             formats[f.format.value] += 1
-    if not dumps:
-        raise IncidentError(
-            f"incident {inc.incident_id} ({', '.join(str(d.path) for d in inc.dirs)}) has no "
-            "readable dump file"
-        )
-    world = next(iter(worlds))
-    bad = [d.rank for d in dumps if d.rank >= world]
-    if bad:
-        raise IncidentError(f"rank {bad[0]} is out of range for world size {world}")
+    world = _world(inc, files) if files else 0
+    _check(inc, dumps, world)
     dumps.sort(key=lambda d: d.rank)
     return dumps, world, formats
 
@@ -213,7 +231,11 @@ def merge_incident(
     path = Path(path)
     t0 = time.perf_counter()
     inc = pick_incident(find_incidents(path), incident, path)
-    dumps, world, formats = load_incident(inc, default_workers() if workers is None else workers)
+    files = incident_files(inc)
+    got = gather(files, default_workers() if workers is None else workers)
+    dumps, formats = got.dumps, got.formats
+    world = _world(inc, files) if files else 0
+    _check(inc, dumps, world)
     t1 = time.perf_counter()
     out = Path(out_dir) if out_dir is not None else _out_dir(inc)
     out.mkdir(parents=True, exist_ok=True)
@@ -221,11 +243,12 @@ def merge_incident(
     culprits = tuple(c for c in inc.culprits if 0 <= c < world)
 
     local = _local_size(dumps, inc, local_world_size)
-    absent = find_absent(world, dumps, local)
+    absent = find_absent(world, dumps, local, got.with_stacks)
     # the ranks without a file get stand-ins, so the pictures show them as a tower
-    everyone = sorted([*dumps, *stand_ins(absent, world)], key=lambda d: d.rank)
-    cache = RoleCache()
-    trees: dict[View, StackTree] = {v: build_tree(everyone, v, world, cache) for v in View}
+    extra = stand_ins(absent, world)
+    trees: dict[View, StackTree] = {
+        v: merged_tree([*got.collected[v], collect(extra, v)], v, world, dumped) for v in View
+    }
     view_classes = {v: equivalence_classes(t, absent.bits) for v, t in trees.items()}
     sus = suspects(list(view_classes.values()), culprits, absent)
     suspect_bits = ranksets.bits_of(s.rank for s in sus)

@@ -160,21 +160,30 @@ class ThreadRoles:
 
 class RoleCache:
     """Remembers the role content gives each distinct stack (the dumps share frame tuples), so
-    that thousands of ranks cost a lookup per thread."""
+    that thousands of ranks cost a lookup per thread, and the roles of each dump."""
 
     def __init__(self) -> None:
-        self._content: dict[int, tuple[tuple[Frame, ...], Role | None, bool]] = {}
+        self._content: dict[int, tuple[tuple[Frame, ...], Role | None, bool, bool]] = {}
+        self._dumps: dict[int, tuple[RankDump, tuple[ThreadRoles, ThreadRoles]]] = {}
 
-    def content(self, frames: tuple[Frame, ...]) -> tuple[Role | None, bool]:
-        """(role from the frames, or None; in a collective)."""
+    def content(self, frames: tuple[Frame, ...]) -> tuple[Role | None, bool, bool]:
+        """(role from the frames, or None; in a collective (running Python); the main thread's
+        native start-up frames)."""
         found = self._content.get(id(frames))
         if found is None:
             role = _python_role(frames)
             if role is None:
                 role = _native_role(frames)
+            coll = in_collective(frames) and runs_python(frames)
             # keeps `frames` alive, so its id stays unique
-            found = self._content[id(frames)] = (frames, role, in_collective(frames))
-        return found[1], found[2]
+            found = self._content[id(frames)] = (frames, role, coll, _is_main_native(frames))
+        return found[1], found[2], found[3]
+
+    def of_dump(self, dump: RankDump) -> tuple[ThreadRoles, ThreadRoles]:
+        found = self._dumps.get(id(dump))
+        if found is None:
+            found = self._dumps[id(dump)] = (dump, _dump_roles(dump, self))
+        return found[1]
 
 
 def _assign(
@@ -186,13 +195,13 @@ def _assign(
     roles: list[Role | None] = []
     collective: list[bool] = []
     for t in threads:
-        role, coll = cache.content(t.frames)
+        role, coll, _ = cache.content(t.frames)
         if known is not None and t.os_tid in known:
             roles.append(known[t.os_tid])
             collective.append(known[t.os_tid] is Role.TRAINING)
             continue
         roles.append(role)
-        collective.append(coll and runs_python(t.frames))
+        collective.append(coll)
     training = [i for i, c in enumerate(collective) if c]
     if not training and known is not None:
         training = [i for i, r in enumerate(roles) if r is Role.TRAINING]
@@ -217,7 +226,10 @@ def _assign(
 def dump_roles(dump: RankDump, cache: RoleCache | None = None) -> tuple[ThreadRoles, ThreadRoles]:
     """Roles of a dump's `threads` and of its `native_threads`. A native thread that is one of
     the Python threads (same OS thread id) has that thread's role."""
-    cache = cache or RoleCache()
+    return (cache or RoleCache()).of_dump(dump)
+
+
+def _dump_roles(dump: RankDump, cache: RoleCache) -> tuple[ThreadRoles, ThreadRoles]:
     py = _assign(
         dump.threads,
         cache,
@@ -230,7 +242,7 @@ def dump_roles(dump: RankDump, cache: RoleCache | None = None) -> tuple[ThreadRo
         dump.native_threads,
         cache,
         [
-            (dump.pid > 0 and t.os_tid == dump.pid) or _is_main_native(t.frames)
+            (dump.pid > 0 and t.os_tid == dump.pid) or cache.content(t.frames)[2]
             for t in dump.native_threads
         ],
         known or None,

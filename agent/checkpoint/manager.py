@@ -103,6 +103,11 @@ class CheckpointManager:
     def connected(self, job: str) -> list[int]:
         return self.sessions.connected(job)
 
+    def in_flight(self, job: str) -> int:
+        """Persists of `job` queued or running (requests, and persists after a death)."""
+        with self._lock:
+            return self._inflight.get(job, 0)
+
     # -- rank processes ------------------------------------------------------------------------------
 
     def watch_writer(self, key: RankKey, pid: int, start_time: float, pid_ns: int) -> WatchOutcome:

@@ -53,6 +53,7 @@ class ControlService(pb_grpc.ControlServicer):
         self.manager.sessions.register(
             key,
             request.pid,
+            start_time=request.start_time,
             world_size=rid.world_size,
             node=rid.node,
             journal=request.journal,
