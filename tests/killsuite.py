@@ -313,12 +313,12 @@ class KillSuite:
         plan = Plan(self.plan_id, phase, tuple(pids), mode, fraction)
         write_json_atomic(self.ctl / PLAN_FILE, plan.to_json())
         fired_path = self.ctl / f"fired-{plan.id}.json"
-        if not wait_for(fired_path.exists, 20):
+        if not wait_for(fired_path.exists, 8):
             # A phase shorter than the timers' reach: kill at its sub-operations instead.
             plan = Plan(plan.id, phase, plan.pids, "tick", fraction)
             write_json_atomic(self.ctl / PLAN_FILE, plan.to_json())
             if not wait_for(fired_path.exists, 60):
-                raise RuntimeError(f"no {phase} phase in 80 s\n{self.tail()}")
+                raise RuntimeError(f"no {phase} phase in 68 s\n{self.tail()}")
         fired = Fired.load(fired_path)
         killed_ranks = target in ("trainer", "both")
         killed_agent = target in ("agent", "both")
