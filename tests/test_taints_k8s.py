@@ -204,6 +204,7 @@ def test_two_agents_racing_on_one_node(kube, tmp_path):
     assert {e.reason for e in kube.events_for(name)} <= {"DiagTainted", "DiagTaintUpdated"}
 
 
+@pytest.mark.slow
 def test_job_cap_holds_across_concurrent_agents(kube, tmp_path):
     names = [kube.create_node(f"cap{i}", conditions=[READY]) for i in range(3)]
     timeline = tmp_path / "timeline"
