@@ -11,8 +11,9 @@ agent, as a classic sidecar gets it). Side by side, in one run:
   drains: EXIT to the ranks, their flash save, the agent's persist and commit;
 - DeepSpeed's save on SIGTERM: `graceful_exit` without flash, so the ranks write the step with
   `engine.save_checkpoint` themselves (fsynced, `latest` last) before leaving;
-- no drain: what storage holds is the last periodic persist (every --persist-every steps): how
-  many steps a deletion loses.
+- no drain (the agent as it was: `--drain false --persist-on-incident false`): what storage
+  holds is the last periodic persist (every --persist-every steps): how many steps a deletion
+  loses.
 
 Measured: SIGTERM -> `latest` names a step at least the last step every rank had completed
 (polled every 10 ms), and SIGTERM -> the launcher (and agent) gone. Median of --repeats.
@@ -49,6 +50,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--persist-every", type=int, default=50)
     p.add_argument("--grace", type=float, default=30.0)
     p.add_argument("--disk-dir", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument("--modes", default="diag,deepspeed,none", help="which of the three to run")
+    p.add_argument("--keep", action="store_true", help="keep each run's logs and checkpoints")
     return p.parse_args(argv)
 
 
@@ -100,7 +103,9 @@ def run_once(args: argparse.Namespace, mode: str, work: Path) -> Result:
             agent = subprocess.Popen(
                 [sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir),
                  "--job", JOB, "--timeline", str(work / "tl"), "--native-stacks", "false",
-                 "--termination-grace", str(args.grace), "--interval", "0.25", "-v"],
+                 "--termination-grace", str(args.grace), "--interval", "0.25", "-v",
+                 *(["--drain", "false", "--persist-on-incident", "false"]
+                   if mode == "none" else [])],
                 env=env, stdout=open(work / "agent.log", "wb"),  # noqa: SIM115
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
@@ -153,16 +158,18 @@ def run_once(args: argparse.Namespace, mode: str, work: Path) -> Result:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     modes = ("diag", "deepspeed", "none")
+    chosen = args.modes.split(",")
     results: dict[str, list[Result]] = {m: [] for m in modes}
     for i in range(args.repeats):
-        for mode in modes:
+        for mode in (m for m in modes if m in chosen):
             work = Path(tempfile.mkdtemp(prefix=f"diag-bench-drain-{mode}-", dir=args.disk_dir))
             try:
                 r = run_once(args, mode, work)
             finally:
-                shutil.rmtree(work, ignore_errors=True)
+                if not args.keep:
+                    shutil.rmtree(work, ignore_errors=True)
             results[mode].append(r)
-            print(f"run {i + 1} {mode}: {r}", flush=True)
+            print(f"run {i + 1} {mode}: {r}" + (f" ({work})" if args.keep else ""), flush=True)
 
     def med(values: list[float | None]) -> str:
         got = [v for v in values if v is not None]
