@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 DEFAULT_GRACE_S = 30.0  # Kubernetes' default terminationGracePeriodSeconds
 DEFAULT_MARGIN_S = 3.0  # kept for the agent's own exit (and the kubelet's clock skew)
-MIN_PERSIST_BUDGET_S = 2.0
+MIN_PERSIST_BUDGET_S = 4.0  # also covers stopping the ranks and the launcher's exit
 DEFAULT_PERSIST_RATE = 100e6  # bytes/s assumed for storage before a persist was measured
 PERSIST_BUDGET_SAFETY = 1.5
 
