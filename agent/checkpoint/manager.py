@@ -32,7 +32,7 @@ import psutil
 from diag.agent.checkpoint.persist import PersistResult, persist_slot
 from diag.agent.checkpoint.sessions import CommandReport, RankKey, Sessions
 from diag.agent.checkpoint.stats import CheckpointStats, RankCheckpointStats
-from diag.agent.checkpoint.storage import marker_path
+from diag.agent.checkpoint.storage import has_part
 from diag.agent.checkpoint.writers import WatchOutcome, Writer, WriterWatch
 from diag.collector.slotfile import SlotFile, read_snapshots
 from diag.collector.snapshot import SnapshotError, find_slots, read_latest_step
@@ -278,7 +278,7 @@ class CheckpointManager:
                 latest = read_latest_step(save_dir)
                 if latest is not None and snap.meta.step <= latest:
                     continue
-            if marker_path(save_dir, snap.meta.step, snap.meta.rank).exists():
+            if has_part(save_dir, snap.meta.step, snap.meta.rank, snap.meta.run):
                 continue
             results.append(
                 self._persist_rank(job, snap.meta.rank, snap.meta.step, INCIDENT_LOCK_TIMEOUT_S)
