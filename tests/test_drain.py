@@ -25,31 +25,35 @@ from diag.trainer.period import AgreementPeriod, PeriodPolicy, propose
 
 
 @pytest.mark.parametrize(
-    ("policy", "step_s", "cost_s", "every"),
+    ("policy", "step_s", "cost_s", "every", "typical"),
     [
         # Nothing measured yet: every step.
-        (PeriodPolicy(), None, None, 1),
-        (PeriodPolicy(), 0.5, None, 1),
+        (PeriodPolicy(), None, None, 1, None),
+        (PeriodPolicy(), 0.5, None, 1, None),
         # Cheap agreement, 1% budget: every step (0.1 ms of a 20 ms step is 0.5%).
-        (PeriodPolicy(), 0.020, 0.0001, 1),
+        (PeriodPolicy(), 0.020, 0.0001, 1, None),
         # 1 ms of a 20 ms step is 5%: every 5 steps keeps it at 1%.
-        (PeriodPolicy(), 0.020, 0.001, 5),
+        (PeriodPolicy(), 0.020, 0.001, 5, None),
         # A thousand ranks: 60 ms per agreement, 1 s steps -> every 6 steps, 6 s of latency.
-        (PeriodPolicy(), 1.0, 0.060, 6),
+        (PeriodPolicy(), 1.0, 0.060, 6, None),
         # The latency bound wins over the budget: 10 s / 1 s steps -> at most every 10 steps.
-        (PeriodPolicy(), 1.0, 0.5, 10),
-        (PeriodPolicy(max_latency_s=3.0), 1.0, 0.5, 3),
+        (PeriodPolicy(), 1.0, 0.5, 10, None),
+        (PeriodPolicy(max_latency_s=3.0), 1.0, 0.5, 3, None),
         # Steps longer than the bound: every step (a step cannot be cut short).
-        (PeriodPolicy(max_latency_s=3.0), 30.0, 0.5, 1),
+        (PeriodPolicy(max_latency_s=3.0), 30.0, 0.5, 1, None),
         # A fixed period ignores the measurements.
-        (PeriodPolicy(every=4), 1.0, 0.5, 4),
-        (PeriodPolicy(every=4), None, None, 4),
-        # A wider budget agrees less often.
-        (PeriodPolicy(max_overhead=0.1), 0.020, 0.001, 1),
+        (PeriodPolicy(every=4), 1.0, 0.5, 4, None),
+        (PeriodPolicy(every=4), None, None, 4, None),
+        # Mostly 20 ms steps with a slow one (longest 0.5 s): the budget follows the typical
+        # step (1 ms of 20 ms: every 5), the latency bound the longest (10 s / 0.5 s = 20).
+        (PeriodPolicy(), 0.5, 0.001, 5, 0.020),
+        (PeriodPolicy(), 0.5, 0.010, 20, 0.020),
+        # A wider budget (10%) agrees more often.
+        (PeriodPolicy(max_overhead=0.1), 0.020, 0.001, 1, None),
     ],
 )
-def test_proposed_period(policy: PeriodPolicy, step_s, cost_s, every: int) -> None:  # type: ignore[no-untyped-def]
-    assert propose(policy, step_s, cost_s) == every
+def test_proposed_period(policy: PeriodPolicy, step_s, cost_s, every: int, typical) -> None:  # type: ignore[no-untyped-def]
+    assert propose(policy, step_s, cost_s, typical) == every
 
 
 def test_schedule_agrees_at_the_same_steps_on_every_rank() -> None:
@@ -63,9 +67,9 @@ def test_schedule_agrees_at_the_same_steps_on_every_rank() -> None:
         if due[0]:
             met.append(step)
             every = min(a.proposal(), b.proposal())
-            a.agreed(step, every, 0.001)
+            a.agreed(step, every, 0.0009)
             b.agreed(step, every, 0.004)
-    # First boundary, then every step until costs are known, then every 5 (1 ms of 20 ms).
+    # First boundary, then every step until costs are known, then every 5 (0.9 ms of 20 ms).
     assert met[:2] == [1, 2]
     assert all(y - x == 5 for x, y in itertools.pairwise(met[1:])), met
     assert a.latency_bound() == pytest.approx(5 * 0.02)

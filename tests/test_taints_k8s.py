@@ -317,6 +317,35 @@ def test_expiry_and_clean_precheck_untaint(kube, tmp_path):
     assert not list((timeline / ".taints" / "llm").glob("*.json"))
 
 
+def test_expired_sweep(kube, tmp_path):
+    """`diag untaint --expired` (the CronJob): expired taints go, live ones and others' stay."""
+    old, live = kube.create_node("old", taints=[OTHER_TAINT]), kube.create_node("live")
+    bystander = kube.create_node("by", taints=[OTHER_TAINT])
+    timeline = tmp_path / "timeline"
+    api = connect(kube.kubeconfig)
+    t0 = time.time()
+    xid = [Evidence(Signal.GPU_XID, t0, xid=79)]
+    short = TaintSettings(policy=TaintPolicy(job="llm", expiry=1, rate_count=10))
+    long = TaintSettings(policy=TaintPolicy(job="llm", expiry=3600, rate_count=10))
+    assert taint(short, old, timeline, xid, dry_run=False, api=api, clock=lambda: t0 - 60).applied
+    assert taint(long, live, timeline, xid, dry_run=False, api=api).applied
+    args = ["untaint", "--expired", "--timeline", str(tmp_path / "cron")]
+    if kube.real:  # a real cluster's other nodes are not ours to sweep
+        runs = [diag(kube, *args, "--node", n) for n in (old, live, bystander)]
+    else:
+        dry = diag(kube, *args, "--dry-run")
+        assert dry.returncode == 0 and f"node {old}: untaint: the taint expired" in dry.stdout
+        assert ours(kube.node(old))
+        runs = [diag(kube, *args)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    assert not ours(kube.node(old)) and condition(kube.node(old)).reason == "Expired"
+    assert [t.key for t in kube.node(old).spec.taints] == ["nvidia.com/gpu"]
+    assert ours(kube.node(live))
+    assert [t.key for t in kube.node(bystander).spec.taints] == ["nvidia.com/gpu"]
+    assert not kube.events_for(bystander)
+
+
 def test_precheck_faulty_and_no_carrier_taint(kube, tmp_path):
     name = kube.create_node("p")
     report = PrecheckReport(

@@ -14,13 +14,14 @@ Pure: steps and times come in, decisions go out.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
 DEFAULT_MAX_LATENCY_S = 10.0  # a third of Kubernetes' default 30 s grace; the rest is the save's
 DEFAULT_MAX_OVERHEAD = 0.01
 STEP_WINDOW = 16  # step times the period is based on (the longest of them)
-COST_WINDOW = 8  # agreement costs kept (the cheapest is the cost without waiting for stragglers)
+COST_WINDOW = 8  # agreement costs kept; their median is the cost (a busy machine's spikes aside)
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,16 @@ class PeriodPolicy:
             raise ValueError(f"the overhead budget must be in (0, 1), not {self.max_overhead}")
 
 
-def propose(policy: PeriodPolicy, step_s: float | None, cost_s: float | None) -> int:
-    """The period (in steps) this rank proposes, from its longest recent step and the cheapest
-    recent agreement. Before any step was timed: every step."""
+def propose(
+    policy: PeriodPolicy,
+    step_s: float | None,
+    cost_s: float | None,
+    typical_step_s: float | None = None,
+) -> int:
+    """The period (in steps) this rank proposes. The latency bound is kept against the longest
+    recent step (`step_s`), the cost budget against the typical (median) one, so that a few slow
+    steps neither stretch the latency nor make the agreement look cheap. Before any step was
+    timed: every step."""
     if policy.every is not None:
         return policy.every
     if step_s is None or step_s <= 0:
@@ -48,7 +56,8 @@ def propose(policy: PeriodPolicy, step_s: float | None, cost_s: float | None) ->
     latency_cap = max(1, math.floor(policy.max_latency_s / step_s))
     if not cost_s or cost_s <= 0:
         return 1
-    budget = max(1, math.ceil(cost_s / (policy.max_overhead * step_s)))
+    typical = typical_step_s if typical_step_s and typical_step_s > 0 else step_s
+    budget = max(1, math.ceil(cost_s / (policy.max_overhead * typical)))
     return min(budget, latency_cap)
 
 
@@ -75,9 +84,8 @@ class AgreementPeriod:
         return step >= self.next_at
 
     def proposal(self) -> int:
-        step_s = max(self._steps) if self._steps else None
-        cost_s = min(self._costs) if self._costs else None
-        return propose(self.policy, step_s, cost_s)
+        typical = statistics.median(self._steps) if self._steps else None
+        return propose(self.policy, self.step_seconds, self.cost_seconds, typical)
 
     def agreed(self, step: int, every: int, cost_s: float) -> None:
         """The agreement at `step` took `cost_s` here and settled on `every`."""
@@ -92,7 +100,7 @@ class AgreementPeriod:
 
     @property
     def cost_seconds(self) -> float | None:
-        return min(self._costs) if self._costs else None
+        return statistics.median(self._costs) if self._costs else None
 
     def latency_bound(self) -> float | None:
         """Seconds a request can wait for the next agreement at the current period and pace."""
