@@ -37,6 +37,7 @@ PALETTE: dict[FrameKind, tuple[tuple[int, int], ...]] = {
     FrameKind.TORCH: ((80, 130), (185, 225), (70, 110)),  # green
     FrameKind.STATE: ((170, 195), (130, 160), (225, 250)),  # purple
     FrameKind.THREAD: ((150, 170), (165, 185), (200, 220)),  # slate
+    FrameKind.ROLE: ((175, 190), (180, 195), (195, 210)),  # light slate
     FrameKind.ROOT: ((190, 200), (190, 200), (190, 200)),
     FrameKind.OTHER: ((205, 215), (205, 215), (205, 215)),  # grey
 }

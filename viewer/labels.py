@@ -17,6 +17,7 @@ from diag.viewer.stacks import Frame
 
 class FrameKind(enum.StrEnum):
     ROOT = "root"
+    ROLE = "role"  # what the threads below are for: training, data loader, logging, ...
     THREAD = "thread"  # the thread a stack belongs to
     STATE = "state"  # process state, error, or "no native stack"
     PYTHON = "py"
@@ -79,6 +80,11 @@ def frame_info(frame: Frame) -> FrameInfo:
 def thread_info(name: str) -> FrameInfo:
     text = clean(f"Thread@{name or '?'}")
     return FrameInfo(text=text, short=text, kind=FrameKind.THREAD)
+
+
+def role_info(role: str) -> FrameInfo:
+    text = clean(f"Role@{role}")
+    return FrameInfo(text=text, short=text, kind=FrameKind.ROLE)
 
 
 def state_info(what: str) -> FrameInfo:
