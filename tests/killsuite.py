@@ -121,6 +121,7 @@ class LatestWatch:
 def incomplete(save_dir: Path, step: int, zero: int) -> str:
     """What is missing for DeepSpeed to load `step` from `save_dir` ("" when nothing)."""
     files: set[str] = set()
+    runs: set[str] = set()
     for rank in range(WORLD):
         try:
             doc = json.loads(marker_path(save_dir, step, rank).read_text())
@@ -135,6 +136,9 @@ def incomplete(save_dir: Path, step: int, zero: int) -> str:
         if size != doc["bytes"]:
             return f"rank {rank}'s files hold {size} bytes, its marker says {doc['bytes']}"
         files.update(doc["files"])
+        runs.add(str(doc.get("run", "")))
+    if len(runs) > 1:
+        return f"parts from different launches of the trainer: {sorted(runs)}"
     tag = step_tag(step)
     model = (
         {f"{tag}/zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(WORLD)}
