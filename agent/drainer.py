@@ -110,7 +110,7 @@ class Drainer:
             log.info("drain: EXIT sent to ranks %s of %s", sorted(sent), action.job)
         elif action.kind == ActionKind.PERSIST:
             t0 = time.monotonic()
-            results = cp.persist_newest(action.job)
+            results = cp.persist_newest(action.job, above_committed=True)
             written = [r for r in results if r.ok and not r.skipped]
             failed = [r for r in results if not r.ok]
             if results:
