@@ -24,6 +24,7 @@ from diag.agent.checkpoint.sessions import CommandKind
 from diag.agent.config import AgentConfig, Until
 from diag.agent.culprit import SuspectKind
 from diag.agent.hang import EventKind, Verdict, WatchState, decide
+from diag.agent.jobverdict import JobVerdictStore, report_for_job
 from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.server import MetricsServer
 from diag.agent.observer import Observer
@@ -77,6 +78,9 @@ class Agent:
         if cfg.policy.persist_on_incident:
             self.executor.persist_hooks.append(self.persist_on_incident)
         self.executor.listeners.append(self.dump_fallback)
+        self.job_verdicts = JobVerdictStore(cfg.timeline / ".jobs")
+        self._job_verdict_threads: list[threading.Thread] = []
+        self.executor.listeners.append(self.file_job_report)
         self.control: ControlServer | None = None
         self._checkpoint_fed = float("-inf")
 
@@ -109,6 +113,13 @@ class Agent:
         )  # fmt: skip
         if sent:
             log.warning("asked ranks %s to dump their own stacks", sorted(sent))
+
+    def file_job_report(self, report: IncidentReport) -> None:
+        """Files this node's view of the incident for the job verdict; the node that claims the
+        incident first assembles it (in a thread: it may wait for the culprit's node)."""
+        thread = report_for_job(self.job_verdicts, report)
+        if thread is not None:
+            self._job_verdict_threads.append(thread)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -189,6 +200,8 @@ class Agent:
                 self.observer.wait(cfg.interval)
         finally:
             self.executor.join(timeout=cfg.stop_grace + 5)
+            for t in self._job_verdict_threads:
+                t.join(timeout=self.job_verdicts.settle + 5)
             if self.control is not None:
                 self.control.stop()
             self.checkpoints.close()
