@@ -4,10 +4,12 @@ A pod being deleted gets SIGTERM, then SIGKILL `terminationGracePeriodSeconds` l
 uses that time to get the ranks' newest state onto storage:
 
 1. every connected local rank gets EXIT (a flush first: the ranks save a flash checkpoint at the
-   next step boundary, all at the same step, ask for its persist and leave);
+   next step boundary, all at the same step, ask for its persist and leave); meanwhile the
+   newest complete snapshot already in memory (the last step every rank completed) is persisted
+   at once, so that step is committed whatever happens to the ranks next;
 2. the agent waits until every rank has either left or had the step it saved persisted;
-3. it persists every complete snapshot still newer than storage (a rank that died at SIGTERM
-   without saving leaves its previous snapshots), waits for the persists in flight, commits;
+3. once the persists in flight are done, it persists every complete snapshot still newer than
+   storage (a rank that died at SIGTERM without saving leaves its previous snapshots), commits;
 4. if the ranks cannot reach a step boundary before `rank_deadline` (a long step, a hang), it
    persists the newest complete snapshot it already has and stops them;
 5. it is done; at `deadline` (the grace period less a margin) it gives up on whatever is left.
@@ -26,7 +28,7 @@ from dataclasses import dataclass, replace
 
 DEFAULT_GRACE_S = 30.0  # Kubernetes' default terminationGracePeriodSeconds
 DEFAULT_MARGIN_S = 3.0  # kept for the agent's own exit (and the kubelet's clock skew)
-MIN_PERSIST_BUDGET_S = 2.0
+MIN_PERSIST_BUDGET_S = 5.0  # also covers stopping the ranks and the launcher's exit after
 DEFAULT_PERSIST_RATE = 100e6  # bytes/s assumed for storage before a persist was measured
 PERSIST_BUDGET_SAFETY = 1.5
 
@@ -35,7 +37,9 @@ PERSIST_BUDGET_SAFETY = 1.5
 class DrainSettings:
     grace: float = DEFAULT_GRACE_S  # seconds between SIGTERM and SIGKILL
     margin: float = DEFAULT_MARGIN_S
-    stop_grace: float = 2.0  # SIGTERM to SIGKILL when stopping ranks that did not leave
+    # SIGTERM to SIGKILL when stopping ranks that reached no boundary: they had EXIT (and in a
+    # pod deletion the launcher's SIGTERM) already, and their launcher needs time to exit too.
+    stop_grace: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.grace > 0:
@@ -186,6 +190,10 @@ def decide(state: DrainState, jobs: tuple[JobView, ...], now: float) -> Decision
             exit_sent.update((job.job, r) for r in todo)
 
         unsettled = [r for r in job.ranks if not rank_settled(r)]
+        if unsettled and job.job not in persisted and job.newest_unpersisted is not None:
+            # What every rank completed before the drain goes to storage while they finish.
+            actions.append(DrainAction(ActionKind.PERSIST, job.job, reason="newest in memory"))
+            persisted[job.job] = _covered(job)
         if unsettled and past_ranks and job.job not in given_up:
             # 4. Out of time for a step boundary: what is in memory goes to storage, then the
             # ranks are stopped (they would be killed with nothing saved otherwise).
@@ -199,8 +207,13 @@ def decide(state: DrainState, jobs: tuple[JobView, ...], now: float) -> Decision
                     warning=True,
                 )
             )
-            actions.append(DrainAction(ActionKind.PERSIST, job.job, reason="ranks gave no step"))
-            persisted[job.job] = _covered(job)
+            if job.newest_unpersisted is not None and job.newest_unpersisted > persisted.get(
+                job.job, -1
+            ):
+                actions.append(
+                    DrainAction(ActionKind.PERSIST, job.job, reason="ranks gave no step")
+                )
+                persisted[job.job] = _covered(job)
             alive = tuple(r.rank for r in unsettled if r.alive)
             if alive:
                 actions.append(
@@ -210,7 +223,10 @@ def decide(state: DrainState, jobs: tuple[JobView, ...], now: float) -> Decision
             continue
         if unsettled and job.job not in given_up:
             continue
-        # 3. Settled (or given up on): anything newer than storage that no PERSIST covered yet.
+        # 3. Settled (or given up on), the ranks' own persist requests done: anything newer than
+        # storage that no PERSIST covered yet.
+        if job.in_flight and job.job not in given_up:
+            continue
         if job.newest_unpersisted is not None and (
             job.job not in persisted or job.newest_unpersisted > persisted[job.job]
         ):

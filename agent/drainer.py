@@ -16,7 +16,7 @@ from pathlib import Path
 from diag.agent import exitcodes
 from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.sessions import CommandKind
-from diag.agent.checkpoint.storage import marker_path
+from diag.agent.checkpoint.storage import has_part, marker_path
 from diag.agent.drain import (
     ActionKind,
     DrainAction,
@@ -110,7 +110,7 @@ class Drainer:
             log.info("drain: EXIT sent to ranks %s of %s", sorted(sent), action.job)
         elif action.kind == ActionKind.PERSIST:
             t0 = time.monotonic()
-            results = cp.persist_newest(action.job)
+            results = cp.persist_newest(action.job, above_committed=True)
             written = [r for r in results if r.ok and not r.skipped]
             failed = [r for r in results if not r.ok]
             if results:
@@ -182,9 +182,8 @@ class Drainer:
             floor = committed if committed is not None else -1
             for snap in snaps_by_job.get(job, []):
                 target = Path(cp.options.save_dir or snap.meta.save_dir)
-                if (
-                    snap.meta.step <= floor
-                    or marker_path(target, snap.meta.step, snap.meta.rank).exists()
+                if snap.meta.step <= floor or has_part(
+                    target, snap.meta.step, snap.meta.rank, snap.meta.run
                 ):
                     continue
                 newest = max(newest if newest is not None else -1, snap.meta.step)

@@ -24,6 +24,7 @@ from diag.agent.exitcodes import UsageError
 from diag.agent.taints import (
     DOMAIN,
     RECORD_ANNOTATION,
+    TAINT_KEY,
     Action,
     Condition,
     NodeEvent,
@@ -121,6 +122,18 @@ def read_node(api: Any, name: str) -> NodeState:
         uid=meta.uid or "",
         record_error=record_error,
     )
+
+
+def nodes_with_diag_taint(api: Any) -> list[str]:
+    """Names of the nodes that carry diag's taint or its record (needs `list` on nodes)."""
+    items = _call(lambda: api.list_node().items, "list nodes")
+    out = []
+    for n in items:
+        taints = n.spec.taints if n.spec is not None and n.spec.taints else []
+        annotations = n.metadata.annotations or {}
+        if any(t.key == TAINT_KEY for t in taints) or RECORD_ANNOTATION in annotations:
+            out.append(n.metadata.name)
+    return sorted(out)
 
 
 def apply_plan(

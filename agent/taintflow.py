@@ -17,7 +17,15 @@ from typing import Any
 from diag.agent.kube import ApplyResult, apply_plan, connect, read_node
 from diag.agent.taintconfig import TaintSettings
 from diag.agent.taintledger import TaintLedger
-from diag.agent.taints import Evidence, JobBudget, NodeView, TaintPlan, plan_taint, plan_untaint
+from diag.agent.taints import (
+    Action,
+    Evidence,
+    JobBudget,
+    NodeView,
+    TaintPlan,
+    plan_taint,
+    plan_untaint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +98,38 @@ def untaint(
             lambda view: plan_untaint(view, clock(), why),
             event_namespace=settings.event_namespace,
             retries=settings.retries,
+        )
+        if result.applied:
+            ledger.record(result.plan, clock())
+    return _outcome(result, JobBudget())
+
+
+def expire(
+    settings: TaintSettings,
+    node: str,
+    timeline: Path,
+    *,
+    dry_run: bool,
+    api: Any = None,
+    clock: Callable[[], float] = time.time,
+) -> TaintOutcome:
+    """Untaint `node` if its taint expired; anything else stays as it is."""
+    api = api if api is not None else connect(settings.kubeconfig)
+
+    def decide(view: NodeView) -> TaintPlan:
+        plan = plan_taint(view, (), settings.policy, JobBudget(), clock())
+        if plan.action != Action.UNTAINT:
+            return TaintPlan(view.name, Action.NONE, plan.why, taints=view.taints)
+        return plan
+
+    if dry_run:
+        return TaintOutcome(decide(read_node(api, node).view), dry_run=True)
+    state = read_node(api, node)
+    job = state.view.record.job if state.view.record is not None else settings.policy.job
+    ledger = TaintLedger(timeline, job, settings.ledger_timeout)
+    with ledger.locked():
+        result = apply_plan(
+            api, node, decide, event_namespace=settings.event_namespace, retries=settings.retries
         )
         if result.applied:
             ledger.record(result.plan, clock())

@@ -11,8 +11,9 @@ agent, as a classic sidecar gets it). Side by side, in one run:
   drains: EXIT to the ranks, their flash save, the agent's persist and commit;
 - DeepSpeed's save on SIGTERM: `graceful_exit` without flash, so the ranks write the step with
   `engine.save_checkpoint` themselves (fsynced, `latest` last) before leaving;
-- no drain: what storage holds is the last periodic persist (every --persist-every steps): how
-  many steps a deletion loses.
+- no drain (the agent as it was: `--drain false --persist-on-incident false`): what storage
+  holds is the last periodic persist (every --persist-every steps): how many steps a deletion
+  loses.
 
 Measured: SIGTERM -> `latest` names a step at least the last step every rank had completed
 (polled every 10 ms), and SIGTERM -> the launcher (and agent) gone. Median of --repeats.
@@ -45,16 +46,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=4000, help="64M parameters at 4000")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warm-steps", type=int, default=3)
-    p.add_argument("--persist-every", type=int, default=50)
+    p.add_argument("--warm-steps", type=int, default=4)
+    p.add_argument("--persist-every", type=int, default=3)
     p.add_argument("--grace", type=float, default=30.0)
     p.add_argument("--disk-dir", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument("--modes", default="diag,deepspeed,none", help="which of the three to run")
+    p.add_argument("--keep", action="store_true", help="keep each run's logs and checkpoints")
     return p.parse_args(argv)
 
 
 @dataclass
 class Result:
     commit_s: float | None  # SIGTERM -> latest >= the last complete step (None: never)
+    next_s: float | None  # SIGTERM -> latest >= the step in flight at SIGTERM (the drain's save)
     gone_s: float  # SIGTERM -> launcher (and agent) exited
     lost_steps: int  # steps complete at SIGTERM that storage does not hold
     state_mb: float
@@ -100,7 +104,9 @@ def run_once(args: argparse.Namespace, mode: str, work: Path) -> Result:
             agent = subprocess.Popen(
                 [sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir),
                  "--job", JOB, "--timeline", str(work / "tl"), "--native-stacks", "false",
-                 "--termination-grace", str(args.grace), "--interval", "0.25", "-v"],
+                 "--termination-grace", str(args.grace), "--interval", "0.25", "-v",
+                 *(["--drain", "false", "--persist-on-incident", "false"]
+                   if mode == "none" else [])],
                 env=env, stdout=open(work / "agent.log", "wb"),  # noqa: SIM115
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
@@ -126,11 +132,14 @@ def run_once(args: argparse.Namespace, mode: str, work: Path) -> Result:
         os.killpg(job.pid, signal.SIGTERM)
         if agent is not None:
             agent.send_signal(signal.SIGTERM)
-        commit_s = None
+        commit_s = next_s = None
         hard = sent + args.grace
         while time.monotonic() < hard:
-            if commit_s is None and _latest(save) >= done:
+            latest = _latest(save)
+            if commit_s is None and latest >= done:
                 commit_s = time.monotonic() - sent
+            if next_s is None and latest > done:
+                next_s = time.monotonic() - sent
             if job.poll() is not None and (agent is None or agent.poll() is not None):
                 break
             time.sleep(0.01)
@@ -140,7 +149,7 @@ def run_once(args: argparse.Namespace, mode: str, work: Path) -> Result:
         latest = _latest(save)
         step_dir = save / f"global_step{latest}"
         state = sum(f.stat().st_size for f in step_dir.iterdir()) if step_dir.is_dir() else 0
-        return Result(commit_s, gone_s, max(0, done - max(latest, 0)), state / 1e6)
+        return Result(commit_s, next_s, gone_s, max(0, done - max(latest, 0)), state / 1e6)
     finally:
         for p in (job, agent):
             if p is not None and p.poll() is None:
@@ -153,18 +162,22 @@ def run_once(args: argparse.Namespace, mode: str, work: Path) -> Result:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     modes = ("diag", "deepspeed", "none")
+    chosen = args.modes.split(",")
     results: dict[str, list[Result]] = {m: [] for m in modes}
     for i in range(args.repeats):
-        for mode in modes:
+        for mode in (m for m in modes if m in chosen):
             work = Path(tempfile.mkdtemp(prefix=f"diag-bench-drain-{mode}-", dir=args.disk_dir))
             try:
                 r = run_once(args, mode, work)
             finally:
-                shutil.rmtree(work, ignore_errors=True)
+                if not args.keep:
+                    shutil.rmtree(work, ignore_errors=True)
             results[mode].append(r)
-            print(f"run {i + 1} {mode}: {r}", flush=True)
+            print(f"run {i + 1} {mode}: {r}" + (f" ({work})" if args.keep else ""), flush=True)
 
     def med(values: list[float | None]) -> str:
+        if not values:
+            return "-"
         got = [v for v in values if v is not None]
         if len(got) < len(values):
             return f"never ({len(values) - len(got)} of {len(values)})"
@@ -178,13 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     print("| | diag (agent drain) | DeepSpeed save_checkpoint on SIGTERM | no drain |")
     print("|---|---|---|---|")
     row = [med([r.commit_s for r in results[m]]) for m in modes]
-    print(f"| SIGTERM -> step committed (s) | {row[0]} | {row[1]} | - |")
+    print(f"| SIGTERM -> last complete step committed (s) | {row[0]} | {row[1]} | - |")
+    row = [med([r.next_s for r in results[m]]) for m in modes]
+    print(f"| SIGTERM -> the step in flight committed (s) | {row[0]} | {row[1]} | - |")
     row = [med([r.gone_s for r in results[m]]) for m in modes]
     print(f"| SIGTERM -> job (and agent) gone (s) | {row[0]} | {row[1]} | {row[2]} |")
-    lost = [statistics.median(r.lost_steps for r in results[m]) for m in modes]
-    print(f"| steps lost (median) | {lost[0]:g} | {lost[1]:g} | {lost[2]:g} |")
-    mb = [statistics.median(r.state_mb for r in results[m]) for m in modes]
-    print(f"| checkpoint on storage (MB) | {mb[0]:.0f} | {mb[1]:.0f} | {mb[2]:.0f} |")
+    lost = [med([float(r.lost_steps) for r in results[m]]) for m in modes]
+    print(f"| steps lost (median) | {lost[0]} | {lost[1]} | {lost[2]} |")
+    mb = [med([r.state_mb for r in results[m]]) for m in modes]
+    print(f"| checkpoint on storage (MB) | {mb[0]} | {mb[1]} | {mb[2]} |")
     d = [r.commit_s for r in results["diag"]]
     s = [r.commit_s for r in results["deepspeed"]]
     if all(v is not None for v in d + s):

@@ -19,7 +19,7 @@ from diag.agent.taintconfig import TaintMode
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
-KUSTOMIZATIONS = ["base", "policy", "elasticjob"]
+KUSTOMIZATIONS = ["base", "policy", "elasticjob", "expiry"]
 # The oldest release with everything used here (ValidatingAdmissionPolicy v1, native sidecars,
 # the node name in service account tokens) and the newest the schemas know.
 VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
@@ -148,3 +148,24 @@ def test_podmonitor_in_the_base_is_the_shipped_one():
     shipped = yaml.safe_load((ROOT / "deploy/prometheus/diag-podmonitor.yaml").read_text())
     base = yaml.safe_load((K8S / "base/podmonitor.yaml").read_text())
     assert base == shipped
+
+
+def test_the_expiry_cronjob(rendered):
+    from diag.agent import untaintcmd
+
+    docs = rendered["expiry"]
+    (role,) = by_kind(docs, "ClusterRole")
+    verbs = {tuple(r["resources"]): sorted(r["verbs"]) for r in role["rules"]}
+    assert verbs == {
+        ("nodes",): ["get", "list", "patch"],
+        ("nodes/status",): ["patch"],
+        ("events",): ["create"],
+    }
+    (cron,) = by_kind(docs, "CronJob")
+    (c,) = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["args"][0] == "untaint"
+    parser = argparse.ArgumentParser()
+    untaintcmd.add_arguments(parser)
+    args = parser.parse_args(c["args"][1:])
+    assert args.expired and args.node is None

@@ -78,3 +78,8 @@ def test_local_world_size_from_journal_tails(tmp_path: Path) -> None:
     assert "whole nodes: node 1 (ranks 8-15)" in result.summary_txt.read_text()
     summary = json.loads(result.summary_json.read_text())
     assert summary["silent_nodes"] == [{"node": 1, "ranks": "8-15"}]
+
+
+def test_the_verdicts_culprit_leads_among_equal_scores() -> None:
+    a = find_absent(8, answered(range(1, 8), world=8), None)
+    assert [s.rank for s in suspects([], (5,), a)] == [5, 0]

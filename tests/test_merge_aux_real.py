@@ -1,7 +1,8 @@
 """`diag merge` on dumps that `diag dump` takes from real training-like processes with helper
 threads: a gloo process group whose ranks wait in a barrier (one rank stuck loading a
-checkpoint instead), a DataLoader with worker processes and `pin_memory=True`, and a logging
-queue listener thread. Ranks differ in their helpers (one more loader worker, so one more queue
+checkpoint instead), a DataLoader with worker processes and `pin_memory=True` (without an
+accelerator torch starts no pin-memory thread, only the queue feeders; the generated dumps cover
+that role), and a logging queue listener thread. Ranks differ in their helpers (one more loader worker, so one more queue
 feeder; thread counters shifted by an extra thread started first): those differences must make
 no suspect; the odd rank must, and a rank without a dump leads when the others agree."""
 

@@ -144,6 +144,7 @@ class FlashCheckpointer:
         )
         self._slots.on_unmap = self._copier.pinned.release
         self._group = command_group(dist)
+        self._run = self._launch_id(dist)
         self._replica = self.rank in self._plan_replicas(dist)
         self._box = CommandBox()
         self._client: ControlClient | None = None
@@ -190,6 +191,7 @@ class FlashCheckpointer:
                 job=self.job, rank=self.rank, world_size=self.world_size,
                 local_rank=self.local_rank, node=self.node, step=step, tag=step_tag(step),
                 save_dir=self.save_dir, files=tuple(entries), device=_device_of(files),
+                run=self._run,
             ).to_json()  # fmt: skip
             got = self._slots.acquire(data_end + len(meta))
             # All ranks save a step or none does: a step one rank skipped alone could never be
@@ -216,6 +218,15 @@ class FlashCheckpointer:
         s.last_save_seconds = time.perf_counter() - t0
         s.last_save_bytes = sum(f.nbytes for f in files)
         return True
+
+    def _launch_id(self, dist: Any) -> str:
+        """This launch of the job, the same on every rank: the agent commits a step only from
+        parts of one launch (collective)."""
+        owner = self._slots.owner
+        mine = [f"{self.node}:{owner.pid}:{owner.start_time:.3f}"]
+        if self.world_size > 1:
+            dist.broadcast_object_list(mine, src=0, group=self._group)
+        return str(mine[0])
 
     def _everyone(self, ok: bool) -> bool:
         """True when `ok` holds on every rank (collective)."""

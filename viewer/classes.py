@@ -209,6 +209,7 @@ def suspects(
         reasons.append(reason)
         found[rank] = (doubt * (1 - score), reasons)
 
+    culprits = tuple(culprits)
     for culprit in culprits:
         add(culprit, 1.0, "named culprit by the verdict")
     if absent is not None:
@@ -228,7 +229,9 @@ def suspects(
             )
             for r in ranksets.ranks_of(c.bits):
                 add(r, VIEW_WEIGHT[v.view] * c.score, reason)
-    ordered = sorted(found.items(), key=lambda kv: (kv[1][0], kv[0]))
+    named = set(culprits)
+    # the verdict's culprits first among equals: the journals named them
+    ordered = sorted(found.items(), key=lambda kv: (kv[1][0], kv[0] not in named, kv[0]))
     return tuple(
         Suspect(rank=r, score=round(1 - doubt, 6), reasons=tuple(rs)) for r, (doubt, rs) in ordered
     )

@@ -70,7 +70,7 @@ def persist_slot(
             )
         meta = slot.meta()
         target = save_dir or Path(meta.save_dir)
-        if storage.marker_path(target, meta.step, meta.rank).exists():
+        if storage.has_part(target, meta.step, meta.rank, meta.run):
             committed = _commit(target, meta.step, meta.world_size, keep)
             return PersistResult(
                 meta.job, meta.rank, meta.step, str(target), True,
@@ -95,6 +95,7 @@ def persist_slot(
                     "world_size": meta.world_size,
                     "node": meta.node,
                     "agent_host": socket.gethostname(),
+                    "run": meta.run,
                     "files": written,
                     "bytes": nbytes,
                     "written_at": time.time(),
