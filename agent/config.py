@@ -375,7 +375,7 @@ def _drain_settings(values: dict[str, Any]) -> DrainSettings:
         return DrainSettings(
             grace=values["termination_grace"],
             margin=values["drain_margin"],
-            stop_grace=min(values["stop_grace"], 2.0),
+            stop_grace=min(values["stop_grace"], 0.5),
         )
     except ValueError as e:
         raise UsageError(f"{e}: set --termination-grace and --drain-margin") from e

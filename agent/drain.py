@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 DEFAULT_GRACE_S = 30.0  # Kubernetes' default terminationGracePeriodSeconds
 DEFAULT_MARGIN_S = 3.0  # kept for the agent's own exit (and the kubelet's clock skew)
-MIN_PERSIST_BUDGET_S = 4.0  # also covers stopping the ranks and the launcher's exit
+MIN_PERSIST_BUDGET_S = 5.0  # also covers stopping the ranks and the launcher's exit after
 DEFAULT_PERSIST_RATE = 100e6  # bytes/s assumed for storage before a persist was measured
 PERSIST_BUDGET_SAFETY = 1.5
 
@@ -37,7 +37,9 @@ PERSIST_BUDGET_SAFETY = 1.5
 class DrainSettings:
     grace: float = DEFAULT_GRACE_S  # seconds between SIGTERM and SIGKILL
     margin: float = DEFAULT_MARGIN_S
-    stop_grace: float = 2.0  # SIGTERM to SIGKILL when stopping ranks that did not leave
+    # SIGTERM to SIGKILL when stopping ranks that reached no boundary: they had EXIT (and in a
+    # pod deletion the launcher's SIGTERM) already, and their launcher needs time to exit too.
+    stop_grace: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.grace > 0:

@@ -31,6 +31,7 @@ CONDITION_TYPE = "DiagUnhealthy"
 RECORD_ANNOTATION = f"{DOMAIN}/taint-record"
 NO_SCHEDULE = "NoSchedule"
 NO_EXECUTE = "NoExecute"
+MAX_EVIDENCE = 20  # lines of evidence a record keeps
 
 # XIDs raised by the application's own faults (illegal access, page faults, channel resets,
 # preemption cleanup, video decoder): a bug in the job, not in the node.
@@ -344,26 +345,32 @@ def plan_taint(
             return TaintPlan(
                 node.name, Action.NONE, f"already tainted ({main.reason.value})", node.taints
             )
-        added = tuple(Taint(TAINT_KEY, e, main.reason.value) for e in new_effects)
-        since = record.since if record is not None else now
+        # The record keeps what it held (another agent's evidence among it), new lines first,
+        # and the weightier reason of the two.
+        reason = main.reason
+        if record is not None and list(Reason).index(record.reason) < list(Reason).index(reason):
+            reason = record.reason
+        lines = tuple(dict.fromkeys([*(f.line for f in faults), *known]))[:MAX_EVIDENCE]
+        message = "; ".join(lines)
+        added = tuple(Taint(TAINT_KEY, e, reason.value) for e in new_effects)
         rec = TaintRecord(
-            reason=main.reason,
+            reason=reason,
             message=message,
-            since=since,
+            since=record.since if record is not None else now,
             until=until,
-            job=policy.job,
+            job=record.job if record is not None and record.job else policy.job,
             incident_id=incident_id,
             incident_path=incident_path,
             effects=tuple(sorted(have | set(effects))),
-            evidence=tuple(f.line for f in faults),
+            evidence=lines,
         )
         return TaintPlan(
             node.name,
             Action.UPDATE,
-            f"new evidence on a tainted node: {message}",
+            f"new evidence on a tainted node: {'; '.join(new_lines) or 'NoExecute due'}",
             taints=node.taints + added,
             added=added,
-            condition=_condition(node, "True", main.reason.value, message, now),
+            condition=_condition(node, "True", reason.value, message, now),
             record=rec,
             event=NodeEvent(
                 "Warning", EVENT_UPDATED, _event_text(message, rec), incident_id, incident_path

@@ -328,7 +328,7 @@ FAULT_KINDS = (
     FaultKind("hang", "a rank stops in Python (sleeps) before its next collective", "hang", "behind"),
     FaultKind("gil", "a rank spins in C holding the GIL (a catastrophic regex)", "hang", "behind"),
     FaultKind("exit", "a rank is SIGKILLed (dead rank, like the OOM killer)", "rank_exited", "died"),
-    FaultKind("straggler", "a rank sleeps 0.3-0.9 s more per step: slow, progressing", None, None),
+    FaultKind("straggler", "a rank sleeps 0.2-0.9 s more per step: slow, progressing", None, None),
     FaultKind("groups", "deadlock across two process groups (one rank takes the other group)",
               "hang", "deadlock"),
     FaultKind("p2p", "p2p cycle: both partners receive first", "hang", "deadlock"),
@@ -385,7 +385,8 @@ def _watch(root: Path, job_cmd: list[str], agent_extra: tuple[str, ...], timeout
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     agent.wait(timeout=30)
         finally:
-            for proc in (job, agent):
+            # The agent first: a job stopped under its eyes would be an incident of its own.
+            for proc in (agent, job):
                 if proc.poll() is None:
                     stop_tree(proc.pid, grace=5)
                 proc.wait(timeout=20)

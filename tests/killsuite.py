@@ -243,7 +243,7 @@ class KillSuite:
         self._release_agent()
         self._release_ranks()
         self.watch.start()
-        self._steady(0, warm_steps, timeout=300)
+        self._steady(0, warm_steps, timeout=900)
 
     def _steady(self, since: int, steps: int, timeout: float) -> None:
         """Waits until the running generation trained `steps` steps past `since` and storage
@@ -313,12 +313,12 @@ class KillSuite:
         plan = Plan(self.plan_id, phase, tuple(pids), mode, fraction)
         write_json_atomic(self.ctl / PLAN_FILE, plan.to_json())
         fired_path = self.ctl / f"fired-{plan.id}.json"
-        if not wait_for(fired_path.exists, 20):
+        if not wait_for(fired_path.exists, 8):
             # A phase shorter than the timers' reach: kill at its sub-operations instead.
             plan = Plan(plan.id, phase, plan.pids, "tick", fraction)
             write_json_atomic(self.ctl / PLAN_FILE, plan.to_json())
             if not wait_for(fired_path.exists, 60):
-                raise RuntimeError(f"no {phase} phase in 80 s\n{self.tail()}")
+                raise RuntimeError(f"no {phase} phase in 68 s\n{self.tail()}")
         fired = Fired.load(fired_path)
         killed_ranks = target in ("trainer", "both")
         killed_agent = target in ("agent", "both")
@@ -352,7 +352,7 @@ class KillSuite:
                 pass
             self._release_ranks()
             start = self.ctl / f"start-{self.gen - 1}.json"
-            if not wait_for(start.exists, 180, every=0.05):
+            if not wait_for(start.exists, 600, every=0.05):
                 raise RuntimeError(f"generation {self.gen - 1} never loaded\n{self.tail()}")
             doc = json.loads(start.read_text())
             result.restored, result.source = doc["step"], doc["from"]
@@ -362,17 +362,17 @@ class KillSuite:
                     f"restored step {result.restored} ({result.source}) is older than step "
                     f"{bound} (memory {result.memory_at_kill}, latest {result.latest_at_kill})"
                 )
-            self._steady(result.restored or 0, 2, timeout=180)
+            self._steady(result.restored or 0, 2, timeout=600)
         else:
             # The trainer kept running: the new agent must commit something newer than memory
             # held at the kill (the trainer's pending persists reach it on reconnect).
             want = max(result.memory_at_kill or 0, result.latest_at_kill or 0)
-            if not wait_for(lambda: (read_latest_step(self.save_dir) or 0) > want, 120, 0.05):
+            if not wait_for(lambda: (read_latest_step(self.save_dir) or 0) > want, 300, 0.05):
                 result.problems.append(
-                    f"the restarted agent committed nothing newer than step {want} in 120 s"
+                    f"the restarted agent committed nothing newer than step {want} in 300 s"
                 )
             result.committed_after = read_latest_step(self.save_dir)
-            self._steady(result.trained_at_kill, 1, timeout=120)
+            self._steady(result.trained_at_kill, 1, timeout=300)
         self.watch.check()
         result.problems += self.watch.problems + self.problems
         self.watch.problems.clear()

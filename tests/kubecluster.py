@@ -51,8 +51,13 @@ class Cluster:
         return self.api.read_node(name)
 
     def events_for(self, node: str, namespace: str = "default") -> list[Any]:
+        """diag's Events about `node` (a real cluster's controllers post their own too)."""
         items = self.api.list_namespaced_event(namespace).items
-        return [e for e in items if e.involved_object and e.involved_object.name == node]
+        return [
+            e
+            for e in items
+            if e.involved_object and e.involved_object.name == node and e.reason.startswith("Diag")
+        ]
 
     def cleanup(self) -> None:
         from kubernetes.client.exceptions import ApiException

@@ -141,6 +141,20 @@ def test_parts_of_one_step_from_two_launches_never_commit(run_dir: Path, tmp_pat
         slot.close()
 
 
+def test_commit_removes_what_a_killed_committer_left(run_dir: Path, tmp_path: Path) -> None:
+    slot = new_slot(run_dir, "j", 0, 0, 1)
+    files = captured({"global_step3/zero_pp_rank_0_optim.pt": model_states(3)})
+    write_snapshot(slot, 3, files, job="j", rank=0, world=1, save_dir=tmp_path)
+    tmp_path.mkdir(exist_ok=True)
+    left = [tmp_path / ".latest.tmp-123-456-abcd", tmp_path / ".dlrover_latest.txt.tmp-1-2-ef"]
+    for p in left:
+        p.write_text("global_step2")
+    assert persist_slot(slot.path, step=3).committed
+    assert not any(p.exists() for p in left)
+    assert read_latest_step(tmp_path) == 3
+    slot.close()
+
+
 @pytest.mark.parametrize(
     ("step", "world", "done", "latest", "expected"),
     [

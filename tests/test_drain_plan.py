@@ -34,21 +34,21 @@ def kinds(decision) -> list[tuple[ActionKind, str, tuple[int, ...]]]:  # type: i
 def test_deadlines_from_grace_margin_and_persist_budget() -> None:
     st = start("SIGTERM", 100.0, S, persist_bytes=0)
     assert st.deadline == 127.0
-    assert st.rank_deadline == 123.0  # the 4 s minimum persist budget
+    assert st.rank_deadline == 122.0  # the 5 s minimum persist budget
     # 1 GB at a measured 200 MB/s: 7.5 s kept for the persist (1.5x safety).
     st = start("SIGTERM", 100.0, S, persist_bytes=10**9, persist_rate=200e6)
     assert st.rank_deadline == pytest.approx(127.0 - 7.5)
     # An early notice's reclaim time overrides the grace period.
     st = start("notice", 100.0, S, deadline=220.0)
-    assert (st.deadline, st.rank_deadline) == (220.0, 216.0)
+    assert (st.deadline, st.rank_deadline) == (220.0, 215.0)
 
 
 @pytest.mark.parametrize(
     ("nbytes", "rate", "window", "budget"),
     [
-        (0, None, 27.0, 4.0),
+        (0, None, 27.0, 5.0),
         (10**9, None, 27.0, 13.5),  # assumed 100 MB/s -> 15 s, capped at half the window
-        (10**9, 1e9, 27.0, 4.0),
+        (10**9, 1e9, 27.0, 5.0),
         (4 * 10**8, 1e8, 27.0, 6.0),
         (0, None, 1.0, 0.5),
     ],
@@ -130,22 +130,22 @@ def test_no_job_at_all_is_done_at_once() -> None:
 
 
 def test_long_step_persist_newest_then_stop() -> None:
-    st = start("SIGTERM", 0.0, S)  # rank deadline 23, deadline 27
+    st = start("SIGTERM", 0.0, S)  # rank deadline 22, deadline 27
     job = JobView("j", (running(0), running(1)), newest_unpersisted=19, committed=10)
     d = decide(st, (job,), 0.0)
     # EXIT, and the step every rank completed (19, in memory) to storage while they finish.
     assert kinds(d) == [(ActionKind.SEND_EXIT, "j", (0, 1)), (ActionKind.PERSIST, "j", ())]
     job = JobView("j", (running(0), running(1)), committed=19)
-    d = decide(d.state, (job,), 22.9)
+    d = decide(d.state, (job,), 21.9)
     assert kinds(d) == [] and d.state.phase == Phase.WAITING
-    d = decide(d.state, (job,), 23.0)
+    d = decide(d.state, (job,), 22.0)
     assert kinds(d) == [(ActionKind.STOP_RANKS, "j", (0, 1))]
     assert any("reached no step boundary" in e.message for e in d.events)
     # Persisted; waiting for the stopped ranks to be gone.
     job = JobView("j", (running(0), gone(1)), committed=19)
-    d = decide(d.state, (job,), 23.5)
+    d = decide(d.state, (job,), 22.5)
     assert kinds(d) == [] and d.state.phase == Phase.FINISHING
-    d = decide(d.state, (JobView("j", (gone(0), gone(1)), committed=19),), 24.0)
+    d = decide(d.state, (JobView("j", (gone(0), gone(1)), committed=19),), 23.0)
     assert d.state.phase == Phase.DONE
 
 
@@ -191,7 +191,7 @@ def test_ranks_stuck_with_nothing_persisted_yet_get_it_persisted_at_the_rank_dea
     job = JobView("j", (running(0),), newest_unpersisted=3)
     d = decide(d.state, (job,), 1.0)
     assert kinds(d) == [(ActionKind.PERSIST, "j", ())]
-    d = decide(d.state, (JobView("j", (running(0),), newest_unpersisted=4),), 23.0)
+    d = decide(d.state, (JobView("j", (running(0),), newest_unpersisted=4),), 22.0)
     assert kinds(d) == [(ActionKind.PERSIST, "j", ()), (ActionKind.STOP_RANKS, "j", (0,))]
 
 

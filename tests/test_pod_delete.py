@@ -266,6 +266,11 @@ def _delete_pod(
     metadata: GceMetadata | None,
 ) -> int:
     agent_args = []
+    if extra == "long":
+        # The ranks are stopped at the rank deadline and their launcher must still exit within
+        # the grace: on this shared 2-core machine at load 30+ torchrun took over 5 s to exit
+        # after its workers were killed, so this pod keeps more of the grace for that.
+        agent_args = ["--drain-margin", "8"]
     if metadata is not None:
         agent_args = ["--preemption-notice", "gce", "--notice-url", metadata.url,
                       "--notice-interval", "0.5"]  # fmt: skip

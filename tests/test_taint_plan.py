@@ -172,6 +172,16 @@ def test_already_tainted_new_evidence_updates_and_keeps_since():
     assert plan.record.reason == Reason.GPU_ECC and plan.record.until == NOW + 7200
     assert plan.condition is not None and plan.condition.last_transition == NOW - 100
     assert not plan.claims_budget  # a tainted node does not take another slot
+    # what the record held stays in it, the new line first
+    assert plan.record.evidence == ("GPU 2: 4 uncorrected ECC errors", "XID 79 on GPU 0")
+
+
+def test_update_keeps_the_weightier_reason_and_the_job():
+    node = tainted(Reason.GPU_XID)
+    plan = plan_taint(node, culprit(3), TaintPolicy(job="other"), JobBudget(), NOW)
+    assert plan.action == Action.UPDATE
+    assert plan.record.reason == Reason.GPU_XID and plan.record.job == "llm"
+    assert plan.record.evidence[-1] == "XID 79 on GPU 0"
 
 
 def test_update_adds_no_execute_when_hardware_evidence_arrives():

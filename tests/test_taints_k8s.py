@@ -65,6 +65,12 @@ def diag(kube, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+def keys(node) -> list[str]:
+    """Taint keys, without those a real cluster's node controller puts on node objects that
+    have no kubelet (node.kubernetes.io/not-ready, unreachable)."""
+    return [t.key for t in node.spec.taints or [] if not t.key.startswith("node.kubernetes.io/")]
+
+
 def ours(node) -> list:
     return [t for t in node.spec.taints or [] if t.key == TAINT_KEY]
 
@@ -158,7 +164,9 @@ def test_concurrent_patch_is_retried(kube, tmp_path):
     seen = []
 
     def decide(view):
-        seen.append(tuple(t.key for t in view.taints))
+        seen.append(
+            tuple(t.key for t in view.taints if not t.key.startswith("node.kubernetes.io/"))
+        )
         if len(seen) == 1:
             node = second_agent.read_node(name)
             second_agent.patch_node(
@@ -176,8 +184,7 @@ def test_concurrent_patch_is_retried(kube, tmp_path):
     result = apply_plan(connect(kube.kubeconfig), name, decide, retries=3)
     assert result.applied and result.attempts == 2
     assert seen == [(), ("example.com/maintenance",)]  # planned again from the new state
-    keys = sorted(t.key for t in kube.node(name).spec.taints)
-    assert keys == sorted(["example.com/maintenance", TAINT_KEY])
+    assert sorted(keys(kube.node(name))) == sorted(["example.com/maintenance", TAINT_KEY])
     assert len(kube.events_for(name)) == 1
 
 
@@ -196,14 +203,15 @@ def test_two_agents_racing_on_one_node(kube, tmp_path):
     node = kube.node(name)
     assert len(ours(node)) == 1
     record = json.loads(node.metadata.annotations[RECORD_ANNOTATION])
-    assert (
-        sorted(record["evidence"])
-        == sorted(["GPU 0: 3 uncorrected ECC errors (reported)", "XID 79 on GPU 1 (reported)"])
-        or len(record["evidence"]) == 1
-    )  # the second may have found the node tainted already
-    assert {e.reason for e in kube.events_for(name)} <= {"DiagTainted", "DiagTaintUpdated"}
+    # The second planned from the first's record: both pieces of evidence are in it.
+    assert sorted(record["evidence"]) == sorted(
+        ["GPU 0: 3 uncorrected ECC errors (reported)", "XID 79 on GPU 1 (reported)"]
+    )
+    assert record["reason"] == "GpuEccUncorrected"  # the weightier of the two
+    assert sorted(e.reason for e in kube.events_for(name)) == ["DiagTaintUpdated", "DiagTainted"]
 
 
+@pytest.mark.slow
 def test_job_cap_holds_across_concurrent_agents(kube, tmp_path):
     names = [kube.create_node(f"cap{i}", conditions=[READY]) for i in range(3)]
     timeline = tmp_path / "timeline"
@@ -265,7 +273,7 @@ def test_untaint_keeps_other_taints_and_posts_event(kube, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     node = kube.node(name)
-    assert not ours(node) and [t.key for t in node.spec.taints] == ["nvidia.com/gpu"]
+    assert not ours(node) and keys(node) == ["nvidia.com/gpu"]
     assert RECORD_ANNOTATION not in (node.metadata.annotations or {})
     cond = condition(node)
     assert cond.status == "False" and cond.reason == "ManualUntaint"
@@ -340,9 +348,9 @@ def test_expired_sweep(kube, tmp_path):
     for r in runs:
         assert r.returncode == 0, r.stderr
     assert not ours(kube.node(old)) and condition(kube.node(old)).reason == "Expired"
-    assert [t.key for t in kube.node(old).spec.taints] == ["nvidia.com/gpu"]
+    assert keys(kube.node(old)) == ["nvidia.com/gpu"]
     assert ours(kube.node(live))
-    assert [t.key for t in kube.node(bystander).spec.taints] == ["nvidia.com/gpu"]
+    assert keys(kube.node(bystander)) == ["nvidia.com/gpu"]
     assert not kube.events_for(bystander)
 
 

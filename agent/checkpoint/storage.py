@@ -214,7 +214,9 @@ def try_commit(save_dir: Path, step: int, world_size: int, keep: int) -> bool:
     `latest` names an older step, then prunes old steps. The check and the writes happen under
     the commit lock, so concurrent commits (threads, other nodes' agents) apply in step order:
     `latest` only ever moves forward."""
-    with commit_lock(save_dir):
+    with commit_lock(save_dir) as locked:
+        if locked:
+            _remove_dead_commit_files(save_dir)
         latest = read_latest_step(save_dir)
         runs = marker_runs(save_dir, step)
         if not should_commit(step, world_size, set(runs), latest, len(set(runs.values()))):
@@ -229,6 +231,15 @@ def try_commit(save_dir: Path, step: int, world_size: int, keep: int) -> bool:
         shutil.rmtree(save_dir / step_tag(old), ignore_errors=True)
         shutil.rmtree(save_dir / MARKER_DIR / step_tag(old), ignore_errors=True)
     return True
+
+
+def _remove_dead_commit_files(save_dir: Path) -> None:
+    """Temporary files of `latest` and the tracker are written only under the commit lock: the
+    ones found while holding it belong to a committer killed in the middle (they would pile up)."""
+    for name in (LATEST_FILE, TRACKER_FILE):
+        for p in save_dir.glob(f".{name}.tmp-*"):
+            with contextlib.suppress(OSError):
+                p.unlink()
 
 
 def committed_step(save_dir: Path) -> int | None:
