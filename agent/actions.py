@@ -124,7 +124,12 @@ class Executor:
                 result.total_seconds,
             )
         except OSError as e:
-            log.error("could not write the incident under %s: %s", self.timeline, e)
+            log.error(
+                "could not write the incident under %s: %s. Its evidence (stacks, journals) is "
+                "lost, the verdict is only in this log; checkpoints are persisted regardless. "
+                "Make the timeline writable and give it room (--timeline or DIAG_TIMELINE)",
+                self.timeline, e.strerror or e,
+            )  # fmt: skip
         report = IncidentReport(verdict, result, job, self.node)
         self.reports.append(report)
         for listener in self.listeners:

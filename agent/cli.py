@@ -26,6 +26,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "diag.agent.precheck.cli",
         "check devices and network before training; name bad nodes",
     ),
+    "taint": (
+        "diag.agent.taintcmd",
+        "taint this node with its evidence (plan, then apply; --dry-run prints the plan)",
+    ),
+    "untaint": ("diag.agent.untaintcmd", "remove diag's taint and condition from a node"),
     "demo": (
         "diag.agent.demo",
         "run a local CPU DeepSpeed job with an injected fault under a real agent",

@@ -15,12 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diag.agent import taintconfig
 from diag.agent.checkpoint.manager import CheckpointOptions
+from diag.agent.drain import DEFAULT_GRACE_S, DEFAULT_MARGIN_S, DrainSettings
 from diag.agent.exitcodes import UsageError
 from diag.agent.hang import OnHang, Policy
 from diag.agent.metrics.precheck import DEFAULT_NAME as PRECHECK_FILE
 from diag.agent.metrics.xputimer import PORT_ENV as XPU_TIMER_PORT_ENV
 from diag.agent.metrics.xputimer import XpuTimerIdentity
+from diag.agent.notice import NoticeSettings, Provider
+from diag.agent.taintconfig import TaintSettings
 from diag.agent.timeouts import TimeoutPolicy
 from diag.collector.rundir import default_run_dir, node_name
 
@@ -55,6 +59,9 @@ class AgentConfig:
     control: bool = True
     control_socket: Path | None = None  # None: derived from the run dir and job
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    taint: TaintSettings = field(default_factory=TaintSettings)
+    drain: DrainSettings | None = field(default_factory=DrainSettings)  # None: stop on SIGTERM
+    notice: NoticeSettings | None = None  # the early preemption notice watcher; None: off
 
 
 @dataclass(frozen=True)
@@ -225,11 +232,47 @@ OPTIONS = (
         "seconds to keep the in-memory checkpoints of a job whose ranks died (for a restart)",
     ),
     _Opt("persist_workers", _count, 2, "threads writing checkpoints to storage"),
+    _Opt(
+        "drain",
+        _bool,
+        True,
+        "on SIGTERM, drain: EXIT to the ranks, persist their newest checkpoint, then exit "
+        "(false: stop at once)",
+    ),
+    _Opt(
+        "termination_grace",
+        _positive,
+        DEFAULT_GRACE_S,
+        "seconds between SIGTERM and SIGKILL (the pod's terminationGracePeriodSeconds)",
+    ),
+    _Opt(
+        "drain_margin",
+        _non_negative,
+        DEFAULT_MARGIN_S,
+        "seconds of the grace period the drain leaves unused, for the agent's own exit",
+    ),
+    _Opt(
+        "preemption_notice",
+        str,
+        "none",
+        "poll the cloud's metadata server for a reclaim notice and drain early",
+        choices=tuple(m.value for m in Provider),
+    ),
+    _Opt(
+        "notice_url",
+        str,
+        None,
+        "the metadata URL polled (default: the provider's: AWS spot instance-action, GCE "
+        "preempted)",
+    ),
+    _Opt("notice_interval", _positive, 5.0, "seconds between polls of the metadata URL"),
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, help="TOML file with an [agent] table")
+    parser.add_argument(
+        "--config", type=Path, help="TOML file with an [agent] table (and a [taint] table)"
+    )
     for opt in OPTIONS:
         default = opt.default if not isinstance(opt.default, dict) else ""
         parser.add_argument(
@@ -239,6 +282,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             choices=opt.choices,
             help=f"{opt.help} [env {opt.env}; default {default}]",
         )
+    taintconfig.add_arguments(parser)
 
 
 def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> AgentConfig:
@@ -318,7 +362,38 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
             workers=max(1, values["persist_workers"]),
             persist_on_death=values["persist_on_incident"],
         ),
+        drain=_drain_settings(values) if values["drain"] else None,
+        notice=_notice_settings(values),
+        taint=taintconfig.load(
+            args, job=values["job"], env=env, config=getattr(args, "config", None)
+        ),
     )
+
+
+def _drain_settings(values: dict[str, Any]) -> DrainSettings:
+    try:
+        return DrainSettings(
+            grace=values["termination_grace"],
+            margin=values["drain_margin"],
+            stop_grace=min(values["stop_grace"], 0.5),
+        )
+    except ValueError as e:
+        raise UsageError(f"{e}: set --termination-grace and --drain-margin") from e
+
+
+def _notice_settings(values: dict[str, Any]) -> NoticeSettings | None:
+    provider = Provider(values["preemption_notice"])
+    if provider == Provider.NONE:
+        if values["notice_url"]:
+            raise UsageError(
+                "--notice-url is set but --preemption-notice is none: name the provider "
+                "(aws or gce), whose responses the URL gives"
+            )
+        return None
+    try:
+        return NoticeSettings.of(provider, values["notice_url"], values["notice_interval"])
+    except ValueError as e:
+        raise UsageError(f"--notice-url: {e}") from e
 
 
 def _xpu_timer_port(env: Mapping[str, str]) -> int:
@@ -341,7 +416,7 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise UsageError(f"--config {path}: no such file") from e
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"--config {path}: not valid TOML: {e}") from e
-    table = raw.get("agent", raw)
+    table = raw.get("agent", {k: v for k, v in raw.items() if k != "taint"})
     known = {o.name for o in OPTIONS}
     out = {}
     for key, value in table.items():

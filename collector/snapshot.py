@@ -215,6 +215,7 @@ class SnapshotMeta:
     files: tuple[FileEntry, ...]
     device: str = "cpu"
     format: str = META_FORMAT
+    run: str = ""  # the trainer launch that took it, the same on every rank of that launch
 
     @property
     def nbytes(self) -> int:

@@ -1,4 +1,4 @@
-"""Generates the Python stubs of the `.proto` files in this folder (grpcio-tools, a dev extra).
+"""Generates the Python modules of the `.proto` files in this folder (grpcio-tools, a dev extra).
 
     python -m diag.proto.generate            # rewrite the committed stubs
     python -m diag.proto.generate --out DIR  # write them elsewhere (the staleness test does)
@@ -11,6 +11,7 @@ registered under a name no other package uses.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 import tempfile
@@ -24,9 +25,19 @@ def proto_files(src: Path = HERE) -> list[Path]:
     return sorted(src.glob("*.proto"))
 
 
+_SERVICE = re.compile(r"^\s*service\s+\w+", re.MULTILINE)
+
+
+def has_service(proto: Path) -> bool:
+    return _SERVICE.search(proto.read_text()) is not None
+
+
 def generated_names(proto: Path) -> list[str]:
+    """The messages module and its type stubs; the gRPC module only for a file that declares a
+    service (a messages-only file, such as xpu_timer's stack traces, needs none)."""
     stem = proto.stem
-    return [f"{stem}_pb2.py", f"{stem}_pb2.pyi", f"{stem}_pb2_grpc.py"]
+    names = [f"{stem}_pb2.py", f"{stem}_pb2.pyi"]
+    return [*names, f"{stem}_pb2_grpc.py"] if has_service(proto) else names
 
 
 def generate(out: Path, src: Path = HERE) -> list[Path]:

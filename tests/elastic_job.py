@@ -12,6 +12,10 @@ output directory O/z<stage>. With the flash checkpointer (the default) it resume
 `FlashCheckpointer.load()` and asks the agent to persist the last step. Rank 0 writes the plan
 (plan.json), where it started (start.json) and each step's loss, averaged over the global batch
 (loss.jsonl).
+
+With --drain (one stage) it runs without a checkpointer or an agent: `graceful_exit` saves to
+storage with `engine.save_checkpoint` when told to go (signals, --stop-file) and leaves, and a
+relaunch resumes from storage through `diag.trainer.reshard.load` at whatever size it has.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 ELASTIC = {
@@ -42,6 +47,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--no-flash", action="store_true", help="train without a checkpointer")
+    p.add_argument("--drain", action="store_true", help="no checkpointer: drain to storage")
+    p.add_argument("--stop-file", default=None)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to idle per step")
     return p.parse_args(argv)
 
 
@@ -87,8 +95,21 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
     )
-    ckpt = None if args.no_flash else diag.trainer.FlashCheckpointer(engine, save_dir, job=job)
+    no_flash = args.no_flash or args.drain
+    ckpt = None if no_flash else diag.trainer.FlashCheckpointer(engine, save_dir, job=job)
     start = (ckpt.load() or 0) if ckpt is not None else 0
+    resharded_from = None
+    if args.drain:
+        from diag.collector.snapshot import read_latest_step, step_tag
+        from diag.trainer import reshard
+
+        diag.trainer.graceful_exit(engine, save_dir, stop_file=args.stop_file)
+        latest = read_latest_step(save_dir)
+        if latest is not None:
+            result = reshard.load(engine, save_dir, step_tag(latest))
+            start = latest
+            if result.verdict.resharded:
+                resharded_from = result.verdict.saved_dp
     if rank == 0:
         (out / "plan.json").write_text(
             json.dumps(
@@ -107,8 +128,8 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
                 {
                     "step": start,
                     "global_steps": engine.global_steps,
-                    "from": stats.loaded_from if stats else "",
-                    "resharded_from": stats.resharded_from if stats else None,
+                    "from": stats.loaded_from if stats else "storage" if start else "",
+                    "resharded_from": stats.resharded_from if stats else resharded_from,
                 }
             )
         )
@@ -133,6 +154,8 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
                 f.write("\n")
         if ckpt is not None:
             ckpt.save(step, {"data_step": step}, persist=step == args.steps)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
     if ckpt is not None:
         ckpt.close()
 

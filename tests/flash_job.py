@@ -15,6 +15,7 @@ the final parameters to O/z<stage>/params.pt.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -44,6 +45,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wait-commands", type=float, default=0.0, help="seconds per step to idle")
     p.add_argument("--attach", action="store_true", help="also attach the op journal")
     p.add_argument("--no-control", action="store_true", help="no control channel")
+    p.add_argument("--stats", action="store_true", help="write each rank's FlashStats at the end")
     return p.parse_args(argv)
 
 
@@ -153,6 +155,8 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
     params = _gathered_params(engine, zero)
     if rank == 0:
         torch.save({k: v.cpu() for k, v in params.items()}, out / "params.pt")
+    if ckpt is not None and args.stats:
+        (out / f"stats-{rank}.json").write_text(json.dumps(dataclasses.asdict(ckpt.stats)))
     if ckpt is not None:
         ckpt.close()
 

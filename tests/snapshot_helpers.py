@@ -46,13 +46,14 @@ def write_snapshot(
     world: int,
     save_dir: Path,
     node: str = "node-a",
+    run: str = "",
 ) -> SnapshotMeta:
     import torch
 
     entries, data_end = plan_layout(files)
     meta = SnapshotMeta(
         job=job, rank=rank, world_size=world, local_rank=rank, node=node, step=step,
-        tag=step_tag(step), save_dir=str(save_dir), files=tuple(entries),
+        tag=step_tag(step), save_dir=str(save_dir), files=tuple(entries), run=run,
     )  # fmt: skip
     blob = meta.to_json()
     if slot.capacity < data_end + len(blob):

@@ -112,6 +112,49 @@ def test_commit_waits_for_every_rank_and_keeps_last_n(run_dir: Path, tmp_path: P
         slot.close()
 
 
+def test_parts_of_one_step_from_two_launches_never_commit(run_dir: Path, tmp_path: Path) -> None:
+    """Launch A dies after rank 0's part of step 5 reached storage but before rank 1 finished
+    copying it; launch B resumes from step 4 and saves step 5 again. B's rank 1 part must not
+    complete A's step: B's rank 0 part replaces A's first."""
+    world = 2
+    slots = {r: new_slot(run_dir, "j", r, 0, world) for r in range(world)}
+
+    def save(rank: int, run: str, seed: int) -> None:
+        files = captured({f"global_step5/zero_pp_rank_{rank}_optim.pt": model_states(5, seed)})
+        write_snapshot(
+            slots[rank], 5, files, job="j", rank=rank, world=world, save_dir=tmp_path, run=run
+        )
+
+    save(0, "launch-a", seed=1)
+    assert persist_slot(slots[0].path, step=5).ok
+    save(1, "launch-b", seed=2)
+    second = persist_slot(slots[1].path, step=5)
+    assert second.ok and not second.committed
+    assert read_latest_step(tmp_path) is None, "a step mixed from two launches was committed"
+    save(0, "launch-b", seed=2)
+    third = persist_slot(slots[0].path, step=5)
+    assert third.ok and not third.skipped and third.committed
+    assert read_latest_step(tmp_path) == 5
+    part = torch.load(tmp_path / "global_step5/zero_pp_rank_0_optim.pt", weights_only=False)
+    assert torch.equal(part["module"]["w"], model_states(5, 2)["module"]["w"])
+    for slot in slots.values():
+        slot.close()
+
+
+def test_commit_removes_what_a_killed_committer_left(run_dir: Path, tmp_path: Path) -> None:
+    slot = new_slot(run_dir, "j", 0, 0, 1)
+    files = captured({"global_step3/zero_pp_rank_0_optim.pt": model_states(3)})
+    write_snapshot(slot, 3, files, job="j", rank=0, world=1, save_dir=tmp_path)
+    tmp_path.mkdir(exist_ok=True)
+    left = [tmp_path / ".latest.tmp-123-456-abcd", tmp_path / ".dlrover_latest.txt.tmp-1-2-ef"]
+    for p in left:
+        p.write_text("global_step2")
+    assert persist_slot(slot.path, step=3).committed
+    assert not any(p.exists() for p in left)
+    assert read_latest_step(tmp_path) == 3
+    slot.close()
+
+
 @pytest.mark.parametrize(
     ("step", "world", "done", "latest", "expected"),
     [

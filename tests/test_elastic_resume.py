@@ -170,3 +170,82 @@ def test_restarts_at_4_2_3_ranks_keep_the_batch_and_continue_the_loss(ws) -> Non
         except subprocess.TimeoutExpired:
             agent.kill()
             agent.wait(10)
+
+
+# -- the same through drains, without an agent ---------------------------------------------------
+
+DRAIN_LAST = 60
+
+
+def _start(root: Path, run_dir: Path, name: str, nproc: int, *args: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(_port()), "--max-restarts", "0",
+        str(JOB), "--save-dir", str(root / "ckpt"), "--out", str(root / name), *args,
+    ]  # fmt: skip
+    with open(root / f"{name}.log", "wb") as log:
+        return subprocess.Popen(
+            cmd, env=_env(run_dir), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_drained_at_4_then_2_then_resumed_at_3_ranks_keeps_the_batch(ws) -> None:  # type: ignore[no-untyped-def]
+    """No agent, no flash checkpointer: a ZeRO-2 job at 4 ranks is stopped by the stop file in
+    the middle of training and saves with `engine.save_checkpoint`; relaunched at 2 ranks it
+    resumes from that step (resharded), keeps the global batch, is stopped again; at 3 ranks it
+    resumes and finishes. Every logged loss continues the uninterrupted run's."""
+    root, run_dir = ws
+    assert _launch(root, run_dir, "base", 2, "--zero", "2", "--steps", str(DRAIN_LAST),
+                   "--no-flash") == 0, _log(root, "base")  # fmt: skip
+    base = _losses(root / "base" / "z2" / "loss.jsonl")
+    stop = root / "stop"
+    save = root / "ckpt" / "z2"
+    common = ("--zero", "2", "--drain", "--stop-file", str(stop), "--steps", str(DRAIN_LAST))
+    previous, sizes = 0, (4, 2, 3)
+    for i, nproc in enumerate(sizes):
+        name = f"d{nproc}"
+        stopping = i < len(sizes) - 1
+        proc = _start(
+            root, run_dir, name, nproc, *common, "--step-sleep", "0.1" if stopping else "0"
+        )
+        loss_file = root / name / "z2" / "loss.jsonl"
+        try:
+            if stopping:
+                # Stop it once it trained 3 steps of its own.
+                assert _wait(lambda f=loss_file: f.exists() and len(_losses(f)) >= 3, 240), _log(
+                    root, name
+                )
+                stop.touch()
+            rc = proc.wait(240)
+        finally:
+            if proc.poll() is None:
+                stop_tree(proc.pid, grace=5)
+                proc.wait(10)
+        out = root / name / "z2"
+        start = _json(out / "start.json")
+        assert start["step"] == previous and start["global_steps"] == previous, start
+        if previous:
+            assert start["resharded_from"] == sizes[i - 1], start
+        plan = _json(out / "plan.json")
+        assert plan["train_batch_size"] == 12, "the global batch is kept"
+        assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"]) == SPLITS[nproc]
+        got = _losses(loss_file)
+        if stopping:
+            assert rc != 0, "a drained job does not report success"
+            assert "exitcode  : 143" in _log(root, name), _log(root, name)
+            saved = read_latest_step(save)
+            assert saved is not None and saved > max(got) and saved < DRAIN_LAST, (saved, got)
+            assert not stop.exists()
+        else:
+            assert rc == 0, _log(root, name)
+            saved = DRAIN_LAST
+            assert max(got) == DRAIN_LAST
+        assert sorted(got) == list(range(previous + 1, max(got) + 1))
+        for step, (loss, world) in got.items():
+            assert world == nproc
+            assert math.isclose(loss, base[step][0], rel_tol=RTOL), (
+                f"{nproc} ranks, step {step}: loss {loss} vs {base[step][0]} uninterrupted"
+            )
+        previous = saved

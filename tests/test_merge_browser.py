@@ -172,9 +172,18 @@ def test_script_searches_by_rank_and_name_and_zooms(tmp_path: Path, merged):
     matched = [seg for seg in by_rank.split("<g ") if "match" in seg.split(">")[0]]
     names = sorted(seg.split("<title>")[1].split("@")[0] for seg in matched)
     assert names == sorted(
-        ["Thread", "&lt;module&gt;", "main", "train_step", "load_checkpoint", "read_shard", "State"]
+        [
+            "Role",
+            "Thread",
+            "&lt;module&gt;",
+            "main",
+            "train_step",
+            "load_checkpoint",
+            "read_shard",
+            "State",
+        ]
     )
-    assert f"rank {ODD}: 7 frames" in by_rank
+    assert f"rank {ODD}: 8 frames" in by_rank  # role, thread, 5 frames, state
 
     by_name = dom(tmp_path, f"{url}?s=barrier")
     matched = [seg for seg in by_name.split("<g ") if "match" in seg.split(">")[0]]

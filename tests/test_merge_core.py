@@ -48,13 +48,14 @@ def test_same_named_threads_count_as_stacks_of_one_rank():
         rank_dump(
             r,
             2,
-            thread([py("work", 1)], name="worker", tid=1),
-            thread([py("work", 1)], name="worker", tid=2),
+            # two helper threads of one kind: a data loader's queue feeders
+            thread([py("work", 1, "/usr/lib/python3.11/multiprocessing/queues.py")], "QF", 1),
+            thread([py("work", 1, "/usr/lib/python3.11/multiprocessing/queues.py")], "QF", 2),
         )
         for r in range(2)
     ]
     tree = build_tree(dumps, View.PY, 2)
-    (work,) = node_by_text(tree, f"work@{py('w').file}:1")
+    (work,) = node_by_text(tree, "work@/usr/lib/python3.11/multiprocessing/queues.py:1")
     assert tree.count[work] == 4
     assert tree.bits[work].bit_count() == 2
     assert equivalence_classes(tree).classes[0].size == 2
@@ -63,7 +64,13 @@ def test_same_named_threads_count_as_stacks_of_one_rank():
 def test_views_split_python_and_native_frames():
     d = rank_dump(0, 1, thread([py("main", 1), native("time_sleep"), native("clock_nanosleep")]))
     py_tree, cpp_tree = build_tree([d], View.PY, 1), build_tree([d], View.CPP, 1)
-    assert [i.text.split("@")[0] for i in py_tree.info] == ["all", "Thread", "main", "State"]
+    assert [i.text.split("@")[0] for i in py_tree.info] == [
+        "all",
+        "Role",
+        "Thread",
+        "main",
+        "State",
+    ]
     assert [i.text.split("@")[0] for i in cpp_tree.info][-4:] == [
         "main",
         "time_sleep",

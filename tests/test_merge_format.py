@@ -132,7 +132,7 @@ def test_folded_labels_follow_xpu_timer():
         leaf = py("odd", 7) if r == 6 else py("wait", 9)
         dumps.append(rank_dump(r, world, thread([py("main", 1), leaf])))
     lines = list(folded_lines(build_tree(dumps, View.PY, world)))
-    s = f"Thread@MainThread@0-11|;main@{APP}:1@0-11|;"
+    s = f"Role@training@0-11|;Thread@MainThread@0-11|;main@{APP}:1@0-11|;"
     assert sorted(lines) == sorted(
         [
             s + f"wait@{APP}:9@0-5/7-11|6;State@S (sleeping)@0-5/7-11|6 11\n",

@@ -12,7 +12,7 @@ from mergekit import APP, Stacktrace, common, native, py, rank_dump, thread, wri
 from diag.viewer.merge import merge_incident
 from diag.viewer.sources import DumpFormat, dump_files, load_dump, load_dumps
 from diag.viewer.stacks import FrameInterner
-from diag.viewer.xpu_stacktrace import WireError, parse_stacktrace
+from diag.viewer.xpu_stacktrace import StacktraceError, parse_stacktrace
 
 
 def xpu_bytes(rank: int, py_frames: list[tuple[str, str]], state: str = "S (sleeping)") -> bytes:
@@ -84,7 +84,7 @@ def test_stacktrace_negative_int32_and_d_state_and_raw_pyspy_fallback():
 
 @pytest.mark.parametrize("data", [b"\x0a\x05ab", b"\x08", b"\x0b\x00", b"\x00\x01"])
 def test_stacktrace_rejects_broken_bytes(data):
-    with pytest.raises(WireError):
+    with pytest.raises(StacktraceError):
         parse_stacktrace(data, 0, 1)
 
 
@@ -195,9 +195,10 @@ def test_unreadable_files_show_as_failed_ranks(tmp_path: Path):
     assert result.ranks == "0-3"
     summary = json.loads(result.summary_json.read_text())
     assert [e["rank"] for e in summary["errors"]] == [2, 3]
-    assert "      no stack: State@error: unreadable xpu_timer .stacktrace file" in (
-        result.summary_txt.read_text()
-    )
+    # they did not answer: no class of their own, suspects (the ranks that answered agree)
+    assert "did not answer: 2 ranks 2-3" in result.summary_txt.read_text()
+    assert [(s.rank, s.score) for s in result.suspects] == [(2, 1.0), (3, 1.0)]
+    assert "bad protobuf" in result.suspects[1].reasons[0]
     assert (
         "rank 2: no stack: unreadable diag.stack/1 file: bad JSON" in result.summary_txt.read_text()
     )

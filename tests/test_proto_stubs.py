@@ -25,3 +25,22 @@ def test_stubs_import_under_diag() -> None:
     msg = control_pb2.AgentMessage(command=control_pb2.Command(id="x", kind=2))
     again = control_pb2.AgentMessage.FromString(msg.SerializeToString())
     assert again.WhichOneof("body") == "command" and again.command.kind == 2
+
+
+def test_xpu_timer_stacktrace_module_reads_xpu_timer_bytes() -> None:
+    """The messages-only module of xpu_timer's stack traces has no gRPC stub, and reads bytes
+    written under xpu_timer's own package name (the wire format does not carry it)."""
+    from mergekit import Stacktrace as XpuTimerStacktrace
+
+    from diag.proto import hosting_service_pb2
+
+    assert not (generate.HERE / "hosting_service_pb2_grpc.py").exists()
+    src = XpuTimerStacktrace(pid=7, rank=3, process_state="S (sleeping)")
+    t = src.py_stacktrace.add(thread_name="MainThread", os_thread_id=7, thread_id=2**40)
+    t.frames.add(func_name="main", file_name="/srv/train.py:12", module="unknown")
+    g = src.stacktrace.add(pid=7, thread_name="python")
+    g.frames.add(func_name="??", file_name="??", origin="#0  0x0 in ?? ()")
+    st = hosting_service_pb2.Stacktrace.FromString(src.SerializeToString())
+    assert (st.pid, st.rank, st.process_state) == (7, 3, "S (sleeping)")
+    assert st.py_stacktrace[0].frames[0].file_name == "/srv/train.py:12"
+    assert st.stacktrace[0].frames[0].origin == "#0  0x0 in ?? ()"

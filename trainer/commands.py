@@ -1,9 +1,11 @@
 """Agent commands at step boundaries: every rank acts on the same step.
 
-The control thread drops FLUSH and EXIT commands into a mailbox; at each step boundary the ranks
-all-reduce (MAX) a three-byte flag vector (flush, exit, exit code) over a CPU (gloo) group, the
-way ms-swift's graceful exit does, so a command that reached one rank (or one node's agent) is
-honoured by all ranks at the same step. The cost is one tiny collective per boundary.
+The control thread drops FLUSH and EXIT commands into a mailbox; at step boundaries the ranks
+all-reduce (MAX) a five-number vector (flush, exit, exit code, no agent, minus the proposed period)
+over a CPU (gloo) group, the way ms-swift's graceful exit does with one byte, so a command or a
+stop request that reached one rank (or one node's agent) is honoured by all ranks at the same
+step. The same collective agrees on when to meet next (diag.trainer.period): one tiny collective
+every few steps, as often as a stop-latency bound in seconds and a cost budget allow.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ class Agreement:
     flush: bool
     exit: bool
     exit_code: int
+    # Agreed: steps until the ranks meet again (the smallest rank's proposal).
+    every: int = 1
+    # Agreed: some rank has no agent connected, so a save cannot go through flash memory alone.
+    no_agent: bool = False
 
 
 @dataclass
@@ -51,18 +57,25 @@ class CommandBox:
             )
 
 
+MAX_EVERY = 1 << 30
+
+
 def agree(local: Agreement, group: Any, world_size: int) -> Agreement:
-    """The MAX over all ranks of every rank's flags."""
+    """The MAX over all ranks of every rank's flags and the MIN of their proposed periods."""
     if world_size <= 1:
         return local
     import torch
     import torch.distributed as dist
 
+    every = max(1, min(local.every, MAX_EVERY))
     flags = torch.tensor(
-        [int(local.flush), int(local.exit), max(0, min(local.exit_code, 255))], dtype=torch.uint8
-    )
+        [int(local.flush), int(local.exit), max(0, min(local.exit_code, 255)),
+         int(local.no_agent), -every],
+        dtype=torch.int32,
+    )  # fmt: skip
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    return Agreement(bool(flags[0]), bool(flags[1]), int(flags[2]))
+    v = flags.tolist()
+    return Agreement(bool(v[0]), bool(v[1]), int(v[2]), every=-int(v[4]), no_agent=bool(v[3]))
 
 
 def command_group(dist: Any) -> Any:

@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +40,10 @@ from diag.collector.snapshot import (
 )
 from diag.trainer import layout, reshard
 from diag.trainer.capture import CapturedFile, capture_checkpoint
-from diag.trainer.commands import CommandBox, Pending, agree, command_group
+from diag.trainer.commands import Agreement, CommandBox, Pending, agree, command_group
 from diag.trainer.control import ClientIdentity, ControlClient, shared_client
 from diag.trainer.copier import Copier, Copy
+from diag.trainer.period import AgreementPeriod, PeriodPolicy
 from diag.trainer.restore import FileIndex, Place, load_from_memory, memory_index, needed_files
 from diag.trainer.resume import (
     RankFacts,
@@ -96,7 +97,8 @@ class FlashCheckpointer:
         async_copy: bool = True,
         control: bool = True,
         exit_on_command: bool = True,
-        command_every: int = 1,
+        command_every: int | None = None,
+        period: PeriodPolicy | None = None,
     ) -> None:
         import psutil
         import torch.distributed as dist
@@ -119,7 +121,12 @@ class FlashCheckpointer:
         self.exit_on_command = exit_on_command
         self.async_copy = async_copy
         self.exit_requested = False
-        self.command_every = max(1, command_every)
+        # How often the ranks meet for agent commands: every `command_every` steps, else as the
+        # step time and the stop-latency bound allow (diag.trainer.period).
+        if period is None:
+            period = PeriodPolicy(every=command_every) if command_every else PeriodPolicy()
+        self.period = AgreementPeriod(period)
+        self._owner: Any = None  # a GracefulExit that agrees for this engine instead
         self._closed = False
         self._scripts: dict[str, bytes] = {}
         self._copier = Copier(self._copied)
@@ -137,6 +144,7 @@ class FlashCheckpointer:
         )
         self._slots.on_unmap = self._copier.pinned.release
         self._group = command_group(dist)
+        self._run = self._launch_id(dist)
         self._replica = self.rank in self._plan_replicas(dist)
         self._box = CommandBox()
         self._client: ControlClient | None = None
@@ -183,12 +191,21 @@ class FlashCheckpointer:
                 job=self.job, rank=self.rank, world_size=self.world_size,
                 local_rank=self.local_rank, node=self.node, step=step, tag=step_tag(step),
                 save_dir=self.save_dir, files=tuple(entries), device=_device_of(files),
+                run=self._run,
             ).to_json()  # fmt: skip
             got = self._slots.acquire(data_end + len(meta))
-            if got is None:
+            # All ranks save a step or none does: a step one rank skipped alone could never be
+            # restored from memory, and it would push out the ranks' common older one.
+            if not self._everyone(got is not None):
+                if got is not None:
+                    got[1].unlock()
                 self.stats.skipped += 1
-                log.warning("diag: flash save of step %d skipped: persists still pending", step)
+                log.warning(
+                    "diag: flash save of step %d skipped: %s", step,
+                    "persists still pending" if got is None else "persists pending on another rank",
+                )  # fmt: skip
                 return False
+            assert got is not None
             index, slot = got
             # Odd generation from here on: a death before the copy completes leaves it torn.
             gen = slot.begin_write()
@@ -201,6 +218,26 @@ class FlashCheckpointer:
         s.last_save_seconds = time.perf_counter() - t0
         s.last_save_bytes = sum(f.nbytes for f in files)
         return True
+
+    def _launch_id(self, dist: Any) -> str:
+        """This launch of the job, the same on every rank: the agent commits a step only from
+        parts of one launch (collective)."""
+        owner = self._slots.owner
+        mine = [f"{self.node}:{owner.pid}:{owner.start_time:.3f}"]
+        if self.world_size > 1:
+            dist.broadcast_object_list(mine, src=0, group=self._group)
+        return str(mine[0])
+
+    def _everyone(self, ok: bool) -> bool:
+        """True when `ok` holds on every rank (collective)."""
+        if self.world_size <= 1:
+            return ok
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
 
     def wait(self) -> None:
         """Waits until the last save's copy into shared memory is complete."""
@@ -313,18 +350,41 @@ class FlashCheckpointer:
     def at_boundary(self) -> None:
         """Honours FLUSH and EXIT at a step boundary (called after every engine.step)."""
         gs = int(getattr(self.engine, "global_steps", 0))
-        if gs == self._boundary or self._client is None or self._closed:
+        if gs == self._boundary or self._client is None or self._closed or self._owner:
             return
         self._boundary = gs
-        if gs % self.command_every:
+        if not self.period.boundary(gs, time.monotonic()):
             return
-        agreed = agree(self._box.local_flags(), self._group, self.world_size)
+        t0 = time.perf_counter()
+        local = replace(self.vote(), every=self.period.proposal())
+        agreed = agree(local, self._group, self.world_size)
+        self.period.agreed(gs, agreed.every, time.perf_counter() - t0)
+        self.act(agreed, gs)
+
+    def delegate_boundary(self, owner: Any) -> None:
+        """`owner` (a GracefulExit on the same engine) holds the agreements from now on, with
+        this checkpointer's vote in them, so the ranks meet once per agreement, not twice."""
+        self._owner = owner
+
+    def vote(self) -> Agreement:
+        """This rank's part of an agreement: the agent's pending commands, and whether an agent
+        is there to persist a save to memory."""
+        flags = self._box.local_flags()
+        connected = self._client is not None and self._client.connected
+        return replace(flags, no_agent=not connected)
+
+    def report_pending(self, ok: bool, step: int, detail: str = "") -> None:
+        """Tells the agent how its pending commands went (they were carried out at `step`)."""
+        for p in self._box.take():
+            if self._client is not None:
+                self._client.report(p.command_id, ok, step=step, detail=detail)
+
+    def act(self, agreed: Agreement, gs: int) -> None:
+        """Carries out an agreement on FLUSH/EXIT at step `gs` (collective)."""
         if not (agreed.flush or agreed.exit):
             return
-        pending = self._box.take()
         ok = self.save(gs, persist=True)
-        for p in pending:
-            self._client.report(p.command_id, ok, step=gs, detail="" if ok else "save skipped")
+        self.report_pending(ok, gs, "" if ok else "save skipped")
         if agreed.exit:
             self.exit_requested = True
             if self.exit_on_command:

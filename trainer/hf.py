@@ -11,9 +11,10 @@
   size (diag.trainer.elastic) into the batch settings of the arguments and of the DeepSpeed
   config, before the Trainer reads them, and makes `resume_from_checkpoint` load a checkpoint saved
   at another data-parallel size through DeepSpeed's universal checkpoint (diag.trainer.reshard).
-- `graceful_exit()` turns SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 into a stop request
-  (diag.trainer.drain); at the end of each step the ranks agree on it (one three-byte all-reduce
-  over a CPU group), save a checkpoint at that same step, and stop training: `train()` returns.
+- `graceful_exit()` turns SIGTERM, SIGINT, SIGUSR1, SIGUSR2 and the stop file into a stop
+  request (diag.trainer.drain); at step ends the ranks agree on it (one small all-reduce over a
+  CPU group, as often as diag.trainer.period allows), save a checkpoint at that same step, and
+  stop training: `train()` returns.
 
 With ms-swift: `swift.plugin.callbacks_map.update(diag.trainer.hf.callbacks_map)`; it builds them
 as `Callback(args, trainer)`, which both accept.
@@ -23,14 +24,25 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 from transformers import TrainerCallback
 
+from diag.collector.rundir import default_run_dir
 from diag.trainer import reshard
 from diag.trainer.commands import Agreement, agree, command_group
-from diag.trainer.drain import DRAIN_SIGNALS, StopFlag, StopRequest, stop_flag
+from diag.trainer.drain import (
+    DRAIN_SIGNALS,
+    DrainConfig,
+    StopFlag,
+    StopRequest,
+    consume_stop_file,
+    stop_file_present,
+    stop_flag,
+)
 from diag.trainer.elastic import ElasticConfigError, ElasticPlan, apply_elastic
+from diag.trainer.period import AgreementPeriod
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +54,19 @@ class GracefulExitCallback(TrainerCallback):
         trainer: Any = None,
         *,
         signals: tuple[Any, ...] = DRAIN_SIGNALS,
-        every: int = 1,
+        every: int | None = None,
+        stop_file: str | None = None,
+        max_latency_s: float | None = None,
         flag: StopFlag | None = None,
     ) -> None:
         self.flag = flag or stop_flag()
+        self.config = DrainConfig.resolve(
+            stop_file=stop_file, every=every, max_latency_s=max_latency_s,
+            run_dir=default_run_dir(),
+        )  # fmt: skip
+        self.period = AgreementPeriod(self.config.period)
         self.flag.install(signals)
-        self.every = max(1, every)
+        self._file_seen = False
         self.stopped_at: int | None = None  # the step saved and stopped at
         self._group: Any = None
         self._world = 1
@@ -67,10 +86,16 @@ class GracefulExitCallback(TrainerCallback):
         return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if state.global_step % self.every:
+        if not self.period.boundary(state.global_step, time.monotonic()):
             return control
-        local = Agreement(flush=False, exit=self.flag.is_set(), exit_code=0)
-        if agree(local, self._group, self._world).exit and not self._pending:
+        if not self.flag.is_set() and stop_file_present(self.config.stop_file):
+            self._file_seen = True
+            self.flag.request(f"stop file {self.config.stop_file}")
+        local = Agreement(False, self.flag.is_set(), 0, every=self.period.proposal())
+        t0 = time.perf_counter()
+        agreed = agree(local, self._group, self._world)
+        self.period.agreed(state.global_step, agreed.every, time.perf_counter() - t0)
+        if agreed.exit and not self._pending:
             why = self.flag.requested.reason if self.flag.requested else "another rank's request"
             log.warning("diag: stopping after step %d (%s): saving first", state.global_step, why)
             self._pending = True
@@ -81,6 +106,8 @@ class GracefulExitCallback(TrainerCallback):
         if self._pending:
             self._pending = False
             self.stopped_at = state.global_step
+            if self._file_seen:
+                consume_stop_file(self.config.stop_file)
             control.should_training_stop = True
         return control
 

@@ -1,6 +1,7 @@
 """Equivalence classes of ranks (STAT's idea) and the suspects they point at.
 
-Ranks whose stacks are identical form a class. Classes are listed largest first; each says
+Ranks whose training threads' stacks are identical form a class (helper threads, see roles.py,
+never set a rank apart; ranks that did not answer, see absent.py, form no class). Classes are listed largest first; each says
 where it parts from the largest one (the largest from the second). A class at most half the
 size of the largest is a minority, and its ranks are suspects, scored 1 - size/largest: one odd
 rank among 1,000 scores ~1; a split 9 vs 7 flags nobody, and neither do equal classes, as with
@@ -14,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from diag.viewer import ranksets
+from diag.viewer.absent import Absent
 from diag.viewer.tree import StackTree, View
 
 MAIN_THREAD = "Thread@MainThread"
@@ -134,10 +136,13 @@ def _shown_thread(tree: StackTree, ends: Sequence[int], div: Divergence | None) 
     return name, max(threads[name], key=lambda e: tree.depth[e])
 
 
-def equivalence_classes(tree: StackTree) -> ViewClasses:
+def equivalence_classes(tree: StackTree, exclude: int = 0) -> ViewClasses:
+    """Classes of the ranks of `tree` by their training threads' stacks; ranks in `exclude`
+    (those that did not answer, see absent.py) form none."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for rank, sig in tree.signatures.items():
-        groups.setdefault(sig, []).append(rank)
+        if not exclude >> rank & 1:
+            groups.setdefault(sig, []).append(rank)
     ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
     largest = len(ordered[0][1]) if ordered else 0
     classes = []
@@ -180,10 +185,23 @@ def equivalence_classes(tree: StackTree) -> ViewClasses:
 VIEW_WEIGHT = {View.PY: 1.0, View.CPP: 0.5}
 
 
-def suspects(views: Sequence[ViewClasses], culprits: Iterable[int]) -> tuple[Suspect, ...]:
-    """Minority-class ranks of every view plus the verdict's culprits, best first. Evidence from
-    several views adds up as independent: score = 1 - prod(1 - weight * s), so a rank odd in
-    both its Python and its native stacks ranks above one whose native leaf alone differs."""
+def agree(views: Sequence[ViewClasses]) -> bool:
+    """Whether the ranks that answered agree: no view has a minority class."""
+    return not any(c.suspect for v in views for c in v.classes)
+
+
+# How much a silent rank counts: when the answering ranks agree it is the lead; when some of
+# them stand out, those come first and the silent ranks follow.
+SILENT_SCORE = {True: 1.0, False: 0.5}
+
+
+def suspects(
+    views: Sequence[ViewClasses], culprits: Iterable[int], absent: Absent | None = None
+) -> tuple[Suspect, ...]:
+    """Minority-class ranks of every view, the ranks that did not answer and the verdict's
+    culprits, best first. Evidence from several views adds up as independent: score = 1 -
+    prod(1 - weight * s), so a rank odd in both its Python and its native stacks ranks above one
+    whose native leaf alone differs."""
     found: dict[int, tuple[float, list[str]]] = {}
 
     def add(rank: int, score: float, reason: str) -> None:
@@ -191,8 +209,13 @@ def suspects(views: Sequence[ViewClasses], culprits: Iterable[int]) -> tuple[Sus
         reasons.append(reason)
         found[rank] = (doubt * (1 - score), reasons)
 
+    culprits = tuple(culprits)
     for culprit in culprits:
         add(culprit, 1.0, "named culprit by the verdict")
+    if absent is not None:
+        silent = SILENT_SCORE[agree(views)]
+        for r in ranksets.ranks_of(absent.bits):
+            add(r, silent, absent.reason(r))
     for v in views:
         if not v.classes:
             continue
@@ -206,7 +229,9 @@ def suspects(views: Sequence[ViewClasses], culprits: Iterable[int]) -> tuple[Sus
             )
             for r in ranksets.ranks_of(c.bits):
                 add(r, VIEW_WEIGHT[v.view] * c.score, reason)
-    ordered = sorted(found.items(), key=lambda kv: (kv[1][0], kv[0]))
+    named = set(culprits)
+    # the verdict's culprits first among equals: the journals named them
+    ordered = sorted(found.items(), key=lambda kv: (kv[1][0], kv[0] not in named, kv[0]))
     return tuple(
         Suspect(rank=r, score=round(1 - doubt, 6), reasons=tuple(rs)) for r, (doubt, rs) in ordered
     )

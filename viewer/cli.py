@@ -55,6 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: one per CPU, at most 8)",
     )
     parser.add_argument(
+        "--local-world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks per node, to name a node none of whose ranks answered (default: from the "
+        "dumps or the journal tails; xpu_timer and py-spy files do not say it)",
+    )
+    parser.add_argument(
         "--minwidth",
         type=float,
         default=0.1,
@@ -93,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         raise exitcodes.UsageError("--minwidth cannot be negative")
     if args.jobs is not None and args.jobs < 1:
         raise exitcodes.UsageError("--jobs must be 1 or more")
+    if args.local_world_size is not None and args.local_world_size < 1:
+        raise exitcodes.UsageError("--local-world-size must be 1 or more")
     try:
         if args.list:
             return _list(path)
@@ -102,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
             out_dir=args.out,
             flame=FlameOptions(width=args.width, min_width=args.minwidth),
             workers=args.jobs,
+            local_world_size=args.local_world_size,
         )
     except IncidentError as e:
         raise exitcodes.UsageError(str(e)) from e

@@ -17,14 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diag.viewer import ranksets
+from diag.viewer.absent import Absent, find_absent, local_world_size, stand_ins
 from diag.viewer.classes import RankClass, Suspect, ViewClasses, equivalence_classes, suspects
 from diag.viewer.flame import FlameHeader, FlameOptions, render_svg
 from diag.viewer.folded import write_folded
+from diag.viewer.gather import gather
 from diag.viewer.incidents import Incident, IncidentError, find_incidents, pick_incident
 from diag.viewer.sources import DumpFile, default_workers, load_dumps
 from diag.viewer.stacks import RankDump
 from diag.viewer.summary import VIEW_TITLES, MergeReport, ViewReport, to_json, to_text
-from diag.viewer.tree import StackTree, View, build_tree
+from diag.viewer.tree import StackTree, View, collect, merged_tree
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class MergeResult:
     culprits: tuple[int, ...]
     classes: dict[View, tuple[RankClass, ...]]
     suspects: tuple[Suspect, ...]  # best first
+    absent: Absent  # ranks that did not answer, and whole nodes of them
     svgs: dict[View, Path]
     folded: dict[View, Path]
     summary_txt: Path
@@ -71,8 +74,9 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def load_incident(inc: Incident, workers: int = 1) -> tuple[list[RankDump], int, Counter]:
-    """All dumps of one incident, checked to be of one run: one world size, each rank once."""
+def incident_files(inc: Incident) -> list[DumpFile]:
+    """The dump files of one incident, checked to be of one run: one world size, each rank
+    once."""
     worlds: dict[int, Path] = {}
     files: list[DumpFile] = []
     for d in inc.dirs:
@@ -96,23 +100,59 @@ def load_incident(inc: Incident, workers: int = 1) -> tuple[list[RankDump], int,
                 f" and {f.path}; remove the stale one or merge the directories one at a time"
             )
         seen_at[f.rank] = f
+    return files
+
+
+def _world(inc: Incident, files: list[DumpFile]) -> int:
+    for d in inc.dirs:
+        if d.verdict is not None and d.verdict.world_size:
+            return d.verdict.world_size
+    return files[0].world_size
+
+
+def _check(inc: Incident, dumps: list[RankDump], world: int) -> None:
+    if not dumps:
+        raise IncidentError(
+            f"incident {inc.incident_id} ({', '.join(str(d.path) for d in inc.dirs)}) has no "
+            "readable dump file"
+        )
+    bad = [d.rank for d in dumps if d.rank >= world]
+    if bad:
+        raise IncidentError(f"rank {bad[0]} is out of range for world size {world}")
+
+
+def load_incident(inc: Incident, workers: int = 1) -> tuple[list[RankDump], int, Counter]:
+    """All dumps of one incident, with their threads, checked to be of one run."""
+    files = incident_files(inc)
     dumps: list[RankDump] = []
     formats: Counter = Counter()
     for f, dump in zip(files, load_dumps(files, workers), strict=True):
         if dump is not None:
             dumps.append(dump)
             formats[f.format.value] += 1
-    if not dumps:
-        raise IncidentError(
-            f"incident {inc.incident_id} ({', '.join(str(d.path) for d in inc.dirs)}) has no "
-            "readable dump file"
-        )
-    world = next(iter(worlds))
-    bad = [d.rank for d in dumps if d.rank >= world]
-    if bad:
-        raise IncidentError(f"rank {bad[0]} is out of range for world size {world}")
+    world = _world(inc, files) if files else 0
+    _check(inc, dumps, world)
     dumps.sort(key=lambda d: d.rank)
     return dumps, world, formats
+
+
+JOURNAL_SUFFIX = ".journal.json"
+
+
+def journal_local_sizes(inc: Incident) -> list[int]:
+    """The local world size the journal tails of the incident record (one read per
+    directory: the ranks of one job agree)."""
+    out = []
+    for d in inc.dirs:
+        try:
+            first = next((e for e in os.scandir(d.path) if e.name.endswith(JOURNAL_SUFFIX)), None)
+            if first is None:
+                continue
+            meta = json.loads(Path(first.path).read_bytes()).get("meta") or {}
+            out.append(int(meta.get("local_world_size") or 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+    return out
 
 
 def _out_dir(inc: Incident) -> Path:
@@ -123,7 +163,13 @@ def _out_dir(inc: Incident) -> Path:
 
 
 def _header(
-    view: View, inc: Incident, world: int, dumped: int, vc: ViewClasses, sus: tuple[Suspect, ...]
+    view: View,
+    inc: Incident,
+    world: int,
+    dumped: int,
+    vc: ViewClasses,
+    sus: tuple[Suspect, ...],
+    absent: Absent,
 ) -> FlameHeader:
     n = dumped.bit_count()
     title = f"{VIEW_TITLES[view].capitalize()} of {n} rank{'s' if n != 1 else ''}, merged"
@@ -136,6 +182,7 @@ def _header(
                 ", ".join(inc.nodes),
                 f"world size {world}",
                 f"missing ranks {ranksets.fold(((1 << world) - 1) & ~dumped)}" if n < world else "",
+                "silent " + ", ".join(x.label for x in absent.nodes) if absent.nodes else "",
             )
             if x
         )
@@ -158,6 +205,12 @@ def _header(
     return FlameHeader(title=title, lines=tuple(lines), warnings=tuple(warnings))
 
 
+def _local_size(dumps: list[RankDump], inc: Incident, given: int | None) -> int | None:
+    if given:
+        return given
+    return local_world_size(dumps, journal_local_sizes(inc))
+
+
 def merge_incident(
     path: Path,
     *,
@@ -165,26 +218,39 @@ def merge_incident(
     out_dir: Path | None = None,
     flame: FlameOptions | None = None,
     workers: int | None = None,
+    local_world_size: int | None = None,
 ) -> MergeResult:
     """Merges the newest incident at `path` (or the one named `incident`) and writes
     py_stack.svg, cpp_stack.svg, py_stack.folded, cpp_stack.folded, summary.txt and
     summary.json into its directory (`out_dir` to write elsewhere). Several nodes' directories
     of one incident are written to `merged-<incident id>` beside them. `workers`: processes
     that parse dump files when there are thousands (default: one per CPU, at most 8).
+    `local_world_size`: ranks per node, to name nodes none of whose ranks answered, when
+    neither the dumps nor the journals say it.
     Raises IncidentError when the path holds nothing to merge or mixes runs."""
     path = Path(path)
     t0 = time.perf_counter()
     inc = pick_incident(find_incidents(path), incident, path)
-    dumps, world, formats = load_incident(inc, default_workers() if workers is None else workers)
+    files = incident_files(inc)
+    got = gather(files, default_workers() if workers is None else workers)
+    dumps, formats = got.dumps, got.formats
+    world = _world(inc, files) if files else 0
+    _check(inc, dumps, world)
     t1 = time.perf_counter()
     out = Path(out_dir) if out_dir is not None else _out_dir(inc)
     out.mkdir(parents=True, exist_ok=True)
     dumped = ranksets.bits_of(d.rank for d in dumps)
     culprits = tuple(c for c in inc.culprits if 0 <= c < world)
 
-    trees: dict[View, StackTree] = {v: build_tree(dumps, v, world) for v in View}
-    view_classes = {v: equivalence_classes(t) for v, t in trees.items()}
-    sus = suspects(list(view_classes.values()), culprits)
+    local = _local_size(dumps, inc, local_world_size)
+    absent = find_absent(world, dumps, local, got.with_stacks)
+    # the ranks without a file get stand-ins, so the pictures show them as a tower
+    extra = stand_ins(absent, world)
+    trees: dict[View, StackTree] = {
+        v: merged_tree([*got.collected[v], collect(extra, v)], v, world, dumped) for v in View
+    }
+    view_classes = {v: equivalence_classes(t, absent.bits) for v, t in trees.items()}
+    sus = suspects(list(view_classes.values()), culprits, absent)
     suspect_bits = ranksets.bits_of(s.rank for s in sus)
     # Only the best few are widened to stay visible: dozens of widened frames would crowd out
     # the picture of everybody else; the rest stay red at their true (maybe merged) width.
@@ -202,7 +268,7 @@ def merge_incident(
         with open(tmp, "w") as fh:
             lines = write_folded(tree, fh)
         os.replace(tmp, folded[view])
-        header = _header(view, inc, world, dumped, view_classes[view], sus)
+        header = _header(view, inc, world, dumped, view_classes[view], sus, absent)
         t = time.perf_counter()
         svg = render_svg(tree, suspect_bits, header, flame, highlight)
         drawing += time.perf_counter() - t
@@ -237,6 +303,7 @@ def merge_incident(
         problems=tuple(p for d in inc.dirs for p in d.problems),
         views=tuple(reports),
         suspects=sus,
+        absent=absent,
     )
     summary_txt, summary_json = out / SUMMARY_TXT, out / SUMMARY_JSON
     _write(summary_txt, to_text(report))
@@ -259,6 +326,7 @@ def merge_incident(
         culprits=culprits,
         classes={v: vc.classes for v, vc in view_classes.items()},
         suspects=sus,
+        absent=absent,
         svgs=svgs,
         folded=folded,
         summary_txt=summary_txt,

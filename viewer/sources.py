@@ -16,12 +16,13 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from diag.viewer.stacks import STACK_FORMAT, STACK_SUFFIX, FrameInterner, RankDump, pyspy_threads
-from diag.viewer.xpu_stacktrace import WireError, parse_stacktrace
+from diag.viewer.xpu_stacktrace import StacktraceError, StacktraceReader
 
 try:  # 2-3x faster than json on 16k dump files; the viewer works without it
     from orjson import JSONDecodeError as _OrjsonError
@@ -33,6 +34,7 @@ except ImportError:  # pragma: no cover - orjson is a dependency, but an optiona
     _JSON_ERRORS = (ValueError,)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _NAME = re.compile(r"^(\d+)-(\d+)(\..+)$")
 XPU_SUFFIX = ".stacktrace"
@@ -112,9 +114,13 @@ def _unreadable(f: DumpFile, why: str) -> RankDump:
     )
 
 
-def load_dump(f: DumpFile, interner: FrameInterner) -> RankDump | None:
+def load_dump(
+    f: DumpFile, interner: FrameInterner, reader: StacktraceReader | None = None
+) -> RankDump | None:
     """The dump of one file; an unreadable file yields a dump carrying the error (the rank
-    shows up as failed rather than vanishing); None for a JSON file that is no stack dump."""
+    shows up as failed rather than vanishing); None for a JSON file that is no stack dump.
+    `reader` (sharing `interner`) remembers the thread stacks of `.stacktrace` files across
+    calls."""
     try:
         with open(os.path.join(f.directory, f.name), "rb") as fh:
             data = fh.read()
@@ -122,8 +128,8 @@ def load_dump(f: DumpFile, interner: FrameInterner) -> RankDump | None:
         return _unreadable(f, str(e))
     if f.format is DumpFormat.XPU_TIMER:
         try:
-            return parse_stacktrace(data, f.rank, f.world_size, interner)
-        except WireError as e:
+            return (reader or StacktraceReader(interner)).read(data, f.rank, f.world_size)
+        except StacktraceError as e:
             return _unreadable(f, f"bad protobuf: {e}")
     try:
         raw = _loads(data)
@@ -156,13 +162,16 @@ def load_dump(f: DumpFile, interner: FrameInterner) -> RankDump | None:
     )
 
 
-# Below this many files, starting worker processes costs more than it saves.
+# Below this many files (and this many bytes), starting worker processes costs more than it
+# saves: production dumps (~150 KB each, 75 threads) pay at a few hundred files already.
 PARALLEL_FROM = 2048
+PARALLEL_FROM_BYTES = 32 << 20
 
 
 def _load_chunk(files: list[DumpFile]) -> list[RankDump | None]:
     interner = FrameInterner()
-    return [load_dump(f, interner) for f in files]
+    reader = StacktraceReader(interner)
+    return [load_dump(f, interner, reader) for f in files]
 
 
 def default_workers() -> int:
@@ -173,14 +182,28 @@ def default_workers() -> int:
     return max(1, min(cpus, 8))
 
 
-def load_dumps(
-    files: Sequence[DumpFile], workers: int = 1, parallel_from: int = PARALLEL_FROM
-) -> list[RankDump | None]:
-    """`load_dump` of each file, in order. With `workers` > 1 and enough files, parsing runs in
-    that many processes (JSON parsing holds the GIL); each returns its share pickled, where
-    stacks shared by many ranks travel once."""
-    if workers <= 1 or len(files) < parallel_from:
-        return _load_chunk(list(files))
+def _worth_it(files: Sequence[DumpFile], parallel_from: int) -> bool:
+    if len(files) >= parallel_from:
+        return True
+    if len(files) < 64:
+        return False
+    try:  # the first file's size stands for all: one stat, not thousands
+        return os.stat(files[0].path).st_size * len(files) >= PARALLEL_FROM_BYTES
+    except OSError:
+        return False
+
+
+def map_chunks(
+    files: Sequence[DumpFile],
+    work: Callable[[list[DumpFile]], T],
+    workers: int = 1,
+    parallel_from: int = PARALLEL_FROM,
+) -> list[T]:
+    """`work` on consecutive chunks of `files`, one per worker process when there are
+    `parallel_from` files or more (JSON and protobuf parsing hold the GIL), else on all of them
+    here; the results in order."""
+    if workers <= 1 or not _worth_it(files, parallel_from):
+        return [work(list(files))]
     # imported here: only a merge of thousands of files pays for them
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -193,4 +216,13 @@ def load_dumps(
     method = "fork" if single and "fork" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)
     with ProcessPoolExecutor(max_workers=len(chunks), mp_context=ctx) as pool:
-        return [d for part in pool.map(_load_chunk, chunks) for d in part]
+        return list(pool.map(work, chunks))
+
+
+def load_dumps(
+    files: Sequence[DumpFile], workers: int = 1, parallel_from: int = PARALLEL_FROM
+) -> list[RankDump | None]:
+    """`load_dump` of each file, in order. With `workers` > 1 and enough files, parsing runs in
+    that many processes; each returns its share pickled, where stacks shared by many ranks
+    travel once."""
+    return [d for part in map_chunks(files, _load_chunk, workers, parallel_from) for d in part]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diag.viewer import ranksets
+from diag.viewer.absent import Absent
 from diag.viewer.classes import RankClass, Suspect
 from diag.viewer.tree import View
 
@@ -43,6 +44,7 @@ class MergeReport:
     problems: tuple[str, ...]
     views: tuple[ViewReport, ...]
     suspects: tuple[Suspect, ...]
+    absent: Absent
 
     @property
     def missing(self) -> int:
@@ -94,6 +96,9 @@ def to_json(r: MergeReport) -> dict:
         "process_states": {state: ranksets.fold(bits) for state, bits in r.states},
         "errors": [{"rank": rank, "error": e} for rank, e in r.errors[:JSON_LIMIT]],
         "problems": list(r.problems),
+        "silent_ranks": ranksets.fold(r.absent.bits),
+        "silent_nodes": [{"node": n.index, "ranks": n.ranks} for n in r.absent.nodes],
+        "local_world_size": r.absent.local_world_size,
         "suspect_ranks": ranksets.fold(suspect_bits),
         "suspects": [
             {"rank": s.rank, "score": s.score, "reasons": list(s.reasons)}
@@ -157,6 +162,13 @@ def to_text(r: MergeReport) -> str:
     out.extend(f"note: {p}" for p in r.problems)
     for rank, e in r.errors[:TEXT_SUSPECTS]:
         out.append(f"rank {rank}: no stack: {e}")
+    if r.absent.bits:
+        silent = r.absent.bits.bit_count()
+        nodes = ", ".join(n.label for n in r.absent.nodes)
+        out.append(
+            f"did not answer: {_plural(silent, 'rank')} {ranksets.fold(r.absent.bits, TEXT_RANGES)}"
+            + (f"; whole nodes: {nodes}" if nodes else "")
+        )
     out.append("")
     if r.suspects:
         out.append("SUSPECTS, best first:")

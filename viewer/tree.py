@@ -2,14 +2,16 @@
 
 Every node is a frame reached along one path from the root; it carries the set of ranks that
 reach it (a bitset) and the number of stacks through it (its width). Each stack starts with its
-thread (`Thread@name`), so that threads stay apart, then its frames, and ends in a cap with the
+thread's role (`Role@data loader`) and its thread (`Thread@name`), so that threads stay apart, then
+its frames, and ends in a cap with the
 process state of its rank (`State@S (sleeping)`), when known: ranks in different states still
 share every frame, and the caps show who is sleeping and who spins. A rank with no stack in a
 view has a marker instead: its state alone (D state: nothing was taken), `State@error: ...` or
 `State@no native stack`.
 
-A rank's signature is the set of nodes where its stacks end, below the cap: ranks with equal
-signatures have identical stacks, whatever their state.
+Each stack starts with its thread's role (see roles.py), then the thread. A rank's signature is
+the set of nodes where its training threads' stacks end, below the cap: ranks with equal
+signatures have identical training stacks, whatever their state and their helper threads.
 
 Building goes by distinct stack, not by rank: the dumps share frame tuples (see FrameInterner),
 so 16k ranks stuck in a handful of places cost a handful of tree walks.
@@ -23,7 +25,18 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from diag.viewer import ranksets
-from diag.viewer.labels import ROOT_INFO, FrameInfo, FrameKind, frame_info, state_info, thread_info
+from diag.viewer.labels import (
+    ROOT_INFO,
+    FrameInfo,
+    FrameKind,
+    frame_info,
+    is_unresolved,
+    role_info,
+    state_info,
+    thread_info,
+    unresolved_run,
+)
+from diag.viewer.roles import Role, RoleCache, dump_roles, thread_label
 from diag.viewer.stacks import Frame, RankDump, ThreadStack
 
 
@@ -33,6 +46,9 @@ class View(enum.StrEnum):
 
 
 NO_NATIVE = "no native stack"
+# Errors of ranks that did not answer at all (no dump file), shown as they are: they name the
+# node or rank, which must not be blanked like pids in other errors.
+NO_DUMP = "no dump"
 _VARYING = re.compile(r"0x[0-9a-fA-F]+|\d{3,}")  # pids, addresses: they differ per rank
 
 
@@ -79,30 +95,28 @@ def error_text(error: str) -> str:
     return "error: " + _VARYING.sub("N", first)[:100]
 
 
-# diag's own helper threads inside the trainer (the collector's completion poller, the CUDA event
-# watcher, ...): their state follows the ranks' ops, so they would only echo the main thread's
-# difference as noise.
-OWN_THREAD_PREFIX = "diag-"
-
-
-def view_stacks(dump: RankDump, view: View) -> Iterator[tuple[ThreadStack, bool]]:
-    """The thread stacks of a dump that a view shows; the flag says whether to keep native
-    frames. A thread with nothing left in the view is dropped, and so are diag's own."""
+def view_stacks(
+    dump: RankDump, view: View, cache: RoleCache | None = None
+) -> Iterator[tuple[ThreadStack, bool, Role]]:
+    """The thread stacks of a dump that a view shows, with whether to keep native frames and
+    the thread's role (see roles.py). A thread with nothing left in the view draws nothing."""
+    py, nat = dump_roles(dump, cache)
     if view is View.PY:
-        threads, native = dump.threads, False
+        threads, native, roles = dump.threads, False, py.roles
     elif dump.native_threads:
-        threads, native = dump.native_threads, True
+        threads, native, roles = dump.native_threads, True, nat.roles
     elif dump.native or any(f.native for t in dump.threads for f in t.frames):
-        threads, native = dump.threads, True
+        threads, native, roles = dump.threads, True, py.roles
     else:
         return
-    for t in threads:
-        if not t.name.startswith(OWN_THREAD_PREFIX):
-            yield t, native
+    for t, role in zip(threads, roles, strict=True):
+        yield t, native, role
 
 
 def marker(dump: RankDump, view: View, has_stacks: bool) -> str | None:
     """What stands for a rank's missing stacks (None: its stacks or its state say it all)."""
+    if dump.error.startswith(NO_DUMP):
+        return dump.error
     if dump.error:
         return error_text(dump.error)
     if has_stacks:
@@ -118,7 +132,6 @@ class _Builder:
         self.parent = [-1]
         self.depth = [0]
         self.kids: list[dict[int, int]] = [{}]
-        self.ranks: list[list[int]] = [[]]
         self.fid_of_key: dict[tuple[FrameKind, str], int] = {}
         self.fid_info: list[FrameInfo] = []
         self.fid_of_frame: dict[int, int] = {}  # id(Frame) -> fid; frames outlive the build
@@ -145,9 +158,24 @@ class _Builder:
             if fid is None:
                 fid = self.fid_of_frame[id(f)] = self.fid(frame_info(f))
             out.append(fid)
-        path = tuple(out)
+        path = self._collapse_unresolved(out) if native else tuple(out)
         self.paths[key] = (frames, path)  # holds `frames` so its id stays unique
         return path
+
+    def _collapse_unresolved(self, fids: list[int]) -> tuple[int, ...]:
+        """Runs of unresolved frames (`??`) of one library become one frame, `?? xN`: the
+        unwinder's guesswork says nothing frame by frame, and 30 of them would take 30 rows."""
+        out: list[int] = []
+        i, n = 0, len(fids)
+        while i < n:
+            info = self.fid_info[fids[i]]
+            j = i + 1
+            if is_unresolved(info):
+                while j < n and fids[j] == fids[i]:
+                    j += 1
+            out.append(fids[i] if j - i == 1 else self.fid(unresolved_run(info, j - i)))
+            i = j
+        return tuple(out)
 
     def insert(self, path: Sequence[int]) -> int:
         node = 0
@@ -160,78 +188,148 @@ class _Builder:
                 parent.append(node)
                 depth.append(depth[node] + 1)
                 kids.append({})
-                self.ranks.append([])
             node = child
         return node
 
 
-def build_tree(dumps: Sequence[RankDump], view: View, world_size: int) -> StackTree:
-    b = _Builder()
-    # distinct path -> (length of the stack before its state cap, ranks: one per stack)
-    groups: dict[tuple[int, ...], tuple[int, list[int]]] = {}
-    caps: dict[str, tuple[int, ...]] = {}
-    # (state, thread name, id(frames), native) -> (frames, path); `frames` keeps the id unique
-    paths: dict[tuple[str, str, int, bool], tuple[tuple[Frame, ...], tuple[int, ...]]] = {}
+# A distinct stack of a view: (process state, role, thread label, frames, keep native frames).
+# Ranks without stacks have a marker instead: (state, None, marker text or None, None, False).
+StackKey = tuple[str, Role | None, str | None, tuple[Frame, ...] | None, bool]
 
-    def add(path: tuple[int, ...], stack_len: int, rank: int) -> None:
-        found = groups.get(path)
-        if found is None:
-            found = groups[path] = (stack_len, [])
-        found[1].append(rank)
+
+@dataclass
+class Collected:
+    """A view's stacks of some ranks, aggregated by distinct stack: for each, the number of
+    stacks (one per thread) and the bitset of ranks. Built where the dumps are read (in worker
+    processes, for thousands of them), so that only distinct stacks travel and get merged."""
+
+    view: View
+    stacks: dict[StackKey, tuple[int, int]]
+
+
+def collect(dumps: Sequence[RankDump], view: View, cache: RoleCache | None = None) -> Collected:
+    cache = cache or RoleCache()
+    # keyed by id(frames): hashing a tuple of 200 frames per thread would cost more than all
+    # the rest; `frames_of` keeps each tuple alive, so its id stays unique
+    ranks: dict[tuple[str, Role | None, str | None, int, bool], list[int]] = {}
+    frames_of: dict[int, tuple[Frame, ...] | None] = {0: None}
+    has_py: dict[int, bool] = {}
+    labels: dict[str, str] = {}
 
     for d in dumps:
         state = d.process_state
-        cap = caps.get(state)
-        if cap is None:
-            cap = caps[state] = (b.fid(state_info(state)),) if state else ()
         has_stacks = False
-        for thread, native in view_stacks(d, view):
-            key = (state, thread.name, id(thread.frames), native)
-            found = paths.get(key)
+        for thread, native, role in view_stacks(d, view, cache):
+            frames = thread.frames
+            if not frames:
+                continue
+            fid = id(frames)
+            if fid not in frames_of:
+                frames_of[fid] = frames
+                has_py[fid] = any(not f.native for f in frames)
+            if not native and not has_py[fid]:
+                continue
+            has_stacks = has_stacks or role is Role.TRAINING
+            label = labels.get(thread.name)
+            if label is None:
+                label = labels[thread.name] = thread_label(thread.name)
+            key = (state, role, label, fid, native)
+            found = ranks.get(key)
             if found is None:
-                frames = b.frame_path(thread.frames, native)
-                path = (b.fid(thread_info(thread.name)), *frames, *cap) if frames else ()
-                found = paths[key] = (thread.frames, path)
-            path = found[1]
-            if path:
-                has_stacks = True
-                add(path, len(path) - len(cap), d.rank)
+                found = ranks[key] = []
+            found.append(d.rank)
         mark = marker(d, view, has_stacks)
-        if mark is not None:
-            add((b.fid(state_info(mark)), *cap), 1, d.rank)
-        elif not has_stacks:  # D state: the state is all there is
-            add(cap, 1, d.rank)
+        if mark is not None or not has_stacks:
+            key = (state, None, mark, 0, False)
+            found = ranks.get(key)
+            if found is None:
+                found = ranks[key] = []
+            found.append(d.rank)
+    stacks: dict[StackKey, list[int]] = {}
+    for (state, role, label, fid, native), rs in ranks.items():
+        # equal stacks in distinct tuples (not interned) meet here
+        stacks.setdefault((state, role, label, frames_of[fid], native), []).extend(rs)
+    return Collected(view, {k: (len(rs), ranksets.bits_of(rs)) for k, rs in stacks.items()})
 
-    sig: dict[int, list[int]] = {d.rank: [] for d in dumps}
-    for path, (stack_len, ranks) in groups.items():
-        node = b.insert(path)
-        b.ranks[node].extend(ranks)
-        end = node
-        for _ in range(len(path) - stack_len):
-            end = b.parent[end]
-        for r in ranks:
-            sig[r].append(end)
+
+def build_tree(
+    dumps: Sequence[RankDump], view: View, world_size: int, cache: RoleCache | None = None
+) -> StackTree:
+    """The merged tree of a view. Each stack's path starts with its thread's role and its name
+    (counters folded), so helpers of one kind sit side by side. Only the training threads (and
+    the markers of ranks without stacks) make a rank's signature: helper threads are drawn but
+    do not set ranks apart."""
+    present = ranksets.bits_of(d.rank for d in dumps if not d.error.startswith(NO_DUMP))
+    return merged_tree([collect(dumps, view, cache)], view, world_size, present)
+
+
+def merged_tree(parts: Sequence[Collected], view: View, world_size: int, present: int) -> StackTree:
+    """The tree of a view from the stacks collected in `parts` (of disjoint sets of ranks).
+    `present`: the ranks with a dump (stand-ins of missing ranks are drawn but left out of the
+    "without" sets of labels)."""
+    b = _Builder()
+    caps: dict[str, tuple[int, ...]] = {}
+    heads: dict[tuple[Role, str], tuple[int, int]] = {}
+    own: dict[int, int] = {}
+    node_bits: dict[int, int] = {}
+    sig: dict[int, list[int]] = {}
+    for part in parts:
+        for (state, role, label, frames, native), (count, bits) in part.stacks.items():
+            cap = caps.get(state)
+            if cap is None:
+                cap = caps[state] = (b.fid(state_info(state)),) if state else ()
+            if frames is None:  # a marker, or the state alone (D state)
+                path = (b.fid(state_info(label)), *cap) if label is not None else cap
+                stack_len = 1
+                counted = True
+            else:
+                assert role is not None and label is not None
+                head = heads.get((role, label))
+                if head is None:
+                    head = heads[(role, label)] = (
+                        b.fid(role_info(role.value)),
+                        b.fid(thread_info(label)),
+                    )
+                path = (*head, *b.frame_path(frames, native), *cap)
+                stack_len = len(path) - len(cap)
+                counted = role is Role.TRAINING
+            node = b.insert(path)
+            own[node] = own.get(node, 0) + count
+            node_bits[node] = node_bits.get(node, 0) | bits
+            if counted:
+                end = node
+                for _ in range(len(path) - stack_len):
+                    end = b.parent[end]
+                for r in ranksets.ranks_of(bits):
+                    found = sig.get(r)
+                    if found is None:
+                        found = sig[r] = []
+                    found.append(end)
 
     n = len(b.parent)
-    own = [len(r) for r in b.ranks]
-    count = own[:]
-    bits = [ranksets.bits_of(r) if r else 0 for r in b.ranks]
+    own_list = [0] * n
+    bits = [0] * n
+    for node, c in own.items():
+        own_list[node] = c
+    for node, x in node_bits.items():
+        bits[node] = x
+    count = own_list[:]
     parent = b.parent
     for i in range(n - 1, 0, -1):  # children always come after their parent
         p = parent[i]
         count[p] += count[i]
         bits[p] |= bits[i]
-    signatures = {r: tuple(sorted(nodes)) for r, nodes in sig.items()}
+    signatures = {r: tuple(sorted(nodes)) for r, nodes in sorted(sig.items())}
     return StackTree(
         view=view,
         world_size=world_size,
-        present=ranksets.bits_of(sig),
+        present=present,
         info=b.info,
         parent=parent,
         depth=b.depth,
         children=[list(k.values()) for k in b.kids],
         count=count,
-        own=own,
+        own=own_list,
         bits=bits,
         signatures=signatures,
     )

@@ -32,7 +32,7 @@ import psutil
 from diag.agent.checkpoint.persist import PersistResult, persist_slot
 from diag.agent.checkpoint.sessions import CommandReport, RankKey, Sessions
 from diag.agent.checkpoint.stats import CheckpointStats, RankCheckpointStats
-from diag.agent.checkpoint.storage import marker_path
+from diag.agent.checkpoint.storage import has_part
 from diag.agent.checkpoint.writers import WatchOutcome, Writer, WriterWatch
 from diag.collector.slotfile import SlotFile, read_snapshots
 from diag.collector.snapshot import SnapshotError, find_slots, read_latest_step
@@ -102,6 +102,11 @@ class CheckpointManager:
 
     def connected(self, job: str) -> list[int]:
         return self.sessions.connected(job)
+
+    def in_flight(self, job: str) -> int:
+        """Persists of `job` queued or running (requests, and persists after a death)."""
+        with self._lock:
+            return self._inflight.get(job, 0)
 
     # -- rank processes ------------------------------------------------------------------------------
 
@@ -260,14 +265,20 @@ class CheckpointManager:
                 if rank != item.rank:
                     self.sessions.post(RankKey(item.job, rank), pb.AgentMessage(persist_ack=done))
 
-    def persist_newest(self, job: str) -> list[PersistResult]:
+    def persist_newest(self, job: str, *, above_committed: bool = False) -> list[PersistResult]:
         """Persists, now, every complete snapshot of `job` newer than what storage holds for its
-        rank, newest first. Used on failures, before ranks are stopped."""
+        rank, newest first. Used on failures, before ranks are stopped. With `above_committed`
+        (a drain, short of time) only steps newer than the committed one: once the newest step
+        commits, the older snapshots are not written."""
         snaps = read_snapshots(find_slots(self.run_dir, job))
         results = []
         for snap in sorted(snaps, key=lambda s: (-s.meta.step, s.meta.rank)):
             save_dir = self.options.save_dir or Path(snap.meta.save_dir)
-            if marker_path(save_dir, snap.meta.step, snap.meta.rank).exists():
+            if above_committed:
+                latest = read_latest_step(save_dir)
+                if latest is not None and snap.meta.step <= latest:
+                    continue
+            if has_part(save_dir, snap.meta.step, snap.meta.rank, snap.meta.run):
                 continue
             results.append(
                 self._persist_rank(job, snap.meta.rank, snap.meta.step, INCIDENT_LOCK_TIMEOUT_S)

@@ -7,7 +7,10 @@ mid-copy), or that no longer holds the requested step, is refused.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -16,7 +19,7 @@ from pathlib import Path
 from diag.agent.checkpoint import storage
 from diag.agent.checkpoint.torchzip import write_torch_file
 from diag.collector.slotfile import SlotFile
-from diag.collector.snapshot import FileEntry, SnapshotError
+from diag.collector.snapshot import FileEntry, SnapshotError, step_tag
 
 log = logging.getLogger(__name__)
 
@@ -67,36 +70,48 @@ def persist_slot(
             )
         meta = slot.meta()
         target = save_dir or Path(meta.save_dir)
-        if storage.marker_path(target, meta.step, meta.rank).exists():
-            committed = storage.try_commit(target, meta.step, meta.world_size, keep)
+        if storage.has_part(target, meta.step, meta.rank, meta.run):
+            committed = _commit(target, meta.step, meta.world_size, keep)
             return PersistResult(
                 meta.job, meta.rank, meta.step, str(target), True,
                 seconds=time.monotonic() - t0, committed=committed, skipped=True,
             )  # fmt: skip
-        written, nbytes = [], 0
-        for f in meta.files:
-            if f.persist:
-                nbytes += _write_file(slot, target, f)
-                written.append(f.path)
-        for d in {(target / p).parent for p in written}:
-            storage.fsync_dir(d)
-        storage.write_marker(
-            target,
-            meta.step,
-            meta.rank,
-            {
-                "job": meta.job,
-                "rank": meta.rank,
-                "world_size": meta.world_size,
-                "node": meta.node,
-                "agent_host": socket.gethostname(),
-                "files": written,
-                "bytes": nbytes,
-                "written_at": time.time(),
-            },
-        )
+        written: list[str] = []
+        nbytes = 0
+        try:
+            for f in meta.files:
+                if f.persist:
+                    written.append(f.path)  # before: a part written when it fails is removed
+                    nbytes += _write_file(slot, target, f)
+            for d in {(target / p).parent for p in written}:
+                storage.fsync_dir(d)
+            storage.write_marker(
+                target,
+                meta.step,
+                meta.rank,
+                {
+                    "job": meta.job,
+                    "rank": meta.rank,
+                    "world_size": meta.world_size,
+                    "node": meta.node,
+                    "agent_host": socket.gethostname(),
+                    "run": meta.run,
+                    "files": written,
+                    "bytes": nbytes,
+                    "written_at": time.time(),
+                },
+            )
+        except OSError as e:
+            # No marker: this rank's part of the step is incomplete and nobody reads it. What it
+            # wrote of it goes, or a full disk would stay full of parts that never commit.
+            _remove_part(target, meta.step, written)
+            return PersistResult(
+                meta.job, meta.rank, meta.step, str(target), False,
+                write_error(e, target, meta.step, meta.rank, meta.nbytes),
+                seconds=time.monotonic() - t0,
+            )  # fmt: skip
         slot.unlock()  # the bytes are on storage; the trainer may reuse the slot
-        committed = storage.try_commit(target, meta.step, meta.world_size, keep)
+        committed = _commit(target, meta.step, meta.world_size, keep)
         seconds = time.monotonic() - t0
         return PersistResult(
             meta.job, meta.rank, meta.step, str(target), True, seconds=seconds, nbytes=nbytes,
@@ -107,6 +122,60 @@ def persist_slot(
         return PersistResult("", -1, step or -1, "", False, f"{type(e).__name__}: {e}")
     finally:
         slot.close()
+
+
+def _commit(save_dir: Path, step: int, world_size: int, keep: int) -> bool:
+    """Commits `step` if complete; a failure to write `latest` leaves the previous one in place
+    (the part is on storage: the next step's persist commits a newer one)."""
+    try:
+        return storage.try_commit(save_dir, step, world_size, keep)
+    except OSError as e:
+        log.warning("could not commit step %d: %s", step, write_error(e, save_dir, step, -1, 0))
+        return False
+
+
+def write_error(e: OSError, save_dir: Path, step: int, rank: int, needed: int) -> str:
+    """What went wrong writing a rank's part of a step, and what to do about it."""
+    committed = storage.committed_step(save_dir)
+    kept = (
+        f"step {step} stays in shared memory; `latest` still names step {committed}"
+        if committed is not None
+        else f"step {step} stays in shared memory; nothing is committed yet"
+    )
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = _free_bytes(save_dir)
+        return (
+            f"the save directory {save_dir} is full: step {step} needs about "
+            f"{needed / 1e6:.1f} MB more, {free / 1e6:.1f} MB is free. Free space there, keep "
+            f"fewer steps (--keep-last) or give it a larger volume; {kept}"
+        )
+    if e.errno == errno.EROFS:
+        return (
+            f"the save directory {save_dir} is on a read-only filesystem: mount it read-write; "
+            f"{kept}"
+        )
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return (
+            f"no permission to write rank {rank}'s part of step {step} under {save_dir} "
+            f"({e.filename or save_dir}): give the agent's user write access; {kept}"
+        )
+    return f"cannot write rank {rank}'s part of step {step} under {save_dir}: {e}; {kept}"
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def _remove_part(save_dir: Path, step: int, written: list[str]) -> None:
+    tag = step_tag(step)
+    for name in written:
+        if Path(name).parts[:1] == (tag,):  # the recovery scripts at the top are shared
+            with contextlib.suppress(OSError):
+                (save_dir / name).unlink()
 
 
 def _write_file(slot: SlotFile, save_dir: Path, f: FileEntry) -> int:

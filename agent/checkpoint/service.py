@@ -10,7 +10,9 @@ import contextlib
 import logging
 import os
 import queue
+import shutil
 import socket
+import tempfile
 from concurrent import futures
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -51,6 +53,7 @@ class ControlService(pb_grpc.ControlServicer):
         self.manager.sessions.register(
             key,
             request.pid,
+            start_time=request.start_time,
             world_size=rid.world_size,
             node=rid.node,
             journal=request.journal,
@@ -155,8 +158,18 @@ class ControlServer:
             maximum_concurrent_rpcs=MAX_WORKERS * 2,
         )
         pb_grpc.add_ControlServicer_to_server(ControlService(self.manager), server)
-        if server.add_insecure_port(f"unix:{self.path}") == 0:
-            raise UsageError(f"cannot serve the control channel on {self.path}")
+        # Only the pod's user may connect (connecting needs write permission on the socket).
+        # The socket is bound in a private directory, made owner-only, then moved into place,
+        # so it is never reachable with a looser mode, whatever the umask.
+        private = Path(tempfile.mkdtemp(prefix=".c", dir=self.path.parent))
+        try:
+            bound = private / "s"
+            if server.add_insecure_port(f"unix:{bound}") == 0:
+                raise UsageError(f"cannot serve the control channel on {self.path}")
+            os.chmod(bound, 0o600)
+            os.replace(bound, self.path)
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
         server.start()
         self.server = server
         log.info("control channel on %s", self.path)

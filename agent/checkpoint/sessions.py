@@ -45,6 +45,7 @@ class CommandReport:
 class RankSession:
     key: RankKey
     pid: int
+    start_time: float = 0.0  # the process's create time (0: not said)
     world_size: int = 0
     node: str = ""
     journal: str = ""
@@ -79,6 +80,10 @@ class Sessions:
     def of_job(self, job: str) -> dict[int, RankSession]:
         with self._lock:
             return {k.rank: s for k, s in self._by_key.items() if k.job == job}
+
+    def jobs(self) -> list[str]:
+        with self._lock:
+            return sorted({k.job for k in self._by_key})
 
     def connected(self, job: str) -> list[int]:
         return sorted(r for r, s in self.of_job(job).items() if s.streaming)

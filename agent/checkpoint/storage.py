@@ -45,9 +45,19 @@ _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _warned_no_locks: set[str] = set()
 
 
-def should_commit(step: int, world_size: int, done: set[int], latest: int | None) -> bool:
-    """Every rank's part of `step` is on storage, and `latest` would move forward."""
-    return world_size > 0 and done >= set(range(world_size)) and (latest is None or step > latest)
+def should_commit(
+    step: int, world_size: int, done: set[int], latest: int | None, runs: int = 1
+) -> bool:
+    """Every rank's part of `step` is on storage, all from one launch of the trainer (`runs` the
+    number of launches among them), and `latest` would move forward. Parts of one step from two
+    launches (a rank's part left by a run that died, the others' from the run that restarted
+    before that step) are not one checkpoint."""
+    return (
+        world_size > 0
+        and done >= set(range(world_size))
+        and runs <= 1
+        and (latest is None or step > latest)
+    )
 
 
 def prune_plan(steps: Iterable[int], committed: int | None, keep: int) -> list[int]:
@@ -72,6 +82,27 @@ def done_ranks(save_dir: Path, step: int) -> set[int]:
                 with contextlib.suppress(ValueError):
                     out.add(int(p.name[4:-5]))
     return out
+
+
+def marker_runs(save_dir: Path, step: int) -> dict[int, str]:
+    """Rank -> the trainer launch whose part of `step` its marker records."""
+    out = {}
+    for rank in done_ranks(save_dir, step):
+        with contextlib.suppress(OSError, ValueError):
+            out[rank] = str(
+                json.loads(marker_path(save_dir, step, rank).read_text()).get("run", "")
+            )
+    return out
+
+
+def has_part(save_dir: Path, step: int, rank: int, run: str) -> bool:
+    """Rank `rank`'s part of `step` from launch `run` is on storage (a part from another launch
+    is stale: it is written again)."""
+    try:
+        doc = json.loads(marker_path(save_dir, step, rank).read_text())
+    except (OSError, ValueError):
+        return False
+    return str(doc.get("run", "")) == run
 
 
 def marked_steps(save_dir: Path) -> set[int]:
@@ -183,9 +214,12 @@ def try_commit(save_dir: Path, step: int, world_size: int, keep: int) -> bool:
     `latest` names an older step, then prunes old steps. The check and the writes happen under
     the commit lock, so concurrent commits (threads, other nodes' agents) apply in step order:
     `latest` only ever moves forward."""
-    with commit_lock(save_dir):
+    with commit_lock(save_dir) as locked:
+        if locked:
+            _remove_dead_commit_files(save_dir)
         latest = read_latest_step(save_dir)
-        if not should_commit(step, world_size, done_ranks(save_dir, step), latest):
+        runs = marker_runs(save_dir, step)
+        if not should_commit(step, world_size, set(runs), latest, len(set(runs.values()))):
             return False
         # Every rank's files and their directory entries were fsynced before its marker.
         write_bytes_atomic(save_dir / LATEST_FILE, step_tag(step).encode())
@@ -197,6 +231,15 @@ def try_commit(save_dir: Path, step: int, world_size: int, keep: int) -> bool:
         shutil.rmtree(save_dir / step_tag(old), ignore_errors=True)
         shutil.rmtree(save_dir / MARKER_DIR / step_tag(old), ignore_errors=True)
     return True
+
+
+def _remove_dead_commit_files(save_dir: Path) -> None:
+    """Temporary files of `latest` and the tracker are written only under the commit lock: the
+    ones found while holding it belong to a committer killed in the middle (they would pile up)."""
+    for name in (LATEST_FILE, TRACKER_FILE):
+        for p in save_dir.glob(f".{name}.tmp-*"):
+            with contextlib.suppress(OSError):
+                p.unlink()
 
 
 def committed_step(save_dir: Path) -> int | None:

@@ -1,0 +1,234 @@
+"""Carries out a drain (agent/drain.py decides): looks at the ranks, snapshots and storage, sends
+EXIT over the control channel, persists, stops ranks that cannot reach a step boundary in time.
+
+Runs on the agent's main loop, which does nothing else meanwhile; the control channel's server,
+the persist workers and the watch on rank processes keep running on their own threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from diag.agent import exitcodes
+from diag.agent.checkpoint.manager import CheckpointManager
+from diag.agent.checkpoint.sessions import CommandKind
+from diag.agent.checkpoint.storage import has_part, marker_path
+from diag.agent.drain import (
+    ActionKind,
+    DrainAction,
+    DrainRequest,
+    DrainSettings,
+    DrainState,
+    JobView,
+    Phase,
+    RankView,
+    decide,
+    start,
+)
+from diag.agent.procs import same_process, stop_tree
+from diag.collector.slotfile import read_snapshots
+from diag.collector.snapshot import find_slots, parse_slot_name, read_latest_step
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.05
+RATE_WINDOW = 16  # recent persists the storage rate is measured over
+
+
+@dataclass
+class _RankFacts:
+    pid: int = 0
+    start_time: float = 0.0
+    streaming: bool = False
+    save_dir: str = ""
+
+
+class Drainer:
+    def __init__(
+        self,
+        checkpoints: CheckpointManager,
+        settings: DrainSettings,
+        *,
+        exit_code: int = exitcodes.RANK_DRAINED,
+    ) -> None:
+        self.checkpoints = checkpoints
+        self.settings = settings
+        self.exit_code = exit_code
+        self._commands: dict[tuple[str, int], str] = {}  # (job, rank) -> EXIT command id
+        self.state: DrainState | None = None
+
+    # -- running -----------------------------------------------------------------------------
+
+    def run(self, request: DrainRequest, abort: threading.Event | None = None) -> DrainState:
+        """Drains until done, the deadline, or `abort` (a second SIGINT)."""
+        self._commands = {}
+        now = time.monotonic()
+        deadline = request.deadline
+        if deadline is not None:
+            deadline -= self.settings.margin
+        nbytes, rate = self._persist_estimate()
+        state = start(
+            request.reason, request.at, self.settings,
+            deadline=deadline, persist_bytes=nbytes, persist_rate=rate,
+        )  # fmt: skip
+        log.warning(
+            "drain (%s): EXIT to the ranks, then persist; ranks have until %.1f s, done by "
+            "%.1f s from now (%.0f MB in memory, storage at %s)",
+            request.reason, state.rank_deadline - now, state.deadline - now, nbytes / 1e6,
+            f"{rate / 1e6:.0f} MB/s" if rate else "an assumed rate",
+        )  # fmt: skip
+        self.state = state
+        while True:
+            now = time.monotonic()
+            decision = decide(state, self.views(), now)
+            for e in decision.events:
+                log.log(logging.WARNING if e.warning else logging.INFO, "%s", e.message)
+            for action in decision.actions:
+                self.execute(action, decision.state)
+            state = self.state = decision.state
+            if state.phase == Phase.DONE:
+                return state
+            if abort is not None and abort.wait(TICK_S):
+                log.warning("drain (%s) interrupted", request.reason)
+                return state
+            if abort is None:
+                time.sleep(TICK_S)
+
+    def execute(self, action: DrainAction, state: DrainState) -> None:
+        cp = self.checkpoints
+        if action.kind == ActionKind.SEND_EXIT:
+            sent = cp.send_command(
+                action.job, CommandKind.EXIT, list(action.ranks),
+                reason=f"drain: {action.reason}", exit_code=self.exit_code,
+            )  # fmt: skip
+            for rank, cid in sent.items():
+                self._commands[(action.job, rank)] = cid
+            log.info("drain: EXIT sent to ranks %s of %s", sorted(sent), action.job)
+        elif action.kind == ActionKind.PERSIST:
+            t0 = time.monotonic()
+            results = cp.persist_newest(action.job, above_committed=True)
+            written = [r for r in results if r.ok and not r.skipped]
+            failed = [r for r in results if not r.ok]
+            if results:
+                log.log(
+                    logging.WARNING if failed else logging.INFO,
+                    "drain: persisted %d part(s) of %s in %.2f s (%s)%s",
+                    len(written), action.job, time.monotonic() - t0,
+                    ", ".join(sorted({f"step {r.step}" for r in written})) or "nothing new",
+                    "; failed: " + "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
+                    if failed else "",
+                )  # fmt: skip
+        elif action.kind == ActionKind.STOP_RANKS:
+            grace = max(0.0, min(self.settings.stop_grace, state.deadline - time.monotonic() - 1))
+            pids = self._pids(action.job, action.ranks)
+            log.warning(
+                "drain: stopping ranks %s of %s (pids %s): %s",
+                list(action.ranks), action.job, sorted(pids.values()), action.reason,
+            )  # fmt: skip
+            threads = [
+                threading.Thread(target=stop_tree, args=(pid, grace), daemon=True)
+                for pid in pids.values()
+            ]
+            for t in threads:
+                t.start()
+
+    # -- looking -------------------------------------------------------------------------------
+
+    def views(self) -> tuple[JobView, ...]:
+        cp = self.checkpoints
+        facts: dict[str, dict[int, _RankFacts]] = {}
+        for job in cp.sessions.jobs():
+            if cp.job and job != cp.job:
+                continue
+            for rank, s in cp.sessions.of_job(job).items():
+                facts.setdefault(job, {})[rank] = _RankFacts(
+                    s.pid, s.start_time, s.streaming, s.save_dir
+                )
+        snaps_by_job: dict[str, list] = {}
+        for path in find_slots(cp.run_dir, cp.job):
+            name = parse_slot_name(path.name)
+            if name is not None:
+                snaps_by_job.setdefault(name.job, [])
+        for snap in read_snapshots(find_slots(cp.run_dir, cp.job)):
+            snaps_by_job.setdefault(snap.meta.job, []).append(snap)
+            f = facts.setdefault(snap.meta.job, {}).setdefault(snap.meta.rank, _RankFacts())
+            if not f.pid and not snap.header.closed:
+                f.pid, f.start_time = snap.header.writer_pid, snap.header.writer_start
+            f.save_dir = f.save_dir or snap.meta.save_dir
+        reports = cp.wait_reports(list(self._commands.values()), 0)
+        out = []
+        for job in sorted(set(facts) | set(snaps_by_job)):
+            save_dir = self._save_dir(facts.get(job, {}))
+            committed = read_latest_step(save_dir) if save_dir else None
+            ranks = []
+            for rank, f in sorted(facts.get(job, {}).items()):
+                cid = self._commands.get((job, rank))
+                rep = reports.get(cid) if cid else None
+                reported = rep.step if rep is not None and rep.ok and rep.step >= 0 else None
+                persisted = None
+                if (
+                    reported is not None
+                    and save_dir
+                    and (marker_path(save_dir, reported, rank).exists())
+                ):
+                    persisted = reported
+                alive = f.streaming or (f.pid > 0 and same_process(f.pid, f.start_time))
+                ranks.append(RankView(rank, alive, f.streaming, reported, persisted))
+            newest, nbytes = None, 0
+            floor = committed if committed is not None else -1
+            for snap in snaps_by_job.get(job, []):
+                target = Path(cp.options.save_dir or snap.meta.save_dir)
+                if snap.meta.step <= floor or has_part(
+                    target, snap.meta.step, snap.meta.rank, snap.meta.run
+                ):
+                    continue
+                newest = max(newest if newest is not None else -1, snap.meta.step)
+                nbytes += snap.meta.nbytes
+            out.append(
+                JobView(
+                    job, tuple(ranks), in_flight=cp.in_flight(job), newest_unpersisted=newest,
+                    unpersisted_bytes=nbytes, committed=committed,
+                )
+            )  # fmt: skip
+        return tuple(out)
+
+    def _save_dir(self, facts: dict[int, _RankFacts]) -> Path | None:
+        if self.checkpoints.options.save_dir is not None:
+            return self.checkpoints.options.save_dir
+        for f in facts.values():
+            if f.save_dir:
+                return Path(f.save_dir)
+        return None
+
+    def _pids(self, job: str, ranks: tuple[int, ...]) -> dict[int, int]:
+        out = {}
+        for rank, s in self.checkpoints.sessions.of_job(job).items():
+            if (
+                rank in ranks
+                and s.pid > 0
+                and (not s.start_time or same_process(s.pid, s.start_time))
+            ):
+                out[rank] = s.pid
+        for snap in read_snapshots(find_slots(self.checkpoints.run_dir, job)):
+            r, h = snap.meta.rank, snap.header
+            if r in ranks and r not in out and same_process(h.writer_pid, h.writer_start):
+                out[r] = h.writer_pid
+        return out
+
+    def _persist_estimate(self) -> tuple[int, float | None]:
+        """Bytes of the newest snapshot of every local rank, and the storage rate measured by
+        recent persists (None before any)."""
+        cp = self.checkpoints
+        newest: dict[tuple[str, int], int] = {}
+        steps: dict[tuple[str, int], int] = {}
+        for s in read_snapshots(find_slots(cp.run_dir, cp.job)):
+            key = (s.meta.job, s.meta.rank)
+            if s.meta.step > steps.get(key, -1):
+                steps[key], newest[key] = s.meta.step, s.meta.nbytes
+        recent = [r for r in cp.results[-RATE_WINDOW:] if r.ok and not r.skipped and r.seconds > 0]
+        rate = sum(r.nbytes for r in recent) / sum(r.seconds for r in recent) if recent else None
+        return sum(newest.values()), rate

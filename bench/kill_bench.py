@@ -1,0 +1,125 @@
+"""Random SIGKILLs of the trainer ranks, the agent or both during save, copy, persist and commit,
+for ZeRO 1, 2 and 3, on real 2-rank DeepSpeed jobs (gloo, CPU) and a real agent (tests/killsuite.py
+does the work; tests/test_kill_suite.py is the short version). Prints one line per kill and the
+figures: kills per stage, target and phase; torn, lost or backwards checkpoints; how far back the
+restored step was from the newest step trained and from the newest step complete at the kill.
+
+    .venv/bin/python bench/kill_bench.py --kills 210 --seed 1 --out /tmp/kills.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from faults import PHASES  # noqa: E402
+from killsuite import TARGETS, KillResult, KillSuite  # noqa: E402
+
+
+def run_stage(zero: int, kills: int, rng: random.Random, root: Path) -> list[KillResult]:
+    suite = KillSuite(root / f"z{zero}", zero, log=print)
+    out = []
+    try:
+        suite.start()
+        for i in range(kills):
+            target = TARGETS[i % len(TARGETS)]
+            phase = PHASES[(i // len(TARGETS)) % len(PHASES)]
+            mode = rng.choice(("tick", "timer"))
+            r = suite.kill(target, phase, mode, rng.random())
+            out.append(r)
+            print(
+                f"{time.strftime('%H:%M:%S')} z{zero} #{i + 1}/{kills} {target}@{r.phase or '-'} "
+                f"({r.mode}) latest={r.latest_at_kill} memory={r.memory_at_kill} "
+                f"held={r.memory_by_rank} trained={r.trained_at_kill} restored={r.restored}({r.source}) "
+                f"committed_after={r.committed_after} {r.seconds:.1f}s "
+                + ("OK" if not r.problems else "PROBLEMS: " + "; ".join(r.problems)),
+                flush=True,
+            )
+        leftovers = suite.leftovers()
+        if leftovers:
+            print(f"z{zero}: temporary files left in the save directory: {leftovers}")
+    finally:
+        suite.close()
+    return out
+
+
+def summarize(results: list[KillResult]) -> None:
+    print("\n== kills per ZeRO stage x target x phase (phase = where the firing thread was)")
+    by = Counter((r.zero, r.target, r.phase or "-") for r in results)
+    for key in sorted(by):
+        print(f"  ZeRO-{key[0]} {key[1]:8s} {key[2]:8s} {by[key]}")
+    print("== totals")
+    print(f"  kills: {len(results)}")
+    for name, key in (("stage", "zero"), ("target", "target"), ("phase", "phase")):
+        c = Counter(getattr(r, key) for r in results)
+        print(f"  by {name}: " + ", ".join(f"{k}={v}" for k, v in sorted(c.items())))
+    bad = [r for r in results if r.problems]
+    print(f"  kills with a problem (torn, lost, backwards, differing restore): {len(bad)}")
+    for r in bad:
+        print(f"    ZeRO-{r.zero} {r.target}@{r.phase}: {'; '.join(r.problems)}")
+    restores = [r for r in results if r.restored is not None]
+    if restores:
+        behind_bound = [(r.bound or 0) - (r.restored or 0) for r in restores]
+        lost = [r.trained_at_kill - (r.restored or 0) for r in restores]
+        src = Counter(r.source for r in restores)
+        print(f"  trainer restarts: {len(restores)} (" + ", ".join(
+            f"{k or 'none'}={v}" for k, v in sorted(src.items())) + ")")  # fmt: skip
+        print(
+            "  restored step minus newest complete at the kill: "
+            f"min {-max(behind_bound)} max {-min(behind_bound)} "
+            f"(0 = the newest complete step; negative would be a loss)"
+        )
+        print(
+            "  steps trained again (newest trained - restored): "
+            f"median {statistics.median(lost)} max {max(lost)} "
+            f"distribution {dict(sorted(Counter(lost).items()))}"
+        )
+    secs = [r.seconds for r in results]
+    if secs:
+        print(f"  seconds per kill cycle: median {statistics.median(secs):.1f} max {max(secs):.1f}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--kills", type=int, default=210, help="in all, split over the stages")
+    p.add_argument("--zero", default="1,2,3")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", help="write every kill's record here (JSON)")
+    args = p.parse_args()
+    stages = [int(z) for z in args.zero.split(",")]
+    rng = random.Random(args.seed)
+    root = Path(tempfile.mkdtemp(prefix="diag-kill-bench-"))
+    t0 = time.monotonic()
+    results: list[KillResult] = []
+    ok = False
+    try:
+        for i, zero in enumerate(stages):
+            n = args.kills // len(stages) + (1 if i < args.kills % len(stages) else 0)
+            results += run_stage(zero, n, rng, root)
+        ok = not any(r.problems for r in results)
+    finally:
+        if ok:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"logs and checkpoints kept in {root}")
+        summarize(results)
+        print(f"  wall time: {time.monotonic() - t0:.0f} s")
+        if args.out:
+            Path(args.out).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 1 if any(r.problems for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

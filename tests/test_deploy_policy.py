@@ -1,0 +1,257 @@
+"""The ValidatingAdmissionPolicy of deploy/k8s/policy, evaluated by a real CEL evaluator
+(cel-python) the way the API server does: match conditions, then the variables in order, then
+every validation; an evaluation error denies (failurePolicy: Fail).
+
+The objects are what the agent really sends: the node after the JSON merge patch that
+`agent/kube.py` builds from a real plan, and the Event it posts."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+import celpy
+import pytest
+import yaml
+
+from diag.agent.kube import _node_patch
+from diag.agent.taints import (
+    CONDITION_TYPE,
+    Evidence,
+    JobBudget,
+    NodeView,
+    Signal,
+    Taint,
+    TaintPolicy,
+    plan_taint,
+    plan_untaint,
+)
+
+POLICY_FILE = Path(__file__).resolve().parents[1] / "deploy/k8s/policy/admission-policy.yaml"
+NODE_KEY = "authentication.kubernetes.io/node-name"
+AGENT = "system:serviceaccount:training:diag-agent"
+
+
+def policies() -> dict[str, dict]:
+    docs = [d for d in yaml.safe_load_all(POLICY_FILE.read_text()) if d]
+    pols = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
+    bindings = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    assert {b["spec"]["policyName"] for b in bindings} == set(pols)
+    assert all(b["spec"]["validationActions"] == ["Deny"] for b in bindings)
+    return pols
+
+
+ENV = celpy.Environment()
+
+
+def _eval(expr: str, activation: dict[str, Any]) -> Any:
+    prog = ENV.program(ENV.compile(expr))
+    out = prog.evaluate(activation)
+    if isinstance(out, celpy.CELEvalError):
+        raise out
+    return out
+
+
+def admit(
+    policy: dict, obj: dict, old: dict | None, user: str, node: str | None, sub: str = ""
+) -> tuple[bool, list[str]]:
+    """(allowed, messages). Not matched: allowed."""
+    extra = {NODE_KEY: [node]} if node is not None else {}
+    request = {
+        "userInfo": {"username": user, "extra": extra},
+        "subResource": sub,
+        "operation": "UPDATE" if old is not None else "CREATE",
+    }
+    act: dict[str, Any] = {
+        "object": celpy.json_to_cel(obj),
+        "oldObject": celpy.json_to_cel(old),
+        "request": celpy.json_to_cel(request),
+    }
+    spec = policy["spec"]
+    for cond in spec.get("matchConditions", []):
+        if not _eval(cond["expression"], act):
+            return True, []
+    # Variables are evaluated in order; each sees the ones before it.
+    variables: dict[str, Any] = {}
+    for var in [*spec.get("variables", []), None]:
+        act["variables"] = celpy.celtypes.MapType(
+            {celpy.celtypes.StringType(k): v for k, v in variables.items()}
+        )
+        if var is not None:
+            variables[var["name"]] = _eval(var["expression"], act)
+    denied = []
+    for v in spec["validations"]:
+        try:
+            ok = bool(_eval(v["expression"], act))
+        except celpy.CELEvalError as e:
+            ok = False
+            denied.append(f"evaluation error: {e}")
+            continue
+        if not ok:
+            msg = v.get("message") or str(_eval(v["messageExpression"], act))
+            denied.append(msg)
+    return not denied, denied
+
+
+def node(name: str = "node-a", **extra: Any) -> dict:
+    n = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "resourceVersion": "7",
+            "labels": {"kubernetes.io/hostname": name, "gpu": "h100"},
+            "annotations": {"node.alpha.kubernetes.io/ttl": "0"},
+        },
+        "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
+        "status": {
+            "conditions": [
+                {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ok"}
+            ]
+        },
+    }
+    n.update(extra)
+    return n
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386, as the API server applies a JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
+def view_of(n: dict) -> NodeView:
+    taints = tuple(
+        Taint(t["key"], t["effect"], t.get("value", "")) for t in n["spec"].get("taints", [])
+    )
+    return NodeView(n["metadata"]["name"], taints=taints)
+
+
+def tainted(n: dict) -> dict:
+    ev = [Evidence(Signal.GPU_XID, time.time(), xid=79, incident_id="i", incident_path="/t/i")]
+    plan = plan_taint(view_of(n), ev, TaintPolicy(job="j"), JobBudget(), time.time())
+    return merge_patch(n, _node_patch(plan, "7"))
+
+
+NODE_POLICY = "diag-agent-own-node"
+EVENT_POLICY = "diag-agent-own-node-events"
+
+
+def test_the_agent_may_taint_its_own_node():
+    old = node()
+    new = tainted(old)
+    assert [t["key"] for t in new["spec"]["taints"]] == ["nvidia.com/gpu", "diag.dev/unhealthy"]
+    assert admit(policies()[NODE_POLICY], new, old, AGENT, "node-a") == (True, [])
+
+
+def test_and_untaint_it():
+    old = tainted(node())
+    plan = plan_untaint(view_of(old), time.time())
+    new = merge_patch(old, _node_patch(plan, "8"))
+    assert [t["key"] for t in new["spec"]["taints"]] == ["nvidia.com/gpu"]
+    assert admit(policies()[NODE_POLICY], new, old, AGENT, "node-a") == (True, [])
+
+
+def test_and_set_its_condition():
+    old = node()
+    new = copy.deepcopy(old)
+    new["status"]["conditions"].append(
+        {"type": CONDITION_TYPE, "status": "True", "reason": "GpuXidCritical", "message": "x"}
+    )
+    assert admit(policies()[NODE_POLICY], new, old, AGENT, "node-a", sub="status")[0]
+
+
+@pytest.mark.parametrize(
+    "change, node_name, why",
+    [
+        (lambda n: n, "node-b", "diag-agent on node node-b may not change node node-a"),
+        (lambda n: n, None, "the diag-agent token names no node"),
+        (lambda n: n, "", "the diag-agent token names no node"),
+        (
+            lambda n: n["spec"].update(taints=[]),
+            "node-a",
+            "may add or remove only the diag.dev/unhealthy taint",
+        ),
+        (
+            lambda n: n["spec"]["taints"].append({"key": "x", "effect": "NoExecute"}),
+            "node-a",
+            "may add or remove only the diag.dev/unhealthy taint",
+        ),
+        (
+            lambda n: n["metadata"]["labels"].update(gpu="broken"),
+            "node-a",
+            "may not change node labels",
+        ),
+        (
+            lambda n: n["metadata"]["annotations"].update({"example.com/x": "1"}),
+            "node-a",
+            "may change only diag.dev/ annotations",
+        ),
+        (
+            lambda n: n["metadata"]["annotations"].pop("node.alpha.kubernetes.io/ttl"),
+            "node-a",
+            "may change only diag.dev/ annotations",
+        ),
+        (lambda n: n["spec"].update(unschedulable=True), "node-a", "may not cordon"),
+        (
+            lambda n: n["status"]["conditions"][0].update(status="False"),
+            "node-a",
+            "may change only the DiagUnhealthy condition",
+        ),
+    ],
+)
+def test_what_the_agent_may_not_do(change, node_name, why):
+    old = node()
+    new = tainted(old)
+    change(new)
+    allowed, messages = admit(policies()[NODE_POLICY], new, old, AGENT, node_name)
+    assert not allowed
+    assert any(why in m for m in messages), messages
+
+
+def test_other_users_are_not_restricted():
+    old = node()
+    new = copy.deepcopy(old)
+    new["spec"]["unschedulable"] = True
+    new["metadata"]["labels"]["gpu"] = "drained"
+    for user in (
+        "system:node:node-a",
+        "admin",
+        "system:serviceaccount:kube-system:node-controller",
+    ):
+        assert admit(policies()[NODE_POLICY], new, old, user, None) == (True, [])
+
+
+def event(about: str, kind: str = "Node") -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{about}.1", "namespace": "default"},
+        "involvedObject": {"kind": kind, "name": about},
+        "reason": "DiagTainted",
+        "message": "m",
+        "type": "Warning",
+    }
+
+
+@pytest.mark.parametrize(
+    "ev, bound, allowed",
+    [
+        (event("node-a"), "node-a", True),
+        (event("node-b"), "node-a", False),
+        (event("node-a", kind="Pod"), "node-a", False),
+        (event("node-a"), None, False),
+    ],
+)
+def test_events_only_about_its_own_node(ev, bound, allowed):
+    assert admit(policies()[EVENT_POLICY], ev, None, AGENT, bound)[0] is allowed
+    assert admit(policies()[EVENT_POLICY], ev, None, "admin", None)[0]

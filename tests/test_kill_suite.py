@@ -1,0 +1,54 @@
+"""SIGKILL of the trainer ranks, the agent or both during save, copy, persist and commit, on real
+2-rank DeepSpeed jobs and a real agent (killsuite.py). Across the three stages every target meets
+every phase once; bench/kill_bench.py runs hundreds of random kills."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from killsuite import KillSuite
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+# stage -> (target, phase, mode, fraction of the phase)
+KILLS = {
+    1: [("trainer", "save", "tick", 0.5), ("agent", "copy", "timer", 0.5),
+        ("both", "persist", "timer", 0.3), ("trainer", "commit", "tick", 0.6)],
+    2: [("agent", "save", "timer", 0.5), ("both", "copy", "tick", 0.5),
+        ("trainer", "persist", "tick", 0.4), ("agent", "commit", "timer", 0.5)],
+    3: [("both", "save", "tick", 0.7), ("trainer", "copy", "timer", 0.5),
+        ("agent", "persist", "tick", 0.5), ("both", "commit", "tick", 0.4)],
+}  # fmt: skip
+
+
+@pytest.fixture
+def root():
+    path = Path(tempfile.mkdtemp(prefix="diag-test-kill-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("zero", sorted(KILLS))
+def test_kills_lose_nothing_committed_or_in_memory(root: Path, zero: int) -> None:
+    suite = KillSuite(root, zero)
+    try:
+        suite.start()
+        for target, phase, mode, fraction in KILLS[zero]:
+            r = suite.kill(target, phase, mode, fraction)
+            assert not r.problems, (r, suite.tail())
+            assert r.phase, f"the kill of {target} fired outside any phase: {r}"
+            if r.restored is not None:
+                assert r.bound is None or r.restored >= r.bound, r
+            else:
+                assert r.committed_after is not None and r.committed_after > (
+                    r.memory_at_kill or 0
+                ), r
+        assert len(suite.watch.seen) >= 3, "latest moved forward through the kills"
+    finally:
+        suite.close()
+    assert not suite.watch.problems

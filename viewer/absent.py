@@ -1,0 +1,110 @@
+"""Ranks that did not answer: no dump file, an unreadable one, or one without stacks.
+
+In a hang, a rank that could not be dumped is evidence: its node may be down, its process gone
+or stuck in the kernel, its dump tool hung. When every rank that answered waits in the same
+place, the ranks that did not are where to look first. Ranks that fill a whole node (the local
+world size from the dumps, the journals or a flag) are named as that node: a node that is gone
+is one fact, not eight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from diag.viewer import ranksets
+from diag.viewer.stacks import RankDump
+from diag.viewer.tree import NO_DUMP
+
+
+@dataclass(frozen=True)
+class AbsentNode:
+    index: int  # rank // local world size
+    bits: int  # its ranks
+
+    @property
+    def ranks(self) -> str:
+        return ranksets.fold(self.bits)
+
+    @property
+    def label(self) -> str:
+        return f"node {self.index} (ranks {self.ranks})"
+
+
+@dataclass(frozen=True)
+class Absent:
+    """The ranks that did not answer and why."""
+
+    missing: int  # bitset: no dump file at all
+    failed: tuple[tuple[int, str], ...]  # (rank, error): a file without stacks
+    nodes: tuple[AbsentNode, ...]  # nodes none of whose ranks answered
+    local_world_size: int | None
+
+    @property
+    def bits(self) -> int:
+        return self.missing | ranksets.bits_of(r for r, _ in self.failed)
+
+    def node_of(self, rank: int) -> AbsentNode | None:
+        for n in self.nodes:
+            if n.bits >> rank & 1:
+                return n
+        return None
+
+    def reason(self, rank: int) -> str:
+        node = self.node_of(rank)
+        where = f"; all of {node.label} is silent" if node is not None else ""
+        if self.missing >> rank & 1:
+            return f"did not answer: no dump{where}"
+        error = dict(self.failed).get(rank, "")
+        first = (error.strip().splitlines() or ["?"])[0][:160]
+        return f"did not answer: {first}{where}"
+
+
+def local_world_size(
+    dumps: Iterable[RankDump], journal_sizes: Iterable[int] = (), given: int | None = None
+) -> int | None:
+    """Ranks per node: the flag, else what the journals say, else the dumps' local ranks (the
+    largest local rank + 1, when the dumps say which node they come from)."""
+    if given:
+        return given
+    sizes = {s for s in journal_sizes if s > 0}
+    if len(sizes) == 1:
+        return sizes.pop()
+    top = max((d.local_rank for d in dumps if d.node and d.local_rank >= 0), default=-1)
+    return top + 1 if top >= 0 else None
+
+
+def find_absent(
+    world: int, dumps: Sequence[RankDump], local: int | None = None, with_stacks: int | None = None
+) -> Absent:
+    """Which ranks of `world` did not answer: those without a dump in `dumps`, and those whose
+    dump carries an error instead of stacks (`with_stacks`: the ranks whose dumps hold stacks,
+    when `dumps` were read without them). Runs of them that fill whole nodes of `local` ranks
+    are named as nodes."""
+    present = ranksets.bits_of(d.rank for d in dumps)
+    missing = ((1 << world) - 1) & ~present
+    if with_stacks is None:
+        with_stacks = ranksets.bits_of(d.rank for d in dumps if d.threads or d.native_threads)
+    failed = tuple((d.rank, d.error) for d in dumps if d.error and not with_stacks >> d.rank & 1)
+    silent = missing | ranksets.bits_of(r for r, _ in failed)
+    nodes = []
+    if local and local > 0 and world % local == 0:
+        full = (1 << local) - 1
+        for index in range(world // local):
+            bits = full << (index * local)
+            if silent & bits == bits:
+                nodes.append(AbsentNode(index, bits))
+    return Absent(missing, failed, tuple(nodes), local)
+
+
+def stand_ins(absent: Absent, world: int) -> list[RankDump]:
+    """A dump per rank without a file, carrying why, so that the pictures draw the silent ranks
+    as a tower of their own (one per silent node, one for scattered ranks)."""
+    out = []
+    for rank in ranksets.ranks_of(absent.missing):
+        node = absent.node_of(rank)
+        what = (
+            f"{NO_DUMP}: {node.label} did not answer" if node else f"{NO_DUMP}: rank did not answer"
+        )
+        out.append(RankDump(rank=rank, world_size=world, pid=0, error=what))
+    return out

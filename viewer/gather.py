@@ -1,0 +1,64 @@
+"""Reading an incident's dumps and collecting their stacks, in worker processes when there are
+thousands.
+
+Each worker reads its share of the files, tells every thread's role, and aggregates the stacks
+of both views by distinct stack (tree.collect). What comes back is small: the dumps without
+their threads (rank, state, error, node), and per view the distinct stacks with how many
+threads and which ranks have each. Merging then costs per distinct stack, not per thread of
+every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from diag.viewer import ranksets
+from diag.viewer.roles import RoleCache
+from diag.viewer.sources import DumpFile, load_dump, map_chunks
+from diag.viewer.stacks import FrameInterner, RankDump
+from diag.viewer.tree import Collected, View, collect
+from diag.viewer.xpu_stacktrace import StacktraceReader
+
+
+@dataclass
+class Gathered:
+    dumps: list[RankDump]  # by rank, their threads left out
+    formats: Counter  # dump format -> files read
+    collected: dict[View, list[Collected]]
+    with_stacks: int  # bitset: ranks whose dump holds threads
+
+
+def _strip(d: RankDump) -> RankDump:
+    return dataclasses.replace(d, threads=(), native_threads=())
+
+
+def _gather_chunk(files: list[DumpFile]) -> Gathered:
+    interner = FrameInterner()
+    reader = StacktraceReader(interner)
+    cache = RoleCache()
+    dumps: list[RankDump] = []
+    formats: Counter = Counter()
+    for f in files:
+        d = load_dump(f, interner, reader)
+        if d is not None:
+            dumps.append(d)
+            formats[f.format.value] += 1
+    collected = {v: [collect(dumps, v, cache)] for v in View}
+    with_stacks = ranksets.bits_of(d.rank for d in dumps if d.threads or d.native_threads)
+    return Gathered([_strip(d) for d in dumps], formats, collected, with_stacks)
+
+
+def gather(files: Sequence[DumpFile], workers: int = 1) -> Gathered:
+    parts = map_chunks(files, _gather_chunk, workers)
+    out = Gathered([], Counter(), {v: [] for v in View}, 0)
+    for p in parts:
+        out.dumps.extend(p.dumps)
+        out.formats.update(p.formats)
+        for v in View:
+            out.collected[v].extend(p.collected[v])
+        out.with_stacks |= p.with_stacks
+    out.dumps.sort(key=lambda d: d.rank)
+    return out
