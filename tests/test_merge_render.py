@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from incidentkit import gen
 from test_merge_browser import dom
 
 from diag.viewer import ranksets
+from diag.viewer.flame import FlameHeader, render_svg
 from diag.viewer.layout import LayoutOptions, is_helper, layout
 from diag.viewer.merge import merge_incident
 from diag.viewer.stacks import FrameInterner, RankDump
@@ -121,3 +123,38 @@ def test_production_incident_in_chromium(tmp_path: Path):
     opened = dom(tmp_path, f"{result.cpp_svg.as_uri()}?x=PyEval_EvalFrameDefault")
     assert " unfolded" in opened and opened.count(" unfolded") > 20
     assert svg_height(result.cpp_svg) < int(re.search(r'<svg[^>]* height="(\d+)"', opened).group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_16384_ranks_in_chromium(tmp_path: Path):
+    """16,384 ranks of production-shaped stacks, built in memory (writing 4 GB of dumps is the
+    merge bench's business): 64 ranks' stacks stand for the others, with the odd ranks' own."""
+    world = 16384
+    truth = gen.plan_incident(
+        world, scenario="odd", odd=2, missing_nodes=0, missing_ranks=0, corrupt=0, timed_out=0
+    )
+    base = dumps_of(
+        gen.plan_incident(
+            64, scenario="agree", missing_nodes=0, missing_ranks=0, corrupt=0, timed_out=0
+        )
+    )
+    interner = FrameInterner()
+    odd = {}
+    for r in truth.odd_ranks:
+        plan = gen.rank_plan(truth, r)
+        rt = gen.rank_threads(plan, random.Random(plan.seed))
+        raw = gen.diag_dump(rt, r, world, 8, "S (sleeping)")
+        odd[r] = RankDump.from_dict(raw, interner)
+    dumps = [odd.get(r) or replace(base[r % 64], rank=r, world_size=world) for r in range(world)]
+    suspects = ranksets.bits_of(truth.odd_ranks)
+    for view in View:
+        tree = build_tree(dumps, view, world)
+        svg = tmp_path / f"{view.value}_stack.svg"
+        svg.write_text(render_svg(tree, suspects, FlameHeader(title=f"{view.value} 16k")))
+        assert svg_height(svg) < 2 * SCREEN, (view, svg_height(svg))
+        for r in truth.odd_ranks:
+            found = dom(tmp_path, f"{svg.as_uri()}?s=rank:{r}")
+            assert 'data-ready="1"' in found
+            matched = [(c, w) for c, _, w in cells_of(found) if " match" in c]
+            assert any(" s" in c and w >= 7.9 for c, w in matched), (view, r, matched[:5])
