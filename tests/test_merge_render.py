@@ -17,9 +17,10 @@ from test_merge_browser import dom
 
 from diag.viewer import ranksets
 from diag.viewer.flame import FlameHeader, render_svg
+from diag.viewer.labels import FrameKind
 from diag.viewer.layout import LayoutOptions, is_helper, layout
 from diag.viewer.merge import merge_incident
-from diag.viewer.stacks import FrameInterner, RankDump
+from diag.viewer.stacks import FrameInterner, RankDump, pyspy_threads
 from diag.viewer.tree import View, build_tree
 
 SCREEN = 1080  # px: a laptop screen, roughly
@@ -158,3 +159,38 @@ def test_16384_ranks_in_chromium(tmp_path: Path):
             assert 'data-ready="1"' in found
             matched = [(c, w) for c, _, w in cells_of(found) if " match" in c]
             assert any(" s" in c and w >= 7.9 for c, w in matched), (view, r, matched[:5])
+
+
+def test_interleaved_python_frames_stay_with_their_thread():
+    """py-spy --native interleaves Python and native frames per thread: in the native view each
+    thread's Python frames sit in that thread's tower, never in the training thread's."""
+    truth = gen.plan_incident(
+        16, scenario="agree", missing_nodes=0, missing_ranks=0, corrupt=0, timed_out=0
+    )
+    dumps = []
+    for r in range(truth.world_size):
+        plan = gen.rank_plan(truth, r)
+        rng = random.Random(plan.seed)
+        rt = gen.rank_threads(plan, rng)
+        raw = gen.pyspy_dump(rt, gen.Addresses(rng))
+        dumps.append(
+            RankDump(rank=r, world_size=16, pid=rt.pid, native=True, threads=pyspy_threads(raw))
+        )
+    tree = build_tree(dumps, View.CPP, 16)
+    seen = set()
+    for n in range(1, len(tree)):
+        info = tree.info[n]
+        if info.native or info.kind not in (FrameKind.PYTHON, FrameKind.TORCH):
+            continue
+        thread = tree.info[tree.thread_of(n)].text
+        role = tree.info[tree.parent[tree.thread_of(n)]].text
+        if "/torch/utils/data/_utils/pin_memory.py" in info.text:
+            assert role == "Role@data loader", (thread, info.text)
+            seen.add("pin memory")
+        if "/logging/handlers.py" in info.text:
+            assert role == "Role@logging", (thread, info.text)
+            seen.add("logging")
+        if "_inner_training_loop@" in info.text:
+            assert role == "Role@training", (thread, info.text)
+            seen.add("training")
+    assert seen == {"pin memory", "logging", "training"}, seen
