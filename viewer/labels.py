@@ -107,7 +107,8 @@ def role_info(role: str) -> FrameInfo:
 
 def state_info(what: str) -> FrameInfo:
     text = clean(f"State@{what}")
-    return FrameInfo(text=text, short=text, kind=FrameKind.STATE)
+    # the cell shows what alone: a silent node's tower is narrow, its label must start at once
+    return FrameInfo(text=text, short=clean(what) or text, kind=FrameKind.STATE)
 
 
 ROOT_INFO = FrameInfo(text="all", short="all", kind=FrameKind.ROOT)
