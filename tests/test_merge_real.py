@@ -168,7 +168,13 @@ def test_real_incident_names_the_odd_rank(tmp_path: Path, pyspy_outputs):
 
     for svg in (result.py_svg, result.cpp_svg):
         marked = suspect_titles(svg)
-        assert any(t.startswith("load_checkpoint@") for t in marked), marked
+        # the odd rank's own frames (train_step, load_checkpoint, time.sleep) may be folded into
+        # one cell, as every run of frames the same ranks share is
+        assert any(
+            t.startswith("load_checkpoint@")
+            or ("frames folded" in t and "train_step@" in t and "sleep@" in t)
+            for t in marked
+        ), marked
         assert not any("collective_barrier" in t or "heartbeat" in t for t in marked)
     # the heartbeat threads of all ranks merge into one tower, apart from the main threads
     folded = result.folded[next(iter(result.folded))].read_text()
