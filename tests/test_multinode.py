@@ -72,6 +72,14 @@ def test_both_nodes_name_the_hung_rank_on_node_b(tmp_path: Path) -> None:
         merged = merge_incident(timeline)
         assert len(merged.sources) == 2 and merged.world_size == 4
         assert merged.suspects[0].rank == 3
+        # One job verdict for the incident, from the first node to claim it: rank 3 on node-b,
+        # first-hand (node-b runs it), with both nodes' evidence directories.
+        job_verdicts = list((timeline / ".jobs").glob("*/*/job-verdict.json"))
+        assert len(job_verdicts) == 1, logs
+        jv = json.loads(job_verdicts[0].read_text())
+        assert (jv["culprit"], jv["culprit_node"]) == (3, "node-b"), jv
+        assert sorted(jv["nodes"]) == ["node-a", "node-b"]
+        assert sorted(jv["evidence"]) == sorted(str(d) for d, _ in verdicts.values())
     finally:
         for p in jobs:
             if p.poll() is None:
