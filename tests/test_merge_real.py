@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from mergekit import Stacktrace, verdict, write_incident
 
+from diag.viewer.flame import FOLDED_TIP
 from diag.viewer.merge import merge_incident
 from diag.viewer.stacks import RankDump, parse_pyspy_json
 
@@ -127,12 +128,19 @@ def our_dump(rank: int, pid: int, state: str, out: str) -> RankDump:
 
 
 def suspect_titles(svg: Path) -> list[str]:
+    """Labels of the red cells; a folded cell's frames each count, as its tooltip lists them."""
     root = ET.parse(svg).getroot()
-    return [
-        g.find(f"{SVG}title").text.split("\n")[0]
-        for g in root.iter(f"{SVG}g")
-        if re.search(r"\bs\b", g.get("class", ""))
-    ]
+    out = []
+    for g in root.iter(f"{SVG}g"):
+        if not re.search(r"\bs\b", g.get("class", "")):
+            continue
+        lines = g.find(f"{SVG}title").text.split("\n")
+        if "fold" in g.get("class", "").split():
+            at = lines.index(FOLDED_TIP)
+            out.extend(line.strip() for line in lines[at + 1 :] if line.startswith("  "))
+        else:
+            out.append(lines[0])
+    return out
 
 
 @pytest.mark.timeout(120)
