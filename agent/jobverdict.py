@@ -209,6 +209,7 @@ class JobVerdictStore:
             entries = os.listdir(d)
         except FileNotFoundError:
             return []
+        self.io.bytes_read += sum(len(e) for e in entries)  # the names are the listing's payload
         return [n for n in map(parse_name, entries) if n is not None]
 
     def _read(self, path: Path) -> NodeReport | None:

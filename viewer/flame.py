@@ -25,6 +25,8 @@ PAD = 10  # left and right margins, px
 CHAR_WIDTH = 6.95  # advance of an 11.5 px monospace glyph
 HEADER_CHAR_WIDTH = 7.25  # of a 12 px one
 TIP_RANGES = 48  # rank runs in a tooltip before it abbreviates
+FOLDED_TIP = "folded frames, outermost first:"
+FOLD_TIP_FRAMES = 40  # a folded cell's tooltip lists this many of its frames
 SEARCH_RANGES = 4096  # rank runs kept per frame for `rank:N` search
 HINT = (
     "width = ranks reaching a frame · hover: ranks · click: zoom, or expand ⋯ folded frames"
@@ -140,6 +142,11 @@ class _Cells:
             f"{self.tips.fold(c.bits)}",
             f"without: {self.tips.fold(tree.present & ~c.bits) or 'none'}",
         ]
+        if c.folded:
+            tip.append(FOLDED_TIP)
+            tip.extend("  " + tree.info[n].text for n in c.folded[:FOLD_TIP_FRAMES])
+            if len(c.folded) > FOLD_TIP_FRAMES:
+                tip.append(f"  ... {len(c.folded) - FOLD_TIP_FRAMES} more: click to expand")
         if c.suspect:
             tip.append("suspect frame: only suspect ranks reach it")
         if c.w > 1.05 * c.count * self.scale + 0.01:
