@@ -26,6 +26,7 @@ from diag.agent.culprit import SuspectKind
 from diag.agent.drain import DrainRequest, DrainState
 from diag.agent.drainer import Drainer
 from diag.agent.hang import EventKind, Verdict, WatchState, decide
+from diag.agent.jobverdict import JobVerdictStore, report_for_job
 from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.server import MetricsServer
 from diag.agent.nodetaint import NodeTainter
@@ -81,6 +82,9 @@ class Agent:
         if cfg.policy.persist_on_incident:
             self.executor.persist_hooks.append(self.persist_on_incident)
         self.executor.listeners.append(self.dump_fallback)
+        self.job_verdicts = JobVerdictStore(cfg.timeline / ".jobs")
+        self._job_verdict_threads: list[threading.Thread] = []
+        self.executor.listeners.append(self.file_job_report)
         self.tainter = NodeTainter(cfg.taint, cfg.node, cfg.timeline)
         self.executor.listeners.append(self.tainter.on_incident)
         self.control: ControlServer | None = None
@@ -121,6 +125,13 @@ class Agent:
         )  # fmt: skip
         if sent:
             log.warning("asked ranks %s to dump their own stacks", sorted(sent))
+
+    def file_job_report(self, report: IncidentReport) -> None:
+        """Files this node's view of the incident for the job verdict; the node that claims the
+        incident first assembles it (in a thread: it may wait for the culprit's node)."""
+        thread = report_for_job(self.job_verdicts, report)
+        if thread is not None:
+            self._job_verdict_threads.append(thread)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -248,6 +259,8 @@ class Agent:
             left = self._time_left()
             self.executor.join(timeout=min(cfg.stop_grace + 5, left))
             self.tainter.join(timeout=min(30, left))
+            for t in self._job_verdict_threads:
+                t.join(timeout=min(self.job_verdicts.settle + 5, self._time_left()))
             if self.control is not None:
                 self.control.stop()
             self.checkpoints.close(timeout=min(60, left))

@@ -205,3 +205,10 @@ def test_waits_for_the_ranks_persist_requests_before_persisting_more() -> None:
     assert kinds(d) == [] and d.state.phase == Phase.FINISHING
     d = decide(d.state, (JobView("j", (gone(0), gone(1)), committed=6),), 4.0)
     assert d.state.phase == Phase.DONE
+
+
+def test_the_agents_exit_command_asks_for_the_trainers_drain_exit_code() -> None:
+    from diag.agent import exitcodes
+    from diag.trainer.drain import DRAIN_EXIT_CODE
+
+    assert exitcodes.RANK_DRAINED == DRAIN_EXIT_CODE == 143

@@ -1,7 +1,8 @@
 """Two "nodes" on one machine: a 4-rank job under two torchrun agents (2 ranks each), each node
 with its own run directory and its own `diag agent`, sharing the timeline as a cluster shares a
 volume. Rank 3, on node-b, hangs. Both agents must name it, node-a's through the peer board, both
-incident directories must carry the same incident id, and `diag merge` must merge them."""
+incident directories must carry the same incident id, and `diag merge` must merge them; the job
+gets one job verdict (rank 3 on node-b) and `diag taint --dry-run` plans a taint for node-b only."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from diag.agent.procs import stop_tree
 from diag.viewer.merge import merge_incident
+from tests.kubecluster import cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -25,6 +27,29 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _taint_plans(tmp_path: Path, timeline: Path, culprit: str) -> dict[str, str]:
+    """`diag taint --dry-run` on each node, as its agent would run it."""
+    if os.environ.get("KUBECONFIG"):
+        pytest.skip("the taint plan part runs against the in-memory API only (fixed node names)")
+    out = {}
+    (tmp_path / "kube").mkdir()
+    with cluster(tmp_path / "kube") as kube:
+        kube.prefix = "node"  # the nodes of this test are node-a and node-b
+        for short in ("a", "b"):
+            name = kube.create_node(short)
+            r = subprocess.run(
+                [sys.executable, "-m", "diag.agent.cli", "taint", "--node", name, "--job", "mn",
+                 "--timeline", str(timeline), "--no-gpu-probe", "--dry-run",
+                 "--taint-culprit-threshold", "1"],
+                env={**os.environ, "KUBECONFIG": kube.kubeconfig}, capture_output=True,
+                text=True, timeout=120,
+            )  # fmt: skip
+            assert r.returncode == 0, r.stderr
+            out[name] = r.stdout
+    assert culprit in out
+    return out
 
 
 def test_both_nodes_name_the_hung_rank_on_node_b(tmp_path: Path) -> None:
@@ -72,6 +97,19 @@ def test_both_nodes_name_the_hung_rank_on_node_b(tmp_path: Path) -> None:
         merged = merge_incident(timeline)
         assert len(merged.sources) == 2 and merged.world_size == 4
         assert merged.suspects[0].rank == 3
+        # One job verdict for the incident, from the first node to claim it: rank 3 on node-b,
+        # first-hand (node-b runs it), with both nodes' evidence directories.
+        job_verdicts = list((timeline / ".jobs").glob("*/*/job-verdict.json"))
+        assert len(job_verdicts) == 1, logs
+        jv = json.loads(job_verdicts[0].read_text())
+        assert (jv["culprit"], jv["culprit_node"]) == (3, "node-b"), jv
+        assert sorted(jv["nodes"]) == ["node-a", "node-b"]
+        assert sorted(jv["evidence"]) == sorted(str(d) for d, _ in verdicts.values())
+        # One taint plan, for the job verdict's culprit node only, from its evidence on the
+        # timeline (threshold 1: this single incident is enough), against the in-memory API.
+        plans = _taint_plans(tmp_path, timeline, jv["culprit_node"])
+        assert "+ taint" in plans[jv["culprit_node"]] and "dry run" in plans[jv["culprit_node"]]
+        assert "+ taint" not in plans["node-a"], plans
     finally:
         for p in jobs:
             if p.poll() is None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 DEFAULT_MAX_LATENCY_S = 10.0  # a third of Kubernetes' default 30 s grace; the rest is the save's
 DEFAULT_MAX_OVERHEAD = 0.01
 STEP_WINDOW = 16  # step times the period is based on (the longest of them)
-COST_WINDOW = 8  # agreement costs kept; their median is the cost (a busy machine's spikes aside)
+COST_WINDOW = 8  # agreement costs kept; their mean is the cost (spikes included: they are paid)
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ def propose(
 ) -> int:
     """The period (in steps) this rank proposes. The latency bound is kept against the longest
     recent step (`step_s`), the cost budget against the typical (median) one, so that a few slow
-    steps neither stretch the latency nor make the agreement look cheap. Before any step was
+    steps neither stretch the latency nor make the agreement look cheap. `cost_s` is the mean
+    recent agreement. Before any step was
     timed: every step."""
     if policy.every is not None:
         return policy.every
@@ -100,7 +101,7 @@ class AgreementPeriod:
 
     @property
     def cost_seconds(self) -> float | None:
-        return statistics.median(self._costs) if self._costs else None
+        return statistics.fmean(self._costs) if self._costs else None
 
     def latency_bound(self) -> float | None:
         """Seconds a request can wait for the next agreement at the current period and pace."""

@@ -186,8 +186,11 @@ VIEW_WEIGHT = {View.PY: 1.0, View.CPP: 0.5}
 
 
 def agree(views: Sequence[ViewClasses]) -> bool:
-    """Whether the ranks that answered agree: no view has a minority class."""
-    return not any(c.suspect for v in views for c in v.classes)
+    """Whether the ranks that answered agree: no minority class in their Python stacks (or in
+    the native ones, when there are no Python stacks). Waiting ranks' native leaves differ with
+    timing alone, so they do not decide it."""
+    py = [v for v in views if v.view is View.PY and v.classes]
+    return not any(c.suspect for v in (py or views) for c in v.classes)
 
 
 # How much a silent rank counts: when the answering ranks agree it is the lead; when some of

@@ -1,7 +1,8 @@
 // Interactive parts of a merged flame graph: hover details, click to zoom, search.
 // Search takes a regular expression over frame labels, or `rank:5` / `rank:0-3/9` to light up
 // every frame that those ranks reach. `?s=TERM` (or `#s=TERM`) searches on load and `?z=REGEX`
-// zooms into the first frame whose label matches.
+// zooms into the first frame whose label matches. A folded cell (`⋯ N frames`, frames that all
+// its ranks share) opens into its frames on a click; `?x=REGEX` opens those holding a match.
 "use strict";
 (function () {
   var svg = document.documentElement;
@@ -18,6 +19,13 @@
   function label(g) {
     var t = g.querySelector("title");
     return t ? t.textContent.split("\n")[0] : "";
+  }
+
+  function labels(g) {
+    // a folded cell answers for every frame it stands for
+    var i = g.getAttribute("data-fold");
+    if (i === null) return [label(g)];
+    return META.folds[+i].map(function (f) { return f[1]; });
   }
 
   function cellText(g) {
@@ -123,7 +131,7 @@
     } else {
       var re;
       try { re = new RegExp(term); } catch (err) { matchedText.textContent = "bad regex"; return; }
-      test = function (e) { return re.test(label(e)); };
+      test = function (e) { return labels(e).some(function (l) { return re.test(l); }); };
     }
     var spans = [];
     frames.forEach(function (e) {
@@ -145,6 +153,62 @@
     });
     var pct = 100 * covered / (META.width - 2 * META.pad);
     matchedText.textContent = spans.length ? "Matched: " + pct.toFixed(1) + "% of the width" : "No match";
+  }
+
+  function moveY(e, dy) {
+    e._y += dy;
+    var r = e.querySelector("rect"), t = e.querySelector("text");
+    r.setAttribute("y", e._y);
+    if (t) t.setAttribute("y", +t.getAttribute("y") + dy);
+  }
+
+  function expand(g) {
+    // A folded cell opens in place into its frames: the frames above it (its callees) stay
+    // where they are, everything else moves down by the rows it gains.
+    var fold = META.folds[+g.getAttribute("data-fold")];
+    var fh = META.frameHeight, dy = (fold.length - 1) * fh, eps = 0.01;
+    unzoom();
+    frames.forEach(function (e) {
+      var above = e._y < g._y - eps && e._x >= g._x - eps && e._x + e._w <= g._x + g._w + eps;
+      if (e !== g && !above) moveY(e, dy);
+    });
+    ["details", "matched"].forEach(function (id) {
+      var t = byId(id);
+      t.setAttribute("y", +t.getAttribute("y") + dy);
+    });
+    var h = +svg.getAttribute("height") + dy;
+    svg.setAttribute("height", h);
+    svg.setAttribute("viewBox", "0 0 " + META.width + " " + h);
+    document.querySelector("rect.bg").setAttribute("height", h);
+    var tip = g.querySelector("title").textContent.split("\n").slice(1).join("\n");
+    var at = frames.indexOf(g), made = [];
+    fold.forEach(function (f, j) {
+      var e = document.createElementNS(NS, "g");
+      e.setAttribute("class", g.getAttribute("class").replace(/\bfold\b/, "").replace(/k-\w+/, "k-" + f[3]) + " unfolded");
+      e.setAttribute("data-r", g.getAttribute("data-r"));
+      var title = document.createElementNS(NS, "title");
+      title.textContent = f[1] + "\n" + tip;
+      var r = document.createElementNS(NS, "rect");
+      var y = g._y + dy - j * fh;
+      r.setAttribute("x", g._x.toFixed(2));
+      r.setAttribute("y", y);
+      r.setAttribute("width", g._w.toFixed(2));
+      r.setAttribute("height", fh - 1);
+      r.setAttribute("fill", f[2]);
+      r.setAttribute("rx", "2");
+      var t = document.createElementNS(NS, "text");
+      t.setAttribute("x", (g._x + 3).toFixed(2));
+      t.setAttribute("y", y + fh - 4.5);
+      e.appendChild(title); e.appendChild(r); e.appendChild(t);
+      e._x = g._x; e._w = g._w; e._y = y; e._full = f[0];
+      fitText(e, e._w);
+      g.parentNode.insertBefore(e, g);
+      made.push(e);
+    });
+    g.parentNode.removeChild(g);
+    frames.splice.apply(frames, [at, 1].concat(made));
+    if (searching !== null) search(searching);
+    return made;
   }
 
   function param(name) {
@@ -175,7 +239,9 @@
     holder.addEventListener("click", function (ev) {
       var g = ev.target.closest("g.f");
       if (!g) return;
-      if (g.classList.contains("k-root")) unzoom(); else zoom(g);
+      if (g.classList.contains("k-root")) unzoom();
+      else if (g.hasAttribute("data-fold")) expand(g);
+      else zoom(g);
     });
     unzoomBtn.addEventListener("click", unzoom);
     searchBtn.addEventListener("click", function () {
@@ -193,6 +259,14 @@
     details.textContent = META.hint;
     var s = param("s");
     if (s) search(s);
+    var x = param("x");
+    if (x) {
+      // expand the folded cells whose frames match
+      var xre = new RegExp(x);
+      frames.slice().forEach(function (e) {
+        if (e.hasAttribute("data-fold") && labels(e).some(function (l) { return xre.test(l); })) expand(e);
+      });
+    }
     var z = param("z");
     if (z) {
       var re = new RegExp(z);

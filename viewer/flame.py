@@ -25,9 +25,12 @@ PAD = 10  # left and right margins, px
 CHAR_WIDTH = 6.95  # advance of an 11.5 px monospace glyph
 HEADER_CHAR_WIDTH = 7.25  # of a 12 px one
 TIP_RANGES = 48  # rank runs in a tooltip before it abbreviates
+FOLDED_TIP = "folded frames, outermost first:"
+FOLD_TIP_FRAMES = 40  # a folded cell's tooltip lists this many of its frames
 SEARCH_RANGES = 4096  # rank runs kept per frame for `rank:N` search
 HINT = (
-    "width = ranks reaching a frame · hover: ranks · click: zoom · Search / Ctrl-F: regex or rank:N"
+    "width = ranks reaching a frame · hover: ranks · click: zoom, or expand ⋯ folded frames"
+    " · Search / Ctrl-F: regex or rank:N"
 )
 
 # kind -> ((r lo, r hi), (g lo, g hi), (b lo, b hi)); a frame's name picks a shade within
@@ -106,6 +109,8 @@ class _Cells:
         self.tips = ranksets.RankText(tree.present, TIP_RANGES)
         self.rank_index: dict[int, int] = {}
         self.rank_table: list[str] = []
+        # per folded cell, its frames outermost first: [cell text, label, fill, kind]
+        self.folds: list[list[list[str]]] = []
 
     def svg(self, c: Cell) -> str:
         tree = self.tree
@@ -116,6 +121,12 @@ class _Cells:
         elif c.node == 0:
             kind = FrameKind.ROOT
             text = short = f"all: {self.n_present} ranks"
+        elif c.folded:
+            first, last = tree.info[c.folded[0]], tree.info[c.folded[-1]]
+            kind = last.kind
+            n = len(c.folded)
+            text = f"{n} frames folded (click to expand): {first.text} … {last.text}"
+            short = f"⋯ {n} frames: {last.short}"
         else:
             info = tree.info[c.node]
             kind, text, short = info.kind, info.text, info.short
@@ -131,17 +142,39 @@ class _Cells:
             f"{self.tips.fold(c.bits)}",
             f"without: {self.tips.fold(tree.present & ~c.bits) or 'none'}",
         ]
+        if c.folded:
+            tip.append(FOLDED_TIP)
+            tip.extend("  " + tree.info[n].text for n in c.folded[:FOLD_TIP_FRAMES])
+            if len(c.folded) > FOLD_TIP_FRAMES:
+                tip.append(f"  ... {len(c.folded) - FOLD_TIP_FRAMES} more: click to expand")
         if c.suspect:
             tip.append("suspect frame: only suspect ranks reach it")
         if c.w > 1.05 * c.count * self.scale + 0.01:
             tip.append("drawn wider than its share of ranks, to stay visible")
         fill = _shade(SUSPECT if c.suspect else PALETTE[kind], text)
         cls = f"f k-{kind.value}" + (" s" if c.suspect else "")
+        fold = ""
+        if c.folded:
+            cls += " fold"
+            fold = f' data-fold="{len(self.folds)}"'
+            self.folds.append(
+                [
+                    [
+                        tree.info[n].short,
+                        tree.info[n].text,
+                        _shade(
+                            SUSPECT if c.suspect else PALETTE[tree.info[n].kind], tree.info[n].text
+                        ),
+                        tree.info[n].kind.value,
+                    ]
+                    for n in c.folded
+                ]
+            )
         y = self.top + (self.max_depth - c.depth) * self.fh
         shown = _fit(short, c.w)
         extra = f' data-s="{_x(short)}"' if shown != short else ""
         return (
-            f'<g class="{cls}" data-r="{ri}"{extra}><title>{_x(chr(10).join(tip))}</title>'
+            f'<g class="{cls}" data-r="{ri}"{fold}{extra}><title>{_x(chr(10).join(tip))}</title>'
             f'<rect x="{PAD + c.x:.2f}" y="{y}" width="{c.w:.2f}" height="{self.fh - 1}" '
             f'fill="{fill}" rx="2"/>'
             f'<text x="{PAD + c.x + 3:.2f}" y="{y + self.fh - 4.5}">{_x(shown)}</text></g>\n'
@@ -214,6 +247,8 @@ def render_svg(
         "hint": HINT,
         "view": tree.view.value,
         "ranks": writer.rank_table,
+        "folds": writer.folds,
+        "frameHeight": fh,
     }
     out.append(f'<script type="application/json" id="flame-meta">{_x(json.dumps(meta))}</script>\n')
     out.append(f'<script type="text/ecmascript"><![CDATA[\n{_asset("flame.js")}]]></script>\n')

@@ -34,6 +34,7 @@ class FrameInfo:
     native: bool = False
 
 
+UNRESOLVED = "??"  # a native frame the unwinder could not name
 _ADDRESS = re.compile(r"^(0x)?[0-9a-fA-F]{6,}$")
 _TORCH = re.compile(r"torch|nccl|gloo|c10d|libc10", re.IGNORECASE)
 _UNSAFE = re.compile(r"[;\r\n\t]")  # `;` separates frames in folded stacks
@@ -61,7 +62,7 @@ def short_path(path: str) -> str:
 def frame_info(frame: Frame) -> FrameInfo:
     func = frame.func or "?"
     if frame.native and _ADDRESS.match(func):
-        func = "??"
+        func = UNRESOLVED
     where = frame.file or frame.module
     kind = FrameKind.NATIVE if frame.native else FrameKind.PYTHON
     if _TORCH.search(where) or _TORCH.search(func) or _TORCH.search(frame.module):
@@ -77,6 +78,23 @@ def frame_info(frame: Frame) -> FrameInfo:
     return FrameInfo(text=clean(text), short=clean(short), kind=kind, native=frame.native)
 
 
+def is_unresolved(info: FrameInfo) -> bool:
+    return info.native and (info.text == UNRESOLVED or info.text.startswith(UNRESOLVED + "@"))
+
+
+def unresolved_run(info: FrameInfo, n: int) -> FrameInfo:
+    """One frame standing for `n` consecutive unresolved frames of one library."""
+    where = info.text[len(UNRESOLVED) + 1 :]
+    short = info.short[len(UNRESOLVED) + 1 :]
+    tag = f"{UNRESOLVED} x{n}"
+    return FrameInfo(
+        text=f"{tag}@{where}" if where else tag,
+        short=f"{tag}@{short}" if short else tag,
+        kind=info.kind,
+        native=True,
+    )
+
+
 def thread_info(name: str) -> FrameInfo:
     text = clean(f"Thread@{name or '?'}")
     return FrameInfo(text=text, short=text, kind=FrameKind.THREAD)
@@ -89,7 +107,8 @@ def role_info(role: str) -> FrameInfo:
 
 def state_info(what: str) -> FrameInfo:
     text = clean(f"State@{what}")
-    return FrameInfo(text=text, short=text, kind=FrameKind.STATE)
+    # the cell shows what alone: a silent node's tower is narrow, its label must start at once
+    return FrameInfo(text=text, short=clean(what) or text, kind=FrameKind.STATE)
 
 
 ROOT_INFO = FrameInfo(text="all", short="all", kind=FrameKind.ROOT)

@@ -30,9 +30,11 @@ from diag.viewer.labels import (
     FrameInfo,
     FrameKind,
     frame_info,
+    is_unresolved,
     role_info,
     state_info,
     thread_info,
+    unresolved_run,
 )
 from diag.viewer.roles import Role, RoleCache, dump_roles, thread_label
 from diag.viewer.stacks import Frame, RankDump, ThreadStack
@@ -156,9 +158,24 @@ class _Builder:
             if fid is None:
                 fid = self.fid_of_frame[id(f)] = self.fid(frame_info(f))
             out.append(fid)
-        path = tuple(out)
+        path = self._collapse_unresolved(out) if native else tuple(out)
         self.paths[key] = (frames, path)  # holds `frames` so its id stays unique
         return path
+
+    def _collapse_unresolved(self, fids: list[int]) -> tuple[int, ...]:
+        """Runs of unresolved frames (`??`) of one library become one frame, `?? xN`: the
+        unwinder's guesswork says nothing frame by frame, and 30 of them would take 30 rows."""
+        out: list[int] = []
+        i, n = 0, len(fids)
+        while i < n:
+            info = self.fid_info[fids[i]]
+            j = i + 1
+            if is_unresolved(info):
+                while j < n and fids[j] == fids[i]:
+                    j += 1
+            out.append(fids[i] if j - i == 1 else self.fid(unresolved_run(info, j - i)))
+            i = j
+        return tuple(out)
 
     def insert(self, path: Sequence[int]) -> int:
         node = 0

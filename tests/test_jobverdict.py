@@ -1,0 +1,138 @@
+"""The job verdict: the pure choice of culprit, and the file adapter on a real directory, with
+real processes racing for the claim."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from diag.agent.jobverdict import (
+    JOB_VERDICT_FILE,
+    JobVerdictStore,
+    NodeReport,
+    ReportName,
+    Where,
+    parse_name,
+    pick_culprit,
+    ready,
+)
+
+
+def _name(node: str, rank: int | None, where: Where) -> ReportName:
+    r = NodeReport(node=node, culprit=rank, where=where, evidence=f"/t/20261124-hang-{node}")
+    parsed = parse_name(r.name())
+    assert parsed is not None
+    return parsed
+
+
+def test_report_name_round_trips() -> None:
+    r = NodeReport(node="gpu-node.7", culprit=12, where=Where.LOCAL, evidence="/t/x-hang-gpu")
+    assert parse_name(r.name()) == ReportName(
+        node="gpu-node.7", culprit=12, where=Where.LOCAL, file=r.name(), evidence_name="x-hang-gpu"
+    )
+    none = NodeReport(node="n", culprit=None, where=Where.REMOTE, evidence="/t/e")
+    assert parse_name(none.name()).culprit is None  # type: ignore[union-attr]
+    assert parse_name("junk") is None
+    assert parse_name(".r1.L.n~e.tmp") is None  # write_atomic's temporary files
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        # The culprit's own node outweighs any number of nodes that blame another rank.
+        (
+            [("a", 7, Where.REMOTE), ("b", 7, Where.REMOTE), ("c", 3, Where.LOCAL)],
+            (3, "c", "first-hand"),
+        ),
+        # Nobody first-hand: the rank most nodes blame, node unknown.
+        (
+            [("a", 7, Where.REMOTE), ("b", 7, Where.REMOTE), ("c", 5, Where.REMOTE)],
+            (7, "", "named by 2 of 3"),
+        ),
+        # A tie goes to the lower rank, so every agent that assembles picks the same.
+        ([("a", 9, Where.REMOTE), ("b", 4, Where.REMOTE)], (4, "", "named by 1 of 2")),
+        ([("a", None, Where.REMOTE)], (None, "", "no node named")),
+    ],
+)
+def test_pick_culprit(
+    names: list[tuple[str, int | None, Where]], expected: tuple[int | None, str, str]
+) -> None:
+    rank, node, basis = pick_culprit([_name(*n) for n in names])
+    assert (rank, node) == expected[:2]
+    assert basis.startswith(expected[2]) or expected[2] in basis
+
+
+def test_ready_waits_for_the_culprit_node_or_the_settle_time() -> None:
+    remote = [_name("a", 3, Where.REMOTE)]
+    assert not ready(remote, first_seen=100.0, now=105.0, settle=10.0)
+    assert ready(remote, first_seen=100.0, now=110.0, settle=10.0)
+    assert ready([*remote, _name("b", 3, Where.LOCAL)], first_seen=100.0, now=100.5, settle=10.0)
+
+
+def test_store_assembles_one_verdict_reading_only_the_culprit_node(tmp_path: Path) -> None:
+    store = JobVerdictStore(tmp_path / "timeline" / ".jobs", settle=60.0)
+    reports = [
+        NodeReport(f"node-{i}", 5, Where.REMOTE, str(tmp_path / "timeline" / f"e-{i}"))
+        for i in range(20)
+    ]
+    reports.append(NodeReport("node-x", 5, Where.LOCAL, str(tmp_path / "timeline" / "e-x")))
+    claims = [store.file("job", "a0-hang-g0-7", r) for r in reports]
+    assert claims == [True] + [False] * 20
+    v = store.conclude("job", "a0-hang-g0-7", first_seen=0.0, now_wall=1.0, force=False)
+    assert v is not None
+    assert (v.culprit, v.culprit_node) == (5, "node-x")
+    assert v.first_hand is not None and v.first_hand.evidence.endswith("e-x")
+    assert len(v.nodes) == 21 and len(v.evidence) == 21
+    assert str(tmp_path / "timeline" / "e-7") in v.evidence
+    assert store.io.reads == 1  # the culprit node's report, nothing else
+    # A second assembly (another agent after a crash of the first) does not replace it.
+    store.publish(
+        store.incident_dir("job", "a0-hang-g0-7"), v.__class__(**{**v.__dict__, "culprit": 1})
+    )
+    again = store.load("job", "a0-hang-g0-7")
+    assert again is not None and again.culprit == 5
+    doc = json.loads((store.incident_dir("job", "a0-hang-g0-7") / JOB_VERDICT_FILE).read_text())
+    assert doc["format"] == "diag.job-verdict/1"
+
+
+def _race(root: str, i: int, q: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    store = JobVerdictStore(Path(root), settle=60.0)
+    r = NodeReport(f"n{i}", 2, Where.LOCAL if i == 2 else Where.REMOTE, f"/t/e{i}")
+    q.put(store.file("j", "inc", r))
+
+
+def test_processes_racing_make_one_claimant(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(str(tmp_path), i, q)) for i in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    claims = [q.get(timeout=10) for _ in procs]
+    assert claims.count(True) == 1
+    assert len(JobVerdictStore(tmp_path).names("j", "inc")) == 8
+
+
+def test_nodes_reporting_after_an_early_verdict_are_added(tmp_path: Path) -> None:
+    store = JobVerdictStore(tmp_path / ".jobs", settle=1.0, poll=0.05)
+    store.file("j", "inc", NodeReport("b", 3, Where.LOCAL, str(tmp_path / "eb")))
+    first = time.time()
+    result: list[object] = []
+    t = threading.Thread(target=lambda: result.append(store.wait_and_conclude("j", "inc", first)))
+    t.start()
+    deadline = time.time() + 30
+    while store.load("j", "inc") is None and time.time() < deadline:
+        time.sleep(0.01)
+    early = store.load("j", "inc")
+    assert early is not None and early.nodes == ("b",)
+    store.file("j", "inc", NodeReport("a", 3, Where.REMOTE, str(tmp_path / "ea")))
+    t.join(60)
+    final = store.load("j", "inc")
+    assert final is not None and final.nodes == ("a", "b") and final.culprit_node == "b"
+    assert final.evidence == (str(tmp_path / "ea"), str(tmp_path / "eb"))
