@@ -54,8 +54,6 @@ class AgentConfig:
     metrics_host: str = "0.0.0.0"
     xpu_timer: XpuTimerIdentity | None = None  # expose XPU_TIMER_COMMON_HANG when set
     precheck_metrics: Path | None = None  # textfile of `diag precheck --metrics-file`
-    peers_dir: Path | None = None  # the peer board; None: off
-    peer_interval: float = 2.0
     control: bool = True
     control_socket: Path | None = None  # None: derived from the run dir and job
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
@@ -194,15 +192,6 @@ OPTIONS = (
         "re-export this `diag precheck --metrics-file` textfile "
         f"(default: <run dir>/{PRECHECK_FILE})",
     ),
-    _Opt(
-        "peers_dir",
-        Path,
-        None,
-        "shared directory where the job's agents publish their ranks' "
-        "progress, so a verdict can name a rank on another node (default: <timeline>/.peers)",
-    ),
-    _Opt("peer_interval", _positive, 2.0, "seconds between publications to the peer board"),
-    _Opt("peers", _bool, True, "use the peer board (false: only local ranks are analysed)"),
     _Opt("control", _bool, True, "serve the control channel (commands, flash-checkpoint persists)"),
     _Opt(
         "control_socket",
@@ -268,6 +257,12 @@ OPTIONS = (
     _Opt("notice_interval", _positive, 5.0, "seconds between polls of the metadata URL"),
 )
 
+_BOARD_GONE = (
+    "the peer board is gone; a rank on another node is named by the job verdict, from the views "
+    "the nodes file with their incident reports"
+)
+REMOVED = {"peers": _BOARD_GONE, "peers_dir": _BOARD_GONE, "peer_interval": _BOARD_GONE}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -282,13 +277,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             choices=opt.choices,
             help=f"{opt.help} [env {opt.env}; default {default}]",
         )
+    for name in REMOVED:
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, help=argparse.SUPPRESS)
     taintconfig.add_arguments(parser)
+
+
+def _removed(args: argparse.Namespace, env: Mapping[str, str], file_keys: set[str]) -> None:
+    """Options of earlier versions fail loudly: a silently ignored setting misleads."""
+    for name, why in REMOVED.items():
+        flag, var = f"--{name.replace('_', '-')}", f"DIAG_{name.upper()}"
+        if getattr(args, name, None) is not None:
+            where = flag
+        elif var in env:
+            where = var
+        elif name in file_keys:
+            where = f"{args.config}: {name}"
+        else:
+            continue
+        raise UsageError(f"{where} was removed: {why}; drop it")
 
 
 def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> AgentConfig:
     file_values: dict[str, Any] = {}
     if getattr(args, "config", None):
         file_values = _read_file(args.config)
+    _removed(args, env, set(file_values))
     values: dict[str, Any] = {}
     for opt in OPTIONS:
         raw, source = getattr(args, opt.name, None), opt.flag
@@ -349,10 +362,6 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         metrics_host=values["metrics_host"],
         xpu_timer=xpu_timer,
         precheck_metrics=values["precheck_metrics"] or run_dir / PRECHECK_FILE,
-        peers_dir=(values["peers_dir"] or values["timeline"] / ".peers")
-        if values["peers"]
-        else None,
-        peer_interval=values["peer_interval"],
         control=values["control"],
         control_socket=values["control_socket"],
         checkpoint=CheckpointOptions(
@@ -417,7 +426,7 @@ def _read_file(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"--config {path}: not valid TOML: {e}") from e
     table = raw.get("agent", {k: v for k, v in raw.items() if k != "taint"})
-    known = {o.name for o in OPTIONS}
+    known = {o.name for o in OPTIONS} | set(REMOVED)
     out = {}
     for key, value in table.items():
         name = key.replace("-", "_")

@@ -12,7 +12,8 @@ that is not is the suspect:
   differs from the others' (waitgraph.py, deadlock.py);
 - it is inside #N but its device has not started it while the others' have (CUDA);
 - it called a different collective as #N (op or size mismatch);
-- it is on another node (we cannot see it from here).
+- it is on another node (we cannot see it from here: the job verdict, which weighs every node's
+  view, names it).
 """
 
 from __future__ import annotations
@@ -159,8 +160,9 @@ def find_suspects(obs: Observation) -> list[Suspect]:
 
     for w in waits(obs, local_only=False):
         members = w.members or obs.groups.get(w.group, ())
+        waiting = set(w.waiting)
         for m in members:
-            if m in w.waiting:
+            if m in waiting:
                 continue
             r = by_rank.get(m)
             if r is None:
@@ -169,7 +171,7 @@ def find_suspects(obs: Observation) -> list[Suspect]:
                         m,
                         SuspectKind.REMOTE,
                         f"ranks {_fmt_ranks(w.waiting)} wait for it in {w.describe()}; it runs "
-                        "on another node (see that node's agent)",
+                        "on another node (the job verdict names the culprit)",
                     )
                 )
                 continue

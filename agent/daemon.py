@@ -11,18 +11,16 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import replace
 from types import FrameType
+from typing import Any
 
 from diag.agent import config as config_mod
 from diag.agent import exitcodes
 from diag.agent.actions import Executor, IncidentReport
-from diag.agent.board import Board
 from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
 from diag.agent.checkpoint.sessions import CommandKind
 from diag.agent.config import AgentConfig, Until
-from diag.agent.culprit import SuspectKind
 from diag.agent.drain import DrainRequest, DrainState
 from diag.agent.drainer import Drainer
 from diag.agent.hang import EventKind, Verdict, WatchState, decide
@@ -30,6 +28,7 @@ from diag.agent.jobverdict import JobVerdictStore, report_for_job
 from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.server import MetricsServer
 from diag.agent.nodetaint import NodeTainter
+from diag.agent.nodeview import view_document
 from diag.agent.notice import Notice, NoticeWatcher, deadline_of
 from diag.agent.observer import Observer
 from diag.agent.pyspy import can_trace
@@ -61,11 +60,6 @@ class Agent:
         self.incidents = 0
         self._stop = threading.Event()
         self.observations = 0
-        self.board = (
-            Board(cfg.peers_dir, cfg.node, publish_every=cfg.peer_interval)
-            if cfg.peers_dir is not None
-            else None
-        )
         self.metrics: AgentMetrics | None = None
         if cfg.metrics_port is not None:
             self.metrics = AgentMetrics(
@@ -84,6 +78,7 @@ class Agent:
         self.executor.listeners.append(self.dump_fallback)
         self.job_verdicts = JobVerdictStore(cfg.timeline / ".jobs")
         self._job_verdict_threads: list[threading.Thread] = []
+        self._views: dict[str, dict[str, Any]] = {}  # incident id -> our ranks at its verdict
         self.executor.listeners.append(self.file_job_report)
         self.tainter = NodeTainter(cfg.taint, cfg.node, cfg.timeline)
         self.executor.listeners.append(self.tainter.on_incident)
@@ -129,7 +124,8 @@ class Agent:
     def file_job_report(self, report: IncidentReport) -> None:
         """Files this node's view of the incident for the job verdict; the node that claims the
         incident first assembles it (in a thread: it may wait for the culprit's node)."""
-        thread = report_for_job(self.job_verdicts, report)
+        view = self._views.pop(report.verdict.incident_id, None)
+        thread = report_for_job(self.job_verdicts, report, view)
         if thread is not None:
             self._job_verdict_threads.append(thread)
 
@@ -172,16 +168,13 @@ class Agent:
         obs = self.observer.observe(now)
         self.observations += 1
         decision = decide(self.state, obs, self.cfg.policy)
-        if self.board is not None:
-            self.board.publish(obs, force=decision.verdict is not None)
-            if decision.verdict is not None and _points_elsewhere(decision.verdict):
-                # Read the other nodes' agents once, now, and decide again with their ranks in
-                # view: the culprit may be named exactly instead of "on another node".
-                since = min((w.since for w in decision.verdict.waits), default=float("-inf"))
-                remote, groups = self.board.peers(obs, since)
-                if remote:
-                    obs = replace(obs, remote=tuple(remote), groups={**groups, **obs.groups})
-                    decision = decide(self.state, obs, self.cfg.policy)
+        if decision.verdict is not None:
+            # Our ranks as they are now travel with our report for the job verdict: whoever
+            # assembles it can then weigh them against the other nodes' (nothing is shared in
+            # steady state).
+            self._views[decision.verdict.incident_id] = view_document(
+                obs, self.cfg.node, time.time()
+            )
         self.state = decision.state
         if self.metrics is not None:
             self.metrics.update(obs, self.state, decision.verdict)
@@ -296,10 +289,6 @@ class Agent:
             ) from e
         log.info("serving metrics on http://%s:%d/metrics", cfg.metrics_host, server.port)
         return server.start()
-
-
-def _points_elsewhere(verdict: Verdict) -> bool:
-    return any(s.kind == SuspectKind.REMOTE for s in verdict.suspects)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -314,6 +314,15 @@ def _no_one_stands_out(suspects: list[Suspect]) -> bool:
     )
 
 
+def _span(ranks: list[int]) -> str:
+    """ranks 2, 3 / ranks 8-15 / rank 4: short for a whole remote node."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
 def _hang_verdict(obs: Observation, policy: Policy) -> Verdict | None:
     _, overdue = overdue_ranks(obs, policy.timeouts)
     if not overdue:
@@ -330,7 +339,17 @@ def _hang_verdict(obs: Observation, policy: Policy) -> Verdict | None:
     culprit = suspects[0].rank if suspects else None
     first = max(overdue, key=lambda o: o.age - o.limit.seconds)
     lead = suspects[0].reason if suspects else first.describe()
-    if _no_one_stands_out(suspects):
+    if suspects and suspects[0].kind == SuspectKind.REMOTE:
+        # Only ranks on other nodes can be behind: which of them, this node cannot tell. The
+        # job verdict weighs every node's view of its ranks and names it.
+        culprit = None
+        remote = sorted(s.rank for s in suspects if s.kind == SuspectKind.REMOTE)
+        where = f" in {ws[0].describe()}" if ws else ""
+        lead = (
+            f"the local ranks wait{where} for ranks on other nodes ({_span(remote)}): "
+            "the job verdict names the culprit"
+        )
+    elif _no_one_stands_out(suspects):
         # A deadlock of ranks that all did the same thing (each receives before it sends):
         # naming one of them would send the reader after the wrong rank.
         culprit = None

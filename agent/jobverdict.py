@@ -10,7 +10,10 @@ Every agent that raised an incident files one report for it, and nothing in stea
 A report's *name* carries what the verdict needs from it (the rank it blames, whether that rank
 runs on the reporting node, and the node), so the agent that holds the claim learns every node's
 opinion from one directory listing and reads the contents of the reports from the culprit's node
-only. The filesystem's exclusive create is the only arbitration: no home-made consensus.
+only. When no node blames one of its own ranks (the culprit's node saw nothing, or its agent is
+gone), the claimant reads every report once and runs the culprit analysis over the views of the
+ranks they carry (`nodeview.py`), as if one agent watched the whole job. The filesystem's
+exclusive create is the only arbitration: no home-made consensus.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from diag.agent.nodeview import analyse
 from diag.collector.meta import safe_job_name, write_atomic
 
 if TYPE_CHECKING:
@@ -57,6 +61,7 @@ class NodeReport:
     kind: str = ""
     summary: str = ""
     wall: float = 0.0  # when the node filed it (its clock)
+    view: dict[str, Any] | None = None  # its ranks at the verdict (nodeview.view_document)
 
     def name(self) -> str:
         rank = "x" if self.culprit is None else str(self.culprit)
@@ -132,12 +137,13 @@ def assemble(
     read: dict[str, NodeReport],
     evidence: dict[str, str],
     now_wall: float,
+    pick: tuple[int | None, str, str] | None = None,
 ) -> JobVerdict:
-    rank, node, basis = pick_culprit(names)
+    rank, node, basis = pick if pick is not None else pick_culprit(names)
     first = None
     for n in names:
         if n.node == node and n.culprit == rank and n.file in read:
-            first = read[n.file]
+            first = replace(read[n.file], view=None)  # the verdict stays small
             break
     nodes = tuple(sorted({n.node for n in names}))
     return JobVerdict(
@@ -151,6 +157,16 @@ def assemble(
         first_hand=first,
         decided_wall=now_wall,
     )
+
+
+def _from_views(reports: list[NodeReport], now_wall: float) -> tuple[int, str, str] | None:
+    """(rank, node, basis) from the culprit analysis over every report's view; None when the
+    views name no single rank."""
+    views = [r.view for r in reports if r.view is not None]
+    a = analyse(views, now_wall)
+    if a.culprit is None:
+        return None
+    return a.culprit, a.node, f"from the views of {len(views)} nodes: {a.reason}"
 
 
 def _verdict_bytes(verdict: JobVerdict) -> bytes:
@@ -232,20 +248,24 @@ class JobVerdictStore:
         if not names or not (force or ready(names, first_seen, now_wall, self.settle)):
             return None
         d = self.incident_dir(job, incident_id)
-        rank, node, _ = pick_culprit(names)
+        pick = pick_culprit(names)
+        rank, node, _ = pick
+        first_hand = any(n.where == Where.LOCAL and n.culprit is not None for n in names)
         read: dict[str, NodeReport] = {}
         for n in names:
-            if node and n.node == node and n.culprit == rank:
+            if (node and n.node == node and n.culprit == rank) or not first_hand:
                 r = self._read(d / REPORTS_DIR / n.file)
                 if r is not None:
                     read[n.file] = r
+        if not first_hand:
+            pick = _from_views(list(read.values()), now_wall) or pick
         # Evidence directories sit in the timeline, named in each report's name.
         timeline = self.root.parent
         evidence = {
             n.file: (read[n.file].evidence if n.file in read else str(timeline / n.evidence_name))
             for n in names
         }
-        verdict = assemble(incident_id, job, names, read, evidence, now_wall)
+        verdict = assemble(incident_id, job, names, read, evidence, now_wall, pick)
         self.publish(d, verdict)
         return self.load(job, incident_id)
 
@@ -317,9 +337,12 @@ class JobVerdictStore:
         return full
 
 
-def report_for_job(store: JobVerdictStore, report: IncidentReport) -> threading.Thread | None:
-    """Files a node's incident for the job verdict; the claimant assembles it in a thread (the
-    one returned: join it before exiting, or the verdict may be left unwritten)."""
+def report_for_job(
+    store: JobVerdictStore, report: IncidentReport, view: dict[str, Any] | None = None
+) -> threading.Thread | None:
+    """Files a node's incident, with the view of its ranks, for the job verdict; the claimant
+    assembles it in a thread (the one returned: join it before exiting, or the verdict may be
+    left unwritten)."""
     if report.evidence is None:
         return None
     v = report.verdict
@@ -334,6 +357,7 @@ def report_for_job(store: JobVerdictStore, report: IncidentReport) -> threading.
         kind=v.kind.value,
         summary=v.summary,
         wall=time.time(),
+        view=view,
     )
     try:
         claimed = store.file(report.job, v.incident_id, node_report)

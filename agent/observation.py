@@ -95,8 +95,8 @@ class Observation:
     group_timeouts: Mapping[str, float] = field(default_factory=dict)  # per group, when known
     recent_ops: Mapping[int, tuple[OpView, ...]] = field(default_factory=dict)  # rank -> done ops
     job: str = ""  # the job of the ranks' journals
-    # Ranks on other nodes, as their agents published them (board.py): hints for the culprit
-    # analysis only; this agent judges and acts on its own ranks.
+    # Ranks on other nodes, as their agents saw them (nodeview.py): hints for the culprit
+    # analysis only; an agent judges and acts on its own ranks.
     remote: tuple[RankSnapshot, ...] = ()
 
     def rank(self, rank: int) -> RankSnapshot | None:
@@ -107,7 +107,7 @@ class Observation:
         return None
 
     def find(self, rank: int) -> RankSnapshot | None:
-        """A local rank, else one another node's agent published."""
+        """A local rank, else one another node's agent saw."""
         found = self.rank(rank)
         if found is None:
             for r in self.remote:

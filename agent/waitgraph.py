@@ -82,19 +82,38 @@ def blocked_ranks(obs: Observation) -> dict[int, Blocked]:
     """Every live rank in view (local or published by another node) that waits in an op."""
     by_rank = {r.rank: r for r in obs.all_ranks}
     out: dict[int, Blocked] = {}
+    # Whether a member has arrived at a collective does not depend on who asks: one pass per
+    # collective, not one per waiting rank (thousands of ranks wait in the same all-reduce).
+    collective: dict[tuple[str, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for r in obs.all_ranks:
         if not r.alive or not r.pending:
             continue
         op = r.pending[0]
-        on, missing = [], []
-        for m in needed(r.rank, op, obs.groups):
-            other = by_rank.get(m)
-            if other is None:
-                missing.append(m)
-            elif other.alive and not arrived(other, r.rank, op):
-                on.append(m)
-        out[r.rank] = Blocked(r.rank, op, tuple(on), tuple(missing))
+        if op.is_p2p:
+            on, missing = _blockers(r.rank, op, obs, by_rank)
+        else:
+            key = (op.group, op.group_seq)
+            if key not in collective:
+                collective[key] = _blockers(-1, op, obs, by_rank)
+            on_all, missing_all = collective[key]
+            on = tuple(m for m in on_all if m != r.rank)
+            missing = tuple(m for m in missing_all if m != r.rank)
+        out[r.rank] = Blocked(r.rank, op, on, missing)
     return out
+
+
+def _blockers(
+    rank: int, op: OpView, obs: Observation, by_rank: Mapping[int, RankSnapshot]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(ranks in view that have not done their part of `op`, ranks not in view)."""
+    on, missing = [], []
+    for m in needed(rank, op, obs.groups):
+        other = by_rank.get(m)
+        if other is None:
+            missing.append(m)
+        elif other.alive and not arrived(other, rank, op):
+            on.append(m)
+    return tuple(on), tuple(missing)
 
 
 def cycles(graph: Mapping[int, Blocked]) -> list[tuple[int, ...]]:

@@ -251,7 +251,7 @@ def run_agent(work: Path, tag: str, cg: MemCgroup, extra: list[str]) -> dict:
     cmd = [
         sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(work / "run"),
         "--timeline", str(timeline), "--job", JOB, "--until", "incident", "--hang-floor", "1",
-        "--interval", "0.25", "--native-stacks", "true", "--peers", "false", "--control",
+        "--interval", "0.25", "--native-stacks", "true", "--control",
         "false", "--pyspy-timeout", "60", "-v", *extra,
     ]  # fmt: skip
     log = work / f"agent-{tag}.log"

@@ -12,6 +12,10 @@ Agents are simulated in-process against a real directory (default: a fresh one u
   culprit node's. Time from the first local verdict to the job verdict is measured with the
   claimant's real polling thread, the culprit's node reporting first (a death it saw) and the
   others after it.
+- job verdict, fallback: no node blames one of its own ranks (the culprit's node saw nothing
+  wrong), so after the settle time the claimant reads every report once and runs the culprit
+  analysis over all their views (8 ranks per node, every rank but one inside the same
+  all-reduce). Reads, bytes and the time of that one conclusion are measured.
 
     python bench/jobverdict_bench.py [--nodes 2000,16000] [--dir PATH]
 """
@@ -27,7 +31,10 @@ import time
 from pathlib import Path
 
 from diag.agent.jobverdict import JobVerdictStore, NodeReport, Where
+from diag.agent.nodeview import view_document
+from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.collector.meta import write_atomic
+from diag.collector.records import OpCode, OpState
 
 
 def board(root: Path, n: int, payload: int, sample: int) -> dict[str, float]:
@@ -102,6 +109,52 @@ def jobverdict(root: Path, n: int) -> dict[str, float]:
     }
 
 
+def _node_view(node: int, n: int, per_node: int, now: float, wall: float) -> dict:
+    """A node's view: its ranks wait in all-reduce #42 of the world group, except rank 7 (on
+    node 0), which finished #41 and never entered #42."""
+    ranks = []
+    for local in range(per_node):
+        r = node * per_node + local
+        done = OpView("0", 41, OpCode.ALL_REDUCE, OpState.COMPLETED, 1 << 20, now - 12, now - 11.9)
+        stuck = OpView("0", 42, OpCode.ALL_REDUCE, OpState.ENQUEUED, 1 << 20, now - 10)
+        behind = r == 7
+        ranks.append(RankSnapshot(
+            rank=r, local_rank=local, pid=1000 + local, node=f"node-{node}",
+            liveness=Liveness.RUNNING, started_at=0.0, last_activity=now - (11.9 if behind else 10),
+            step=7, pending=() if behind else (stuck,), last_ops={"0": done if behind else stuck},
+            step_durations=(0.5,),
+        ))  # fmt: skip
+    obs = Observation(
+        now=now, ranks=tuple(ranks), groups={"0": tuple(range(n * per_node))},
+        world_size=n * per_node, job="job",
+    )  # fmt: skip
+    return view_document(obs, f"node-{node}", wall)
+
+
+def fallback(root: Path, n: int, per_node: int = 8) -> dict[str, float]:
+    store = JobVerdictStore(root / ".jobs", settle=10.0)
+    wall = time.time()
+    written = 0
+    for i in range(n):
+        r = NodeReport(
+            f"node-{i}", None, Where.REMOTE, str(root / f"20261124-000000-hang-node-{i}"),
+            view=_node_view(i, n, per_node, 100.0, wall),
+        )  # fmt: skip
+        store.file("job", "a0-hang-g0-42", r)
+        written = store.io.bytes_written
+    reads0, bytes0 = store.io.reads, store.io.bytes_read
+    t0 = time.perf_counter()
+    v = store.conclude("job", "a0-hang-g0-42", first_seen=wall, now_wall=wall + 10, force=True)
+    took = time.perf_counter() - t0
+    assert v is not None and (v.culprit, v.culprit_node) == (7, "node-0"), v
+    return {
+        "reads": float(store.io.reads - reads0),
+        "bytes_read": float(store.io.bytes_read - bytes0),
+        "report_bytes": written / n,
+        "conclude_s": took,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", default="2000,16000")
@@ -116,6 +169,7 @@ def main() -> None:
         try:
             old = board(root / "old", n, args.board_payload, args.sample)
             new = jobverdict(root / "new", n)
+            fb = fallback(root / "fallback", n)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         print(f"\n== {n} nodes (directory {args.dir or tempfile.gettempdir()}) ==")
@@ -136,6 +190,11 @@ def main() -> None:
             f"{new['job_verdict_bytes'] / 1024:.0f} KiB verdict, all {n} reports filed in "
             f"{new['filing_all_s']:.2f} s (one agent doing them in turn), late evidence added in "
             f"{new['add_late_s']:.3f} s; old board: one publication round {old['one_round_write_s']:.2f} s"
+        )
+        print(
+            f"  fallback (no first-hand report): {fb['reads']:.0f} reports read, "
+            f"{fb['bytes_read'] / 1e6:.1f} MB ({fb['report_bytes'] / 1024:.1f} KiB each), culprit "
+            f"named in {fb['conclude_s']:.2f} s after the settle time"
         )
 
 

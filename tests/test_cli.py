@@ -96,7 +96,16 @@ def test_config_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
     )
     defaults = config_mod.load(parser.parse_args([]), env={})
     assert defaults.timeline == Path("/root/timeline") and isinstance(defaults.run_dir, Path)
-    assert defaults.peers_dir == Path("/root/timeline/.peers")
+    # Options of earlier versions fail loudly, wherever they are set, instead of being ignored.
+    for argv, env, text in (
+        (["--peer-interval", "2"], {}, "--peer-interval was removed"),
+        ([], {"DIAG_PEERS": "false"}, "DIAG_PEERS was removed"),
+    ):
+        with pytest.raises(UsageError, match=text):
+            config_mod.load(parser.parse_args(argv), env=env)
+    cfg.write_text("[agent]\npeers_dir = '/x'\n")
+    with pytest.raises(UsageError, match="peers_dir was removed: the peer board is gone"):
+        config_mod.load(parser.parse_args(["--config", str(cfg)]), env={})
     cfg.write_text("[agent]\nhang_timeot = 40\n")
     with pytest.raises(UsageError, match="unknown option 'hang_timeot'"):
         config_mod.load(parser.parse_args(["--config", str(cfg)]), env={})

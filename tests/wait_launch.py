@@ -71,7 +71,7 @@ def run(
     agent_cmd = [
         py, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir), "--timeline",
         str(timeline), "--job", JOB, "--on-hang", "stop", "--until", "incident", "--interval",
-        "0.25", "--stop-grace", "5", "--native-stacks", "false", "--peers", "false", "-v",
+        "0.25", "--stop-grace", "5", "--native-stacks", "false", "-v",
         *agent_args,
     ]  # fmt: skip
     job_cmd = [
