@@ -179,7 +179,8 @@ def analyse(views: list[dict[str, Any]], now_wall: float) -> Attribution:
             continue
         for s in snaps:
             ranks.setdefault(s.rank, s)
-        world = max(world, int(d.get("world_size", 0)), max(ranks, default=-1) + 1)
+            world = max(world, s.rank + 1)
+        world = max(world, int(d.get("world_size", 0)))
     if not ranks:
         return Attribution(None, "", "no node filed a readable view of its ranks")
     obs = Observation(
