@@ -158,7 +158,7 @@ class Cluster:
             *extra,
         ]
         if self.lab:
-            cmd = ["ip", "netns", "exec", self.lab.ns(rank), *cmd]
+            cmd = self.lab.exec_in(rank, cmd)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with out.open("wb") as o, err.open("wb") as e:
             proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=env, cwd=REPO)
@@ -198,6 +198,12 @@ class NetLab:
 
     def addr(self, i: int) -> str:
         return f"{SUBNET}.{i + 1}"
+
+    def exec_in(self, i: int, cmd: list[str]) -> list[str]:
+        """`cmd` run inside node i's namespace. `ip netns exec` execs the command after
+        entering the namespace, so the PID Popen gets is the command itself, and signals sent to
+        it (or to its process tree) reach the real process."""
+        return ["ip", "netns", "exec", self.ns(i), *cmd]
 
     def build(self) -> NetLab:
         _ip("netns", "add", self.switch)

@@ -1,0 +1,164 @@
+"""Two nodes as two network namespaces: a 4-rank job under two torchrun launchers (2 ranks each),
+each launcher and its node's `diag agent` inside its own namespace, the ranks talking over the
+veth links (gloo on eth0) rather than loopback, the nodes sharing the timeline as a cluster shares
+a volume. Rank 3, on node-b, hangs. The job gets one job verdict (rank 3 on node-b) from both
+nodes' evidence, both nodes' incident directories carry the same incident id, `diag merge` makes
+one picture of all four ranks, and `diag taint --dry-run` plans a taint for node-b only."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from netlab import NetLab, netns_unavailable
+
+from diag.agent.procs import stop_tree
+from diag.viewer.merge import merge_incident
+from tests.test_multinode import _taint_plans
+
+pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(300)]
+
+# The rendezvous store listens in node-a's own namespace, where nothing else runs: any port is
+# free there, and no other suite on the host can take it.
+PORT = 29500
+NODES = ("node-a", "node-b")
+
+
+def _exec_into_python(proc: subprocess.Popen[bytes]) -> None:
+    """Waits until `ip netns exec` has exec'd its command. It execs, rather than forking, so then
+    the PID is the Python process itself, and stopping it (or its tree) reaches the launcher or
+    agent, not a wrapper that would leave them running."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            cmdline = psutil.Process(proc.pid).cmdline()
+        except psutil.NoSuchProcess:
+            return  # exited already: nothing left to stop
+        if cmdline[:1] == [sys.executable] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert cmdline[:1] == [sys.executable], cmdline
+
+
+def test_job_verdict_names_the_hung_rank_across_namespaces(tmp_path: Path) -> None:
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    timeline = tmp_path / "timeline"
+    lab = NetLab(2)
+    agents: list[subprocess.Popen[bytes]] = []
+    jobs: list[subprocess.Popen[bytes]] = []
+    try:
+        lab.build()  # inside try: a half-built lab is torn down too
+        for node_rank, node in enumerate(NODES):
+            run = tmp_path / f"run-{node}"
+            env = dict(
+                os.environ,
+                DIAG_RUN_DIR=str(run),
+                DIAG_JOB="mn",
+                DIAG_NODE=node,
+                OMP_NUM_THREADS="1",
+            )
+            log = open(tmp_path / f"agent-{node}.log", "wb")  # noqa: SIM115
+            agents.append(subprocess.Popen(
+                lab.exec_in(node_rank, [
+                    sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run),
+                    "--timeline", str(timeline), "--job", "mn", "--node", node, "--hang-timeout",
+                    "20", "--hang-floor", "3", "--warmup-timeout", "60", "--on-hang", "none",
+                    "--until", "incident", "--interval", "0.25", "-v"]),
+                env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+            # gloo otherwise binds the address the host name resolves to (127.0.0.1 here, from
+            # /etc/hosts, shared by both namespaces): the other node cannot reach it and the
+            # full mesh times out. eth0 is the veth, the node's only address on the lab's subnet.
+            job_env = dict(env, GLOO_SOCKET_IFNAME="eth0")
+            job_log = open(tmp_path / f"torchrun-{node}.log", "wb")  # noqa: SIM115
+            jobs.append(subprocess.Popen(
+                lab.exec_in(node_rank, [
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                    "--node-rank", str(node_rank), "--nproc-per-node", "2", "--master-addr",
+                    lab.addr(0), "--master-port", str(PORT), "-m", "diag.trainer.demo_job",
+                    "--fault", "hang", "--fault-rank", "3", "--fault-step", "4", "--steps",
+                    "40"]),
+                env=job_env, stdout=job_log, stderr=subprocess.STDOUT,
+                start_new_session=True))  # fmt: skip
+        for p in (*agents, *jobs):
+            _exec_into_python(p)
+
+        def logs() -> str:
+            return "\n".join(
+                f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}"
+                for f in sorted(tmp_path.glob("*.log"))
+            )
+
+        # The agents stop at the incident; the launchers run on (rank 3 hangs, --on-hang none).
+        # A launcher that exits first failed to start the job (a rendezvous or gloo that cannot
+        # reach the other namespace): say so now, not at the timeout.
+        deadline = time.monotonic() + 200
+        while any(a.poll() is None for a in agents):
+            exited = [n for n, j in zip(NODES, jobs, strict=True) if j.poll() is not None]
+            assert not exited, f"torchrun exited on {exited} before the incident:\n{logs()}"
+            assert time.monotonic() < deadline, f"agents still running:\n{logs()}"
+            time.sleep(0.5)
+        verdicts = {}
+        for d in timeline.iterdir():
+            if (d / "verdict.json").exists():
+                v = json.loads((d / "verdict.json").read_text())
+                verdicts[v["node"]] = (d, v)
+        assert set(verdicts) == set(NODES), logs()
+        # node-a's own verdict is left alone: remote culprits are the job verdict's to name.
+        assert verdicts["node-b"][1]["culprit"] == 3, verdicts["node-b"][1]["summary"]
+        assert verdicts["node-a"][1]["incident_id"] == verdicts["node-b"][1]["incident_id"]
+
+        # One job verdict for the incident: rank 3 on node-b, with both nodes' evidence.
+        job_verdicts = list((timeline / ".jobs").glob("*/*/job-verdict.json"))
+        assert len(job_verdicts) == 1, logs()
+        jv = json.loads(job_verdicts[0].read_text())
+        assert (jv["culprit"], jv["culprit_node"]) == (3, "node-b"), jv
+        assert sorted(jv["nodes"]) == sorted(NODES)
+        assert sorted(jv["evidence"]) == sorted(str(d) for d, _ in verdicts.values())
+
+        merged = merge_incident(timeline)
+        assert len(merged.sources) == 2 and merged.world_size == 4
+        assert merged.suspects[0].rank == 3
+
+        # The picture as a user makes it: `diag merge` on the timeline root merges the newest
+        # incident, both nodes' directories of it, into one merged-<id> directory.
+        r = subprocess.run(
+            [sys.executable, "-m", "diag.agent.cli", "merge", "--path", str(timeline)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        out_dir = Path(r.stdout.split("wrote into ", 1)[1].split(":\n", 1)[0])
+        assert out_dir == merged.out_dir and out_dir.parent == timeline, r.stdout
+        assert [p.name for p in timeline.glob("merged-*")] == [out_dir.name]
+        svg = out_dir / "py_stack.svg"
+        assert svg.is_file() and svg.stat().st_size > 0, r.stdout
+
+        # One taint plan, for the job verdict's culprit node only (threshold 1: this single
+        # incident is enough), against the in-memory API.
+        plans = _taint_plans(tmp_path, timeline, jv["culprit_node"])
+        assert "+ taint" in plans[jv["culprit_node"]] and "dry run" in plans[jv["culprit_node"]]
+        assert "+ taint" not in plans["node-a"], plans
+    finally:
+        try:
+            for p in jobs:
+                if p.poll() is None:
+                    stop_tree(p.pid, grace=5)
+                p.wait(timeout=30)
+            for a in agents:
+                if a.poll() is None:
+                    a.send_signal(signal.SIGTERM)
+                    try:
+                        a.wait(timeout=20)
+                    except subprocess.TimeoutExpired:
+                        a.kill()
+                        a.wait(timeout=10)
+        finally:
+            lab.close()
