@@ -17,7 +17,7 @@ Agents are simulated in-process against a real directory (default: a fresh one u
   analysis over all their views (8 ranks per node, every rank but one inside the same
   all-reduce). Reads, bytes and the time of that one conclusion are measured.
 
-    python bench/jobverdict_bench.py [--nodes 2000,16000] [--dir PATH]
+    python bench/jobverdict_bench.py [--nodes 2000,16000] [--dir PATH] [--fallback-only]
 """
 
 from __future__ import annotations
@@ -164,39 +164,46 @@ def main() -> None:
     )
     ap.add_argument("--board-payload", type=int, default=4096)
     ap.add_argument("--sample", type=int, default=3, help="agents that read the whole old board")
+    ap.add_argument("--fallback-only", action="store_true", help="only the fallback scenario")
     args = ap.parse_args()
     for n in (int(x) for x in args.nodes.split(",")):
         root = Path(tempfile.mkdtemp(prefix="jv-bench-", dir=args.dir))
         try:
-            old = board(root / "old", n, args.board_payload, args.sample)
-            new = jobverdict(root / "new", n)
+            if not args.fallback_only:
+                _compare(n, root, args)
             fb = fallback(root / "fallback", n)
         finally:
             shutil.rmtree(root, ignore_errors=True)
-        print(f"\n== {n} nodes (directory {args.dir or tempfile.gettempdir()}) ==")
-        print(f"{'':34}{'old board':>16}{'job verdict':>16}{'old/new':>10}")
-        for key, label in [
-            ("steady_writes_per_s", "steady state: writes/s"),
-            ("steady_bytes_per_s", "steady state: bytes written/s"),
-            ("incident_writes", "incident: writes (job-wide)"),
-            ("incident_reads", "incident: reads (job-wide)"),
-            ("incident_bytes_read", "incident: bytes read (job-wide)"),
-            ("verdict_after_s", "first local -> job verdict, s"),
-        ]:
-            o, w = old[key], new[key]
-            ratio = f"{o / w:.0f}x" if w else "inf"
-            print(f"{label:34}{o:>16.4g}{w:>16.4g}{ratio:>10}")
         print(
-            f"  job verdict: {new['incident_listings']:.0f} listings, "
-            f"{new['job_verdict_bytes'] / 1024:.0f} KiB verdict, all {n} reports filed in "
-            f"{new['filing_all_s']:.2f} s (one agent doing them in turn), late evidence added in "
-            f"{new['add_late_s']:.3f} s; old board: one publication round {old['one_round_write_s']:.2f} s"
-        )
-        print(
-            f"  fallback (no first-hand report): {fb['reads']:.0f} reports read, "
+            f"  {n} nodes, fallback (no first-hand report): {fb['reads']:.0f} reports read, "
             f"{fb['bytes_read'] / 1e6:.1f} MB ({fb['report_bytes'] / 1024:.1f} KiB each), culprit "
             f"named in {fb['conclude_s']:.2f} s after the settle time"
         )
+
+
+def _compare(n: int, root: Path, args: argparse.Namespace) -> None:
+    old = board(root / "old", n, args.board_payload, args.sample)
+    new = jobverdict(root / "new", n)
+    print(f"\n== {n} nodes (directory {args.dir or tempfile.gettempdir()}) ==")
+    print(f"{'':34}{'old board':>16}{'job verdict':>16}{'old/new':>10}")
+    for key, label in [
+        ("steady_writes_per_s", "steady state: writes/s"),
+        ("steady_bytes_per_s", "steady state: bytes written/s"),
+        ("incident_writes", "incident: writes (job-wide)"),
+        ("incident_reads", "incident: reads (job-wide)"),
+        ("incident_bytes_read", "incident: bytes read (job-wide)"),
+        ("verdict_after_s", "first local -> job verdict, s"),
+    ]:
+        o, w = old[key], new[key]
+        ratio = f"{o / w:.0f}x" if w else "inf"
+        print(f"{label:34}{o:>16.4g}{w:>16.4g}{ratio:>10}")
+    print(
+        f"  job verdict: {new['incident_listings']:.0f} listings, "
+        f"{new['job_verdict_bytes'] / 1024:.0f} KiB verdict, all {n} reports filed in "
+        f"{new['filing_all_s']:.2f} s (one agent doing them in turn), late evidence added in "
+        f"{new['add_late_s']:.3f} s; old board: one publication round "
+        f"{old['one_round_write_s']:.2f} s"
+    )
 
 
 if __name__ == "__main__":
