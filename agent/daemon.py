@@ -135,11 +135,17 @@ class Agent:
     def request_drain(self, request: DrainRequest) -> None:
         """Asks the main loop to drain (from a signal handler or the notice watcher: it only
         records the request). A SIGTERM during an early notice's drain makes the agent exit
-        once that drain is done."""
+        once that drain is done, and brings its deadline forward to the grace period's."""
         with self._drain_lock:
             if request.exit_after:
                 self._exit_after_drain = True
-            if self._draining or self._drain_request is not None:
+            if self._draining:
+                if self.drainer is not None:
+                    self.drainer.tighten(request)
+                return
+            if self._drain_request is not None:
+                if _ends_sooner(request, self._drain_request, self.cfg):
+                    self._drain_request = request
                 return
             self._drain_request = request
 
@@ -289,6 +295,15 @@ class Agent:
             ) from e
         log.info("serving metrics on http://%s:%d/metrics", cfg.metrics_host, server.port)
         return server.start()
+
+
+def _ends_sooner(a: DrainRequest, b: DrainRequest, cfg: AgentConfig) -> bool:
+    grace = cfg.drain.grace if cfg.drain is not None else 0.0
+
+    def end(r: DrainRequest) -> float:
+        return r.deadline if r.deadline is not None else r.at + grace
+
+    return end(a) < end(b)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -147,6 +147,33 @@ def start(
     return DrainState(reason=reason, started=now, deadline=end, rank_deadline=end - budget)
 
 
+def tighten(
+    state: DrainState,
+    reason: str,
+    now: float,
+    settings: DrainSettings,
+    *,
+    deadline: float | None = None,
+    persist_bytes: int = 0,
+    persist_rate: float | None = None,
+) -> DrainState:
+    """A second request during a drain (SIGTERM while an early notice's drain runs: the kubelet
+    SIGKILLs `grace` after its SIGTERM, whatever the notice said). The earlier end wins; the
+    ranks' deadline moves with it, so ranks stuck in a long step are still stopped in time."""
+    fresh = start(
+        reason, now, settings, deadline=deadline, persist_bytes=persist_bytes,
+        persist_rate=persist_rate,
+    )  # fmt: skip
+    if fresh.deadline >= state.deadline or state.phase == Phase.DONE:
+        return state
+    return replace(
+        state,
+        reason=f"{state.reason}, then {reason}",
+        deadline=fresh.deadline,
+        rank_deadline=min(state.rank_deadline, fresh.rank_deadline),
+    )
+
+
 def rank_settled(r: RankView) -> bool:
     """Left, or still there with the step it saved for us on storage (a job that keeps running
     after EXIT, exit_on_command=False)."""

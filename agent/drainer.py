@@ -2,7 +2,9 @@
 EXIT over the control channel, persists, stops ranks that cannot reach a step boundary in time.
 
 Runs on the agent's main loop, which does nothing else meanwhile; the control channel's server,
-the persist workers and the watch on rank processes keep running on their own threads.
+the persist workers and the watch on rank processes keep running on their own threads. A PERSIST
+runs on a thread of its own (counted as a persist in flight), so the loop keeps watching the
+deadlines while gigabytes go to storage.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from diag.agent.drain import (
     RankView,
     decide,
     start,
+    tighten,
 )
 from diag.agent.procs import same_process, stop_tree
 from diag.collector.slotfile import read_snapshots
@@ -60,20 +63,24 @@ class Drainer:
         self.exit_code = exit_code
         self._commands: dict[tuple[str, int], str] = {}  # (job, rank) -> EXIT command id
         self.state: DrainState | None = None
+        self._later: DrainRequest | None = None  # a request that came during the drain
+
+    def tighten(self, request: DrainRequest) -> None:
+        """A request during the drain (from a signal handler: only recorded here); the loop
+        applies it at its next tick."""
+        self._later = request
 
     # -- running -----------------------------------------------------------------------------
 
     def run(self, request: DrainRequest, abort: threading.Event | None = None) -> DrainState:
         """Drains until done, the deadline, or `abort` (a second SIGINT)."""
         self._commands = {}
+        self._later = None
         now = time.monotonic()
-        deadline = request.deadline
-        if deadline is not None:
-            deadline -= self.settings.margin
         nbytes, rate = self._persist_estimate()
         state = start(
             request.reason, request.at, self.settings,
-            deadline=deadline, persist_bytes=nbytes, persist_rate=rate,
+            deadline=self._deadline(request), persist_bytes=nbytes, persist_rate=rate,
         )  # fmt: skip
         log.warning(
             "drain (%s): EXIT to the ranks, then persist; ranks have until %.1f s, done by "
@@ -83,6 +90,9 @@ class Drainer:
         )  # fmt: skip
         self.state = state
         while True:
+            later, self._later = self._later, None
+            if later is not None:
+                state = self._tighten(state, later)
             now = time.monotonic()
             decision = decide(state, self.views(), now)
             for e in decision.events:
@@ -98,6 +108,26 @@ class Drainer:
             if abort is None:
                 time.sleep(TICK_S)
 
+    def _deadline(self, request: DrainRequest) -> float | None:
+        return None if request.deadline is None else request.deadline - self.settings.margin
+
+    def _tighten(self, state: DrainState, request: DrainRequest) -> DrainState:
+        nbytes, rate = self._persist_estimate()
+        new = tighten(
+            state, request.reason, request.at, self.settings, deadline=self._deadline(request),
+            persist_bytes=nbytes, persist_rate=rate,
+        )  # fmt: skip
+        now = time.monotonic()
+        if new is state:
+            log.info("drain (%s): %s changes nothing", state.reason, request.reason)
+        else:
+            log.warning(
+                "drain: %s during the drain for %s: ranks now have until %.1f s, done by %.1f s "
+                "from now",
+                request.reason, state.reason, new.rank_deadline - now, new.deadline - now,
+            )  # fmt: skip
+        return new
+
     def execute(self, action: DrainAction, state: DrainState) -> None:
         cp = self.checkpoints
         if action.kind == ActionKind.SEND_EXIT:
@@ -110,18 +140,22 @@ class Drainer:
             log.info("drain: EXIT sent to ranks %s of %s", sorted(sent), action.job)
         elif action.kind == ActionKind.PERSIST:
             t0 = time.monotonic()
-            results = cp.persist_newest(action.job, above_committed=True)
-            written = [r for r in results if r.ok and not r.skipped]
-            failed = [r for r in results if not r.ok]
-            if results:
-                log.log(
-                    logging.WARNING if failed else logging.INFO,
-                    "drain: persisted %d part(s) of %s in %.2f s (%s)%s",
-                    len(written), action.job, time.monotonic() - t0,
-                    ", ".join(sorted({f"step {r.step}" for r in written})) or "nothing new",
-                    "; failed: " + "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
-                    if failed else "",
-                )  # fmt: skip
+            job = action.job
+
+            def done(results: list) -> None:
+                written = [r for r in results if r.ok and not r.skipped]
+                failed = [r for r in results if not r.ok]
+                if results:
+                    log.log(
+                        logging.WARNING if failed else logging.INFO,
+                        "drain: persisted %d part(s) of %s in %.2f s (%s)%s",
+                        len(written), job, time.monotonic() - t0,
+                        ", ".join(sorted({f"step {r.step}" for r in written})) or "nothing new",
+                        "; failed: " + "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
+                        if failed else "",
+                    )  # fmt: skip
+
+            cp.persist_newest_in_background(job, above_committed=True, done=done)
         elif action.kind == ActionKind.STOP_RANKS:
             grace = max(0.0, min(self.settings.stop_grace, state.deadline - time.monotonic() - 1))
             pids = self._pids(action.job, action.ranks)

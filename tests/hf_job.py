@@ -112,22 +112,24 @@ def main(argv: list[str] | None = None) -> int:
         train_dataset=Data(5000),
         callbacks=[stop, deepspeed_elastic(args), Record()],
     )
-    trainer.train(resume_from_checkpoint=a.resume)
-    engine = trainer.model_wrapped
-    request = stop.requested
-    (out / f"result-{rank}.json").write_text(
-        json.dumps(
-            {
-                "global_step": trainer.state.global_step,
-                "stopped_at": stop.stopped_at,
-                "requested": request.reason if request else None,
-                "world_size": args.world_size,
-                "train_batch_size": engine.train_batch_size(),
-                "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
-                "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-            }
+    try:
+        trainer.train(resume_from_checkpoint=a.resume)
+    finally:  # graceful_exit leaves train() with SystemExit(143) after a stop
+        engine = trainer.model_wrapped
+        request = stop.requested
+        (out / f"result-{rank}.json").write_text(
+            json.dumps(
+                {
+                    "global_step": trainer.state.global_step,
+                    "stopped_at": stop.stopped_at,
+                    "requested": request.reason if request else None,
+                    "world_size": args.world_size,
+                    "train_batch_size": engine.train_batch_size(),
+                    "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+                    "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+                }
+            )
         )
-    )
     return 0
 
 

@@ -142,6 +142,9 @@ def test_the_sidecar_flags_are_the_agent_s(rendered, tmp_path):
     cfg = agent_config.load(parser.parse_args(args[1:]), env=env)
     assert cfg.taint.mode == TaintMode.ON and cfg.taint.event_namespace == "training"
     assert cfg.metrics_port == 9400 and cfg.node == "node-a"
+    # The drain plans within the pod's grace period, not the 30 s default.
+    grace = job["spec"]["replicaSpecs"]["worker"]["template"]["spec"]
+    assert cfg.drain is not None and cfg.drain.grace == grace["terminationGracePeriodSeconds"]
 
 
 def test_podmonitor_in_the_base_is_the_shipped_one():

@@ -14,6 +14,7 @@ from diag.agent.drain import (
     persist_budget,
     rank_settled,
     start,
+    tighten,
 )
 
 S = DrainSettings(grace=30.0, margin=3.0)
@@ -212,3 +213,21 @@ def test_the_agents_exit_command_asks_for_the_trainers_drain_exit_code() -> None
     from diag.trainer.drain import DRAIN_EXIT_CODE
 
     assert exitcodes.RANK_DRAINED == DRAIN_EXIT_CODE == 143
+
+
+def test_sigterm_during_an_early_notice_brings_the_deadlines_forward() -> None:
+    # An AWS notice at t=100 gives the reclaim at t=220; the kubelet's SIGTERM comes at t=150 and
+    # its SIGKILL 30 s later, whatever the notice said.
+    st = start("aws notice", 100.0, S, deadline=217.0)
+    assert (st.deadline, st.rank_deadline) == (217.0, 212.0)
+    tight = tighten(st, "SIGTERM", 150.0, S)
+    assert (tight.deadline, tight.rank_deadline) == (177.0, 172.0)
+    assert tight.reason == "aws notice, then SIGTERM"
+    # A step that never ends: at the new rank deadline the ranks are stopped, not at 212.
+    job = JobView("j", (running(0), running(1)), newest_unpersisted=7)
+    d = decide(tight, (job,), 172.5)
+    assert (ActionKind.STOP_RANKS, "j", (0, 1)) in kinds(d)
+    assert not any(a.kind == ActionKind.STOP_RANKS for a in decide(st, (job,), 172.5).actions)
+    # A later request that would end later changes nothing.
+    assert tighten(tight, "SIGTERM", 160.0, S) is tight
+    assert tighten(tight, "notice", 151.0, S, deadline=400.0) is tight

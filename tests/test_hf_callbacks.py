@@ -70,8 +70,17 @@ def test_graceful_exit_saves_then_stops_at_the_same_step() -> None:
         assert control.should_save and not control.should_training_stop
         cb.on_save(None, state, control)
         assert control.should_training_stop and cb.stopped_at == 5
+        # At the end of train(): the drain exit code, so that the launcher restarts the worker.
+        with pytest.raises(SystemExit) as left:
+            cb.on_train_end(None, state, control)
+        assert left.value.code == 143
     finally:
         flag.uninstall()
+    quiet = GracefulExitCallback(flag=StopFlag(), signals=(), exit=False)
+    quiet.stopped_at = 5
+    assert quiet.on_train_end(None, TrainerState(), TrainerControl()) is not None
+    untouched = GracefulExitCallback(flag=StopFlag(), signals=(), exit_code=99)
+    assert untouched.on_train_end(None, TrainerState(), TrainerControl()) is not None
     assert set(callbacks_map) == {"graceful_exit", "deepspeed_elastic"}
 
 
@@ -139,7 +148,9 @@ def test_signal_to_one_rank_saves_all_and_a_restart_at_3_ranks_continues(tmp_pat
         os.kill(progress["pid"], signal.SIGUSR1)
     finally:
         rc = _finish(job)
-    assert rc == 0, _log(tmp_path, "a")
+    # The drained workers leave with 143: torchrun (no restarts left here) reports a failure
+    # instead of a job that ended.
+    assert rc != 0 and "exitcode  : 143" in _log(tmp_path, "a"), _log(tmp_path, "a")
     results = [json.loads((tmp_path / "a" / f"result-{r}.json").read_text()) for r in (0, 1)]
     stopped = results[0]["stopped_at"]
     assert stopped is not None and stopped >= progress["step"]

@@ -14,7 +14,11 @@
 - `graceful_exit()` turns SIGTERM, SIGINT, SIGUSR1, SIGUSR2 and the stop file into a stop
   request (diag.trainer.drain); at step ends the ranks agree on it (one small all-reduce over a
   CPU group, as often as diag.trainer.period allows), save a checkpoint at that same step, and
-  stop training: `train()` returns.
+  stop training. At the end of `train()` the process then leaves with the drain exit code (143,
+  DIAG_DRAIN_EXIT_CODE), so that torchrun, dlrover-run and the deepspeed launcher restart it
+  rather than report a job that stopped half-way as a success (ms-swift's `--callbacks
+  graceful_exit` leaves the user no line to add that). `graceful_exit(exit=False)` makes
+  `train()` return instead; `stopped_at` then says which step was saved.
 
 With ms-swift: `swift.plugin.callbacks_map.update(diag.trainer.hf.callbacks_map)`; it builds them
 as `Callback(args, trainer)`, which both accept.
@@ -58,12 +62,15 @@ class GracefulExitCallback(TrainerCallback):
         stop_file: str | None = None,
         max_latency_s: float | None = None,
         flag: StopFlag | None = None,
+        exit: bool = True,
+        exit_code: int | None = None,
     ) -> None:
         self.flag = flag or stop_flag()
         self.config = DrainConfig.resolve(
             stop_file=stop_file, every=every, max_latency_s=max_latency_s,
-            run_dir=default_run_dir(),
+            exit_code=exit_code, run_dir=default_run_dir(),
         )  # fmt: skip
+        self.exit = exit
         self.period = AgreementPeriod(self.config.period)
         self.flag.install(signals)
         self._file_seen = False
@@ -109,6 +116,17 @@ class GracefulExitCallback(TrainerCallback):
             if self._file_seen:
                 consume_stop_file(self.config.stop_file)
             control.should_training_stop = True
+        return control
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.stopped_at is not None and self.exit:
+            # SystemExit rather than os._exit: the Trainer's and the user's clean-up (atexit,
+            # finally blocks, loggers) still run; the checkpoint is on storage already.
+            log.warning(
+                "diag: training stopped at step %d on a stop request; leaving with %d so that "
+                "the launcher restarts it", self.stopped_at, self.config.exit_code,
+            )  # fmt: skip
+            raise SystemExit(self.config.exit_code)
         return control
 
 

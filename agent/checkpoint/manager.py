@@ -16,26 +16,25 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from diag.agent.checkpoint.cleanup import removable, remove, slots_by_job, writer_alive
 from diag.agent.checkpoint.persist import PersistResult, persist_slot
 from diag.agent.checkpoint.sessions import CommandReport, RankKey, Sessions
 from diag.agent.checkpoint.stats import CheckpointStats, RankCheckpointStats
 from diag.agent.checkpoint.storage import has_part
 from diag.agent.checkpoint.writers import WatchOutcome, Writer, WriterWatch
-from diag.collector.slotfile import SlotFile, read_snapshots
-from diag.collector.snapshot import SnapshotError, find_slots, read_latest_step
+from diag.collector.slotfile import read_snapshots
+from diag.collector.snapshot import find_slots, read_latest_step
 
 log = logging.getLogger(__name__)
 
@@ -127,20 +126,13 @@ class CheckpointManager:
         """A registered rank process ended (on the watch's thread). Killed (its slots never
         closed) or failed: its jobs' newest snapshots go to storage now. A clean close asked for
         what it wanted persisted already."""
-        mine = []
-        for p in find_slots(self.run_dir, self.job):
-            try:
-                slot = SlotFile.open(p)
-            except (OSError, SnapshotError):
-                continue
-            try:
-                h = slot.header()
-            finally:
-                slot.close()
-            if h.writer_pid == writer.pid and (
-                not writer.start_time or abs(h.writer_start - writer.start_time) <= 0.05
-            ):
-                mine.append(h)
+        mine = [
+            f
+            for files in slots_by_job(self.run_dir, self.job).values()
+            for f in files
+            if f.writer_pid == writer.pid
+            and (not writer.start_time or abs(f.writer_start - writer.start_time) <= 0.05)
+        ]
         if not mine or all(h.closed for h in mine):
             log.debug("%s (pid %d) ended; nothing of it to persist", writer.label, writer.pid)
             return
@@ -267,23 +259,60 @@ class CheckpointManager:
 
     def persist_newest(self, job: str, *, above_committed: bool = False) -> list[PersistResult]:
         """Persists, now, every complete snapshot of `job` newer than what storage holds for its
-        rank, newest first. Used on failures, before ranks are stopped. With `above_committed`
-        (a drain, short of time) only steps newer than the committed one: once the newest step
-        commits, the older snapshots are not written."""
-        snaps = read_snapshots(find_slots(self.run_dir, job))
-        results = []
-        for snap in sorted(snaps, key=lambda s: (-s.meta.step, s.meta.rank)):
-            save_dir = self.options.save_dir or Path(snap.meta.save_dir)
-            if above_committed:
-                latest = read_latest_step(save_dir)
-                if latest is not None and snap.meta.step <= latest:
-                    continue
-            if has_part(save_dir, snap.meta.step, snap.meta.rank, snap.meta.run):
-                continue
-            results.append(
-                self._persist_rank(job, snap.meta.rank, snap.meta.step, INCIDENT_LOCK_TIMEOUT_S)
-            )
+        rank, newest step first, the ranks of a step side by side (one thread per persist
+        worker). Used on failures, before ranks are stopped. With `above_committed` (a drain,
+        short of time) only steps newer than the committed one: once the newest step commits,
+        the older snapshots are not written."""
+        by_step: dict[int, list] = defaultdict(list)
+        for snap in read_snapshots(find_slots(self.run_dir, job)):
+            by_step[snap.meta.step].append(snap)
+        results: list[PersistResult] = []
+        with ThreadPoolExecutor(max(1, self.options.workers), "diag-persist-now") as pool:
+            for step in sorted(by_step, reverse=True):
+                todo = []
+                for snap in sorted(by_step[step], key=lambda s: s.meta.rank):
+                    save_dir = self.options.save_dir or Path(snap.meta.save_dir)
+                    if above_committed:
+                        latest = read_latest_step(save_dir)
+                        if latest is not None and step <= latest:
+                            continue
+                    if not has_part(save_dir, step, snap.meta.rank, snap.meta.run):
+                        todo.append(snap.meta.rank)
+                results += pool.map(
+                    lambda rank, step=step: self._persist_rank(
+                        job, rank, step, INCIDENT_LOCK_TIMEOUT_S
+                    ),
+                    todo,
+                )
         return results
+
+    def persist_newest_in_background(
+        self,
+        job: str,
+        *,
+        above_committed: bool = False,
+        done: Callable[[list[PersistResult]], None] | None = None,
+    ) -> threading.Thread:
+        """`persist_newest` on a thread of its own, counted in `in_flight(job)` until it ends
+        (a drain keeps watching its deadlines meanwhile)."""
+        with self._lock:
+            self._inflight[job] += 1
+
+        def run() -> None:
+            results: list[PersistResult] = []
+            try:
+                results = self.persist_newest(job, above_committed=above_committed)
+            except Exception:
+                log.exception("persist of the newest snapshots of %s failed", job)
+            finally:
+                with self._lock:
+                    self._inflight[job] -= 1
+            if done is not None:
+                done(results)
+
+        thread = threading.Thread(target=run, name="diag-persist-newest", daemon=True)
+        thread.start()
+        return thread
 
     def persist_all_jobs(self, jobs: set[str]) -> list[PersistResult]:
         out = []
@@ -308,34 +337,20 @@ class CheckpointManager:
         if not final and now - self._last_scan < SCAN_INTERVAL_S:
             return []
         self._last_scan = now
-        by_job: dict[str, list[tuple[Path, int, float, bool]]] = defaultdict(list)
-        for p in find_slots(self.run_dir, self.job):
-            try:
-                slot = SlotFile.open(p)
-            except (OSError, SnapshotError):
-                continue
-            try:
-                h = slot.header()
-                by_job[h.job].append((p, h.writer_pid, h.writer_start, h.closed))
-            finally:
-                slot.close()
         removed = []
-        for job, files in by_job.items():
+        for job, files in slots_by_job(self.run_dir, self.job).items():
             # A connected rank counts as a live writer too (when the agent cannot see the
             # trainer's PIDs, e.g. without a shared PID namespace).
-            if self.connected(job) or any(_alive(pid, start) for _, pid, start, _ in files):
+            if self.connected(job) or any(writer_alive(f) for f in files):
                 self._dead_since.pop(job, None)
                 continue
             since = self._dead_since.setdefault(job, now)
             with self._lock:
                 busy = self._inflight.get(job, 0) > 0
-            clean = all(closed for *_, closed in files)
-            if busy or not (final or clean or now - since >= self.options.linger):
+            if not removable(files, busy=busy, dead_for=now - since, linger=self.options.linger,
+                             final=final):  # fmt: skip
                 continue
-            for p, *_ in files:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(p)
-                    removed.append(p)
+            removed += remove(files)
             self._dead_since.pop(job, None)
             log.info("removed %d snapshot slot(s) of job %s (no live writer)", len(files), job)
         return removed
@@ -388,12 +403,3 @@ class CheckpointManager:
         for t in self._workers:
             t.join(max(0.0, deadline - time.monotonic()))
         self.sessions.close()
-
-
-def _alive(pid: int, start: float) -> bool:
-    try:
-        return abs(psutil.Process(pid).create_time() - start) <= 0.05
-    except psutil.AccessDenied:
-        return True
-    except (psutil.NoSuchProcess, ValueError):
-        return False
