@@ -6,8 +6,10 @@ with flash checkpoints in memory and a real `diag agent` beside it:
 
 each with a trainer that drains on its own signals (`graceful_exit`) and with one that SIGTERM
 kills mid-step; then a step far longer than the grace period (the agent persists what it has and
-stops the ranks); then an early reclaim notice from a local metadata server (GCE's answers).
-Like the kubelet, the test SIGKILLs whatever is left GRACE seconds after SIGTERM.
+stops the ranks); then an early reclaim notice from a local metadata server (GCE's answers);
+then an AWS spot notice two minutes ahead during a long step, and the kubelet's SIGTERM soon after
+it (the drain must then keep to the grace period, not to the notice). Like the kubelet, the test
+SIGKILLs whatever is left GRACE seconds after SIGTERM.
 
 Every run: the launcher and the agent are gone within the grace period; the step committed on
 storage is at least the last step every rank had completed when SIGTERM came; the next "pod"
@@ -27,10 +29,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
@@ -38,6 +38,7 @@ import pytest
 
 from diag.collector.rundir import control_socket_path
 from diag.collector.snapshot import read_latest_step
+from tests.metadata_server import Metadata, aws_action
 
 JOB_SCRIPT = Path(__file__).with_name("pod_job.py")
 JOB = "podjob"
@@ -58,40 +59,6 @@ def _wait(pred: Callable[[], bool], timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return pred()
-
-
-class GceMetadata:
-    """A local stand-in for GCE's metadata server: `preempted` answers FALSE, then TRUE."""
-
-    def __init__(self) -> None:
-        self.preempted = False
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.headers.get("Metadata-Flavor") != "Google":
-                    self.send_response(403)  # as GCE does without the header
-                    self.end_headers()
-                    return
-                body = b"TRUE" if outer.preempted else b"FALSE"
-                self.send_response(200)
-                self.send_header("Content-Type", "application/text")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = (
-            f"http://127.0.0.1:{self.server.server_port}/computeMetadata/v1/instance/preempted"
-        )
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 class Pod:
@@ -208,6 +175,7 @@ RUNS = (
     ("native-drain", "native", True, ""),
     ("classic-longstep", "classic", True, "long"),
     ("notice", "notice", True, ""),
+    ("aws-longstep", "aws", True, "long"),
 )
 
 
@@ -232,7 +200,7 @@ def test_pod_deleted_at_random_moments(root: Path) -> None:
     committed = 0
     for name, order, drains, extra in RUNS:
         pod = Pod(root, name)
-        metadata = GceMetadata() if order == "notice" else None
+        metadata = Metadata() if order in ("notice", "aws") else None
         try:
             committed = _delete_pod(pod, rng, why, order, drains, extra, committed, metadata)
         finally:
@@ -263,7 +231,7 @@ def _delete_pod(
     drains: bool,
     extra: str,
     committed: int,
-    metadata: GceMetadata | None,
+    metadata: Metadata | None,
 ) -> int:
     agent_args = []
     if extra == "long":
@@ -271,9 +239,14 @@ def _delete_pod(
         # the grace: on this shared 2-core machine at load 30+ torchrun took over 5 s to exit
         # after its workers were killed, so this pod keeps more of the grace for that.
         agent_args = ["--drain-margin", "8"]
-    if metadata is not None:
-        agent_args = ["--preemption-notice", "gce", "--notice-url", metadata.url,
+    if order == "notice":
+        assert metadata is not None
+        agent_args = ["--preemption-notice", "gce", "--notice-url", metadata.gce_url,
                       "--notice-interval", "0.5"]  # fmt: skip
+    if order == "aws":
+        assert metadata is not None
+        agent_args += ["--preemption-notice", "aws", "--notice-url", metadata.aws_url,
+                       "--notice-interval", "0.5"]  # fmt: skip
     pod.start_agent(*agent_args)
     args = ["--step-sleep", "0.05"] + (["--drain"] if drains else [])
     long_step = 0
@@ -287,13 +260,20 @@ def _delete_pod(
     assert _wait(lambda: pod.last_step() >= first, 240), pod.log()
     time.sleep(rng.uniform(0.3, 1.5) if long_step else rng.uniform(0.0, 1.5))
 
+    if order == "aws":
+        # Two minutes' notice: the agent starts draining (the ranks, in their long step, get
+        # EXIT); the node is drained and the pod deleted long before the reclaim.
+        assert metadata is not None
+        metadata.action, metadata.scheduled = aws_action(120), True
+        assert _wait(lambda: "aws reclaim notice" in pod.agent_log(), 30), pod.agent_log()
+        time.sleep(rng.uniform(0.5, 3.0))
     sent = time.monotonic()
     if order == "notice":
         assert metadata is not None
-        metadata.preempted = True
+        metadata.scheduled = True
     else:
         os.killpg(pod.job.pid, signal.SIGTERM)
-        if order == "classic":
+        if order in ("classic", "aws"):
             pod.agent.send_signal(signal.SIGTERM)
     deadline = sent + GRACE
     job_rc = _gone_by(pod.job, deadline)
@@ -322,6 +302,8 @@ def _delete_pod(
     if long_step:
         assert latest == long_step - 1, "the newest complete snapshot before the long step"
         assert "reached no step boundary" in pod.agent_log()
+    if order == "aws":
+        assert "during the drain for aws reclaim notice" in pod.agent_log(), pod.agent_log()
     if order == "notice":
         assert "gce reclaim notice: preempted" in pod.agent_log()
         assert "exitcode  : 143" in pod.log(), "drained ranks leave with 143"

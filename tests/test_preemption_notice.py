@@ -5,7 +5,6 @@ tests/test_pod_delete.py."""
 
 from __future__ import annotations
 
-import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -24,8 +23,7 @@ from diag.agent.notice import (
     parse_aws,
     parse_gce,
 )
-
-ACTION = b'{"action": "terminate", "time": "2026-11-24T08:22:00Z"}'
+from tests.metadata_server import ACTION, Metadata
 
 
 @pytest.mark.parametrize(
@@ -80,61 +78,6 @@ def test_deadlines() -> None:
     assert deadline_of(Notice(Provider.AWS, "stop", None, ""), 0.0, 0.0) is None
 
 
-class Metadata:
-    """AWS's and GCE's metadata endpoints as documented, on 127.0.0.1."""
-
-    def __init__(self, *, imdsv2: bool = True) -> None:
-        self.scheduled = False
-        self.imdsv2 = imdsv2
-        self.requests: list[tuple[str, str, dict[str, str]]] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_PUT(self) -> None:
-                outer.requests.append(
-                    ("PUT", self.path, {k.lower(): v for k, v in self.headers.items()})
-                )
-                if self.path == "/latest/api/token" and outer.imdsv2:
-                    ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
-                    if not ttl:
-                        return self._answer(400, b"")
-                    return self._answer(200, b"TOKEN-1")
-                self._answer(404, b"")
-
-            def do_GET(self) -> None:
-                outer.requests.append(
-                    ("GET", self.path, {k.lower(): v for k, v in self.headers.items()})
-                )
-                if self.path == "/latest/meta-data/spot/instance-action":
-                    if outer.imdsv2 and self.headers.get("X-aws-ec2-metadata-token") != "TOKEN-1":
-                        return self._answer(401, b"")
-                    if outer.scheduled:
-                        return self._answer(200, ACTION)
-                    return self._answer(404, b"Not Found")
-                if self.path == "/computeMetadata/v1/instance/preempted":
-                    if self.headers.get("Metadata-Flavor") != "Google":
-                        return self._answer(403, b"")
-                    return self._answer(200, b"TRUE" if outer.scheduled else b"FALSE")
-                self._answer(404, b"")
-
-            def _answer(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.base = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def metadata():
     servers: list[Metadata] = []
@@ -165,7 +108,7 @@ def _until(pred, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("imdsv2", [True, False])
 def test_aws_watcher_polls_until_an_interruption_is_scheduled(metadata, imdsv2: bool) -> None:
     md = metadata(imdsv2=imdsv2)
-    url = md.base + "/latest/meta-data/spot/instance-action"
+    url = md.aws_url
     watcher, got = _watch(NoticeSettings.of(Provider.AWS, url, 0.1))
     try:
         assert _until(lambda: sum(r[0] == "GET" for r in md.requests) >= 3)
@@ -189,7 +132,7 @@ def test_aws_watcher_polls_until_an_interruption_is_scheduled(metadata, imdsv2: 
 
 def test_gce_watcher(metadata) -> None:
     md = metadata()
-    url = md.base + "/computeMetadata/v1/instance/preempted"
+    url = md.gce_url
     watcher, got = _watch(NoticeSettings.of(Provider.GCE, url, 0.1))
     try:
         assert _until(lambda: len(md.requests) >= 3)
