@@ -8,8 +8,10 @@ backwards, no commit raises, no temporary file is left behind, and the newest st
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import multiprocessing as mp
+import os
 import random
 import threading
 import time
@@ -132,3 +134,55 @@ def test_concurrent_commits_never_move_latest_backwards(tmp_path: Path) -> None:
     assert (save_dir / TRACKER_FILE).read_text() == str(STEPS)
     leftovers = [p.name for p in save_dir.rglob("*") if ".tmp" in p.name]
     assert not leftovers, f"temporary files left: {leftovers[:5]}"
+
+
+def test_without_file_locks_one_agents_threads_still_commit_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save directory on a filesystem that refuses file locks (ENOLCK, as some FUSE and
+    object-store mounts answer): the persist threads of one agent still commit in step order."""
+
+    def no_locks(fd: int, kind: int, *, wait: bool) -> bool:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(storage, "ofd_lock", no_locks)
+    save_dir = tmp_path / "ckpt"
+    save_dir.mkdir()
+    steps = 200
+    rng = random.Random(5)
+    parts = [(step, rank) for step in range(1, steps + 1) for rank in range(WORLD)]
+    order = sorted(parts, key=lambda p: p[0] + rng.uniform(-6, 6))
+    threads_n = 6
+    failures: list[str] = []
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def work(chunk: list[tuple[int, int]]) -> None:
+        for step, rank in chunk:
+            try:
+                storage.write_marker(save_dir, step, rank, {"rank": rank, "step": step})
+                storage.try_commit(save_dir, step, WORLD, keep=0)
+            except Exception:
+                failures.append(traceback.format_exc())
+
+    def read() -> None:
+        while not stop.is_set():
+            step = read_latest_step(save_dir)
+            if step is not None:
+                seen.append(step)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    workers = [threading.Thread(target=work, args=(order[i::threads_n],)) for i in range(threads_n)]
+    with caplog.at_level("WARNING"):
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(120)
+    stop.set()
+    reader.join(30)
+    assert not failures, failures[0]
+    assert "has no file locks" in caplog.text
+    backwards = [(a, b) for a, b in itertools.pairwise(seen) if b < a]
+    assert not backwards, f"latest moved backwards: {backwards[:5]}"
+    assert read_latest_step(save_dir) == steps

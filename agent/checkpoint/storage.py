@@ -177,10 +177,37 @@ def commit_lock(save_dir: Path, timeout: float = COMMIT_LOCK_TIMEOUT_S) -> Itera
     file would stay behind a killed holder)."""
     path = save_dir / MARKER_DIR / COMMIT_LOCK
     path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout
+    # The threads of this process first take a lock in memory: it alone still orders them where
+    # the filesystem has no file locks (some FUSE and object-store mounts).
+    threads = _thread_lock(path)
+    if not threads.acquire(timeout=timeout):
+        raise TimeoutError(
+            f"the commit lock {path} stayed held for {timeout:.0f} s by another thread of this "
+            "agent; the step is committed by the next persist"
+        )
+    try:
+        with _file_lock(path, save_dir, deadline, timeout) as locked:
+            yield locked
+    finally:
+        threads.release()
+
+
+_thread_locks: dict[str, threading.Lock] = {}
+_thread_locks_guard = threading.Lock()
+
+
+def _thread_lock(path: Path) -> threading.Lock:
+    key = os.path.realpath(path)
+    with _thread_locks_guard:
+        return _thread_locks.setdefault(key, threading.Lock())
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, save_dir: Path, deadline: float, timeout: float) -> Iterator[bool]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
-            deadline = time.monotonic() + timeout
             while not ofd_lock(fd, EXCLUSIVE, wait=False):
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
@@ -196,8 +223,9 @@ def commit_lock(save_dir: Path, timeout: float = COMMIT_LOCK_TIMEOUT_S) -> Itera
             if str(save_dir) not in _warned_no_locks:
                 _warned_no_locks.add(str(save_dir))
                 log.warning(
-                    "the filesystem of %s has no file locks (%s): agents of several nodes "
-                    "committing at once could move `latest` backwards; mount it with locking",
+                    "the filesystem of %s has no file locks (%s): this agent's commits stay in "
+                    "order, but agents of several nodes committing at once could move `latest` "
+                    "backwards; mount it with locking",
                     save_dir, os.strerror(e.errno),
                 )  # fmt: skip
         try:
