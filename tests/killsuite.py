@@ -9,7 +9,10 @@ chosen instant of save, copy, persist or commit (faults.py), restarted, and chec
 - after a trainer kill the step restored is not older than the newest step every rank held
   complete in memory, or that `latest` named, at the kill; the steps trained again after it give
   the same losses to the bit (a torn or mixed restore would not);
-- after an agent kill, the restarted agent commits a step newer than what memory held at the kill.
+- after an agent kill, the restarted agent commits a step newer than what memory held at the kill;
+- a node kill (ranks and agent, and the node's shared memory lost with it, as when a node dies and
+  the job comes back elsewhere) restores from storage, never older than what `latest` named at
+  the kill.
 
 Each restart is prepared ahead: the next generation of ranks and the next agent are started and
 have imported everything; a go file releases them. Used by tests/test_kill_suite.py and
@@ -40,7 +43,7 @@ from diag.collector.snapshot import find_slots, read_latest_step, step_tag
 
 TESTS = Path(__file__).parent
 WORLD = 2
-TARGETS = ("trainer", "agent", "both")
+TARGETS = ("trainer", "agent", "both", "node")
 
 
 def wait_for(pred: Callable[[], object], timeout: float, every: float = 0.02) -> bool:
@@ -68,10 +71,12 @@ class KillResult:
     memory_by_rank: dict[int, list[int]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    memory_lost: bool = False  # a node kill: the node's shared memory went with it
 
     @property
     def bound(self) -> int | None:
-        known = [s for s in (self.latest_at_kill, self.memory_at_kill) if s is not None]
+        memory = None if self.memory_lost else self.memory_at_kill
+        known = [s for s in (self.latest_at_kill, memory) if s is not None]
         return max(known) if known else None
 
 
@@ -306,6 +311,8 @@ class KillSuite:
         t0 = time.monotonic()
         assert self.agent is not None
         rank_pids = [p.pid for p in self.ranks]
+        if target not in TARGETS:
+            raise ValueError(f"unknown kill target {target!r}: one of {', '.join(TARGETS)}")
         pids = {"trainer": rank_pids, "agent": [self.agent.pid]}.get(
             target, [*rank_pids, self.agent.pid]
         )
@@ -320,8 +327,8 @@ class KillSuite:
             if not wait_for(fired_path.exists, 60):
                 raise RuntimeError(f"no {phase} phase in 68 s\n{self.tail()}")
         fired = Fired.load(fired_path)
-        killed_ranks = target in ("trainer", "both")
-        killed_agent = target in ("agent", "both")
+        killed_ranks = target in ("trainer", "both", "node")
+        killed_agent = target in ("agent", "both", "node")
         procs = (self.ranks if killed_ranks else []) + ([self.agent] if killed_agent else [])
         for p in procs:
             try:
@@ -344,18 +351,23 @@ class KillSuite:
             # Saves are collective: a rank's newest step is held by every rank, except the one
             # step a rank may have finished copying before the other was killed copying it.
             result.problems.append(f"the ranks hold different steps in memory: {held}")
+        if target == "node":
+            self._lose_memory()
+            result.memory_lost = True
         if killed_agent:
             self._release_agent()
         if killed_ranks:
-            if not killed_agent:
-                # The ranks' death is seen by the agent, which persists what they left.
-                pass
             self._release_ranks()
             start = self.ctl / f"start-{self.gen - 1}.json"
             if not wait_for(start.exists, 600, every=0.05):
                 raise RuntimeError(f"generation {self.gen - 1} never loaded\n{self.tail()}")
             doc = json.loads(start.read_text())
             result.restored, result.source = doc["step"], doc["from"]
+            if result.memory_lost and result.restored and result.source != "storage":
+                result.problems.append(
+                    f"step {result.restored} restored from {result.source!r} after the node's "
+                    "memory was lost"
+                )
             bound = result.bound
             if bound is not None and (result.restored or 0) < bound:
                 result.problems.append(
@@ -380,6 +392,14 @@ class KillSuite:
         result.seconds = time.monotonic() - t0
         self.results.append(result)
         return result
+
+    def _lose_memory(self) -> None:
+        """The node's shared memory goes with the node: every slot and journal of the run
+        directory (the ranks and agent started next, waiting for their go file, open theirs
+        only once released)."""
+        for p in self.run_dir.iterdir():
+            if p.is_file() or p.is_symlink():
+                p.unlink(missing_ok=True)
 
     # -- the end ----------------------------------------------------------------------------------
 

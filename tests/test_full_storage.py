@@ -81,7 +81,6 @@ def unmarked_parts(save: Path) -> list[str]:
     """Files in step directories that no rank's marker of that step lists."""
     out = []
     for step_dir in save.glob("global_step*"):
-        step = int(step_dir.name[len("global_step") :])
         listed: set[str] = set()
         for m in (save / MARKER_DIR / step_dir.name).glob("rank*.done"):
             listed.update(json.loads(m.read_text())["files"])
@@ -90,7 +89,6 @@ def unmarked_parts(save: Path) -> list[str]:
             for f in step_dir.iterdir()
             if f"{step_dir.name}/{f.name}" not in listed and not f.name.startswith(".")
         ]
-        assert step >= 0
     return sorted(out)
 
 
