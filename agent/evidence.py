@@ -20,7 +20,11 @@ from diag.agent.parallelism import (
     NATIVE_DUMP,
     PYTHON_DUMP,
     ContainerLimits,
+    DumpCost,
+    Parallelism,
     dump_parallelism,
+    first_wave,
+    learned_cost,
 )
 from diag.agent.pyspy import DumpTarget, dump_all
 from diag.collector.journal import JournalFormatError, JournalReader
@@ -172,6 +176,7 @@ def capture(
     journal_tail: int = 256,
     dump_parallel: int = 0,
     limits: ContainerLimits | None = None,
+    native_cost: DumpCost = NATIVE_DUMP,
 ) -> EvidenceResult:
     """Two passes: Python stacks of all ranks (~10 ms each) go to disk with the journals and the
     verdict at once; native stacks (slower: py-spy loads the libraries' symbols) then replace them
@@ -179,7 +184,9 @@ def capture(
 
     How many dumps run at once is bounded by the container's CPU quota (or `dump_parallel`) and
     by the memory its cgroup limits leave (`limits`, read now when not given): native dumps that
-    would not fit are not started, so the agent is not OOM-killed in the middle of an incident."""
+    would not fit are not started, so the agent is not OOM-killed in the middle of an incident.
+    `native_cost` is what a native dump is assumed to take until the first ones have been
+    measured (their peak resident size), which then decides how many run at once."""
     started = time.monotonic()
     when = dt.datetime.now(dt.UTC)
     dump_targets = [t.dump for t in targets]
@@ -202,9 +209,10 @@ def capture(
         incident.write_json("machine.json", snap.to_dict())
         for d in dumps:
             incident.write_text(d.file_name, d.to_json())
-        width = dump_parallelism(
-            len(targets), limits, NATIVE_DUMP, override=dump_parallel
+        planned = dump_parallelism(
+            len(targets), limits, native_cost, override=dump_parallel
         ) if native and targets else None  # fmt: skip
+        width = first_wave(planned) if planned is not None else None
         doc["evidence"] = _evidence_doc(
             targets, dumps, python_done - started, native_pending=bool(width and width.count)
         )
@@ -234,10 +242,26 @@ def capture(
             write_atomic(path / nat.file_name, nat.to_json().encode())
             kept[nat.rank] = nat
 
+        measured: list[tuple[int, Parallelism]] = []
+
+        def widen(peak: int) -> int:
+            # A py-spy measured: the width from its real size, within the limits read before.
+            after = dump_parallelism(
+                len(targets), limits, learned_cost(native_cost, peak), override=dump_parallel
+            )
+            measured.append((peak, after))
+            return after.count
+
         natives = dump_all(
             dump_targets, native=True, timeout=pyspy_timeout, parallel=width.count,
-            on_done=replace_with_native,
+            on_done=replace_with_native, widen=widen,
         )  # fmt: skip
+        if measured:
+            peak, after = measured[-1]
+            log.info(
+                "native stacks: py-spy peaked at %.0f MiB, then %d at a time (%s)",
+                peak / (1 << 20), max(1, after.count), after.reason,
+            )  # fmt: skip
         dumps = [kept[d.rank] for d in dumps]
         previous = doc["evidence"]
         doc["evidence"] = _evidence_doc(
@@ -246,6 +270,11 @@ def capture(
         )  # fmt: skip
         for key in ("on_disk_seconds", "native_parallel", "native_parallel_reason"):
             doc["evidence"][key] = previous[key]
+        if measured:
+            peak, after = measured[-1]
+            doc["evidence"]["native_peak_mib"] = round(peak / (1 << 20), 1)
+            doc["evidence"]["native_parallel_measured"] = max(1, after.count)
+            doc["evidence"]["native_parallel_measured_reason"] = after.reason
         write_atomic(path / VERDICT_FILE, json.dumps(doc, indent=1).encode())
     return EvidenceResult(path, tuple(dumps), started, on_disk, time.monotonic())
 

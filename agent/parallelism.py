@@ -29,6 +29,9 @@ class DumpCost:
 NATIVE_DUMP = DumpCost(each=176 * MiB, shared=192 * MiB)  # py-spy dump --native
 PYTHON_DUMP = DumpCost(each=24 * MiB)  # py-spy dump: Python frames only
 RESERVE_BYTES = 64 * MiB  # the agent's own growth while it parses and writes the dumps
+# Native dumps started before one of them has been measured: the figures above hold for the
+# images they were measured on; the first dumps' own peak decides how many run after them.
+NATIVE_RAMP = 2
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,20 @@ def dump_parallelism(
         )
     count, reason = min(bounds, key=lambda b: b[0])  # the first of equal bounds names it
     return Parallelism(count, reason)
+
+
+def learned_cost(model: DumpCost, peak_rss: int) -> DumpCost:
+    """The cost of a dump once one was measured at `peak_rss` (its resident set: its own memory
+    and the library pages it touched, which `model.shared` counts apart): never below the model.
+    """
+    return DumpCost(each=max(model.each, peak_rss - model.shared), shared=model.shared)
+
+
+def first_wave(p: Parallelism, ramp: int = NATIVE_RAMP) -> Parallelism:
+    """How many native dumps start before one has been measured."""
+    if p.count <= ramp:
+        return p
+    return Parallelism(ramp, f"{ramp} first, then as their measured size allows ({p.reason})")
 
 
 def _mib(n: int) -> str:

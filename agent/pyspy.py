@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import select
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from diag.agent.procs import proc_state, proc_state_word
 from diag.viewer.stacks import RankDump, parse_pyspy_json
@@ -51,6 +54,8 @@ class _Running:
     state: str
     native: bool
     error: str = ""
+    out: IO[bytes] | None = None
+    err: IO[bytes] | None = None
 
 
 def dump_all(
@@ -59,12 +64,15 @@ def dump_all(
     timeout: float = 10.0,
     parallel: int | None = None,
     on_done: Callable[[RankDump], None] | None = None,
+    widen: Callable[[int], int] | None = None,
 ) -> list[RankDump]:
     """Dumps every target, `parallel` at a time (default: one per usable CPU; the incident path
     decides it from the container's limits, see agent.parallelism: a native dump of a rank
     blocked in a collective costs ~0.7 s of CPU and ~300 MB while py-spy loads libtorch's
     symbols). Never raises for one rank's failure: it is recorded in that rank's dump.
-    `on_done` sees each dump as soon as it is taken, in the order of `targets`."""
+    `on_done` sees each dump as soon as it is taken, in the order of `targets`; `widen`, given
+    the largest peak resident size (bytes) a py-spy of this pass reached so far, returns how
+    many may run at once from then on."""
     try:
         binary = pyspy_binary()
     except FileNotFoundError as e:
@@ -74,11 +82,16 @@ def dump_all(
     queue = list(targets)
     running: list[_Running] = []
     done: dict[int, RankDump] = {}
+    peak = 0
     while queue or running:
         while queue and len(running) < width:
             running.append(_start(binary, queue.pop(0), native))
         r = running.pop(0)
-        dump = done[r.target.rank] = _finish(r, deadline, timeout)
+        dump, rss = _finish(r, deadline, timeout)
+        done[r.target.rank] = dump
+        if widen is not None and rss > peak:
+            peak = rss
+            width = max(1, widen(peak))
         if on_done is not None:
             on_done(dump)
     return [done[t.rank] for t in targets]
@@ -102,27 +115,54 @@ def _start(binary: str, t: DumpTarget, native: bool) -> _Running:
         cmd.append("--native")
     if not blocking:
         cmd.append("--nonblocking")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
-    )
-    return _Running(t, proc, time.monotonic(), word, native and blocking)
+    # Output to unlinked files, not pipes: py-spy can write any amount without us reading it
+    # meanwhile, and the agent reaps it itself with wait4 (for its peak memory).
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115 (_finish closes)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+    return _Running(t, proc, time.monotonic(), word, native and blocking, out=out, err=err)
 
 
-def _finish(r: _Running, deadline: float, timeout: float) -> RankDump:
-    if r.proc is None:
-        return _failed(r.target, r.state, r.native, r.error, 0.0)
+def _reap(proc: subprocess.Popen, deadline: float) -> int | None:
+    """Waits for `proc` until `deadline`; its peak resident size in bytes once it exited, None
+    if it is still running."""
+    fd = os.pidfd_open(proc.pid)
     try:
-        stdout, stderr = r.proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        r.proc.kill()
-        r.proc.communicate()
-        return _failed(
-            r.target,
-            r.state,
-            r.native,
-            f"py-spy did not finish within {timeout:g} s",
-            time.monotonic() - r.started,
-        )
+        ready, _, _ = select.select([fd], [], [], max(0.1, deadline - time.monotonic()))
+    finally:
+        os.close(fd)
+    if not ready:
+        return None
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_maxrss * 1024  # KiB on Linux
+
+
+def _finish(r: _Running, deadline: float, timeout: float) -> tuple[RankDump, int]:
+    """The rank's dump, and the peak resident size of its py-spy (0 when unknown)."""
+    if r.proc is None:
+        return _failed(r.target, r.state, r.native, r.error, 0.0), 0
+    assert r.out is not None and r.err is not None
+    with r.out, r.err:
+        peak = _reap(r.proc, deadline)
+        if peak is None:
+            r.proc.kill()
+            r.proc.wait()
+            failed = _failed(
+                r.target,
+                r.state,
+                r.native,
+                f"py-spy did not finish within {timeout:g} s",
+                time.monotonic() - r.started,
+            )
+            return failed, 0
+        r.out.seek(0)
+        r.err.seek(0)
+        stdout, stderr = r.out.read(), r.err.read()
+    return _parse(r, stdout, stderr), peak
+
+
+def _parse(r: _Running, stdout: bytes, stderr: bytes) -> RankDump:
+    assert r.proc is not None
     took = time.monotonic() - r.started
     if r.proc.returncode != 0:
         msg = stderr.decode(errors="replace").strip().splitlines()

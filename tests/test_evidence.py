@@ -144,3 +144,43 @@ def test_native_pass_follows_the_memory_left(tmp_path: Path, room_mib: int, nati
         for p in sleepers:
             p.kill()
             p.wait(timeout=30)
+
+
+def test_native_dumps_start_two_then_as_many_as_their_measured_size_allows(tmp_path: Path) -> None:
+    """The per-dump cost the agent assumes can be wrong for an image (more libraries, more
+    symbols): two native dumps start first, and the peak resident size py-spy really reached
+    decides how many run after them. Here the assumed cost (1 MiB) would let all four run at
+    once in 40 MiB; a real py-spy --native takes ~20 MiB, so the rest go one at a time."""
+    import datetime as dt
+    import json
+
+    from diag.agent.evidence import EvidenceTarget, capture, verdict_document
+    from diag.agent.parallelism import RESERVE_BYTES, ContainerLimits, DumpCost, MemoryLimit
+
+    sleepers = [_python("import time\ndef idle():\n    time.sleep(60)\nidle()\n") for _ in range(4)]
+    try:
+        for p in sleepers:
+            _wait_state(p.pid, "S")
+        time.sleep(0.5)
+        targets = [EvidenceTarget(DumpTarget(r, 4, p.pid)) for r, p in enumerate(sleepers)]
+        doc = verdict_document(
+            None, kind="manual", incident_id="t", job="j", node="n", world_size=4,
+            detected_at=dt.datetime.now(dt.UTC), summary="test",
+        )  # fmt: skip
+        room = RESERVE_BYTES + (40 << 20)
+        limits = ContainerLimits(cpus=8, memory=(MemoryLimit(room, 0, "/cg"),))
+        result = capture(
+            targets, tmp_path, doc, native=True, pyspy_timeout=30, limits=limits,
+            native_cost=DumpCost(each=1 << 20),
+        )  # fmt: skip
+        ev = json.loads((result.path / "verdict.json").read_text())["evidence"]
+        assert ev["native_parallel"] == 2, ev
+        assert "2 first, then as their measured size allows" in ev["native_parallel_reason"]
+        assert ev["native_peak_mib"] > 5, ev
+        assert 1 <= ev["native_parallel_measured"] < 4, ev
+        assert "/cg" in ev["native_parallel_measured_reason"], ev
+        assert all(d.native and not d.error for d in result.dumps), result.dumps
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait(timeout=30)

@@ -59,3 +59,22 @@ def test_dump_parallelism(
     got = dump_parallelism(dumps, lim, DUMP, override=override, reserve=RESERVE)
     assert got.count == count, got.reason
     assert bound in got.reason
+
+
+def test_a_measured_dump_replaces_the_assumed_cost_only_upwards() -> None:
+    from diag.agent.parallelism import learned_cost
+
+    model = DumpCost(each=176 * MiB, shared=192 * MiB)
+    # As measured on CPU ranks: 349 MiB resident, of which the shared libraries' pages.
+    assert learned_cost(model, 349 * MiB) == model
+    # A CUDA image whose py-spy peaked at 700 MiB: 508 MiB of its own from then on.
+    assert learned_cost(model, 700 * MiB) == DumpCost(each=508 * MiB, shared=192 * MiB)
+
+
+@pytest.mark.parametrize(("planned", "first"), [(8, 2), (2, 2), (1, 1), (0, 0)])
+def test_the_first_wave_of_native_dumps(planned: int, first: int) -> None:
+    from diag.agent.parallelism import Parallelism, first_wave
+
+    got = first_wave(Parallelism(planned, "memory"))
+    assert got.count == first
+    assert ("measured size" in got.reason) == (planned > 2)
