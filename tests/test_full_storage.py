@@ -21,7 +21,7 @@ from killsuite import incomplete
 
 from diag.agent.checkpoint.storage import MARKER_DIR, marker_path
 from diag.collector.rundir import control_socket_path
-from diag.collector.snapshot import read_latest_step
+from diag.collector.snapshot import find_slots, read_latest_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -165,3 +165,39 @@ def test_timeline_turned_read_only_is_named_and_checkpoints_persist(ws: Workspac
     assert "Read-only file system" in text and "Make the timeline writable" in text, text
     assert "Traceback" not in text
     assert not incomplete(save, 3, 2)
+
+
+def test_shared_memory_filling_up_mid_run_loses_nothing(ws: Workspace) -> None:
+    """The slots are allocated for the whole job at its first save: shared memory that fills up
+    afterwards (another process's segments) changes nothing, and a rank killed later still has
+    its newest step persisted by the agent."""
+    save = ws.save / "z2"
+    with tmpfs(ws.root / "shm", "16m") as small:
+        small_ws = Workspace(ws.root, small)
+        with agent(small_ws, "flash-z2", ws.root / "timeline"):
+            with open(ws.root / "fill.log", "wb") as log:
+                job = subprocess.Popen(
+                    small_ws.command("--out", str(ws.root / "fill"), "--zero", "2",
+                                     "--wait-commands", "0.5", "--steps", "40",
+                                     "--kill-step", "10"),
+                    env=small_ws.env(), stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+            try:
+                assert wait_for(lambda: len(find_slots(small, "flash-z2")) >= 2, 120), ws.log(
+                    "fill"
+                )
+                filler = small / "neighbour.seg"
+                with open(filler, "wb") as f, contextlib.suppress(OSError):
+                    while True:
+                        f.write(b"\1" * (1 << 20))
+                        f.flush()
+                assert shutil.disk_usage(small).free < (1 << 20)
+                assert job.wait(240) != 0, "rank 1 is killed at step 10"
+            finally:
+                if job.poll() is None:
+                    os.killpg(job.pid, signal.SIGKILL)
+                    job.wait(10)
+            assert wait_for(lambda: read_latest_step(save) == 10, 60), agent_log(ws)[-3000:]
+    assert not incomplete(save, 10, 2)
+    assert "Traceback" not in agent_log(ws)
