@@ -14,8 +14,11 @@ from diag.agent import exitcodes
 pytestmark = pytest.mark.netns
 
 PORT = 29500  # inside our own namespaces: no clash with anything else on the host
-SHAPED = "100mbit"
-SHAPED_BYTES_PER_S = 100e6 / 8
+# Far below what an unshaped link gives even on a loaded 2-core machine: a gloo all-reduce over
+# veth is CPU-bound there, and an unshaped link was once measured at 47.6 MB/s under the load of
+# other suites, within the thresholds' ratio of a 100 Mbit/s one (12.5 MB/s).
+SHAPED = "25mbit"
+SHAPED_BYTES_PER_S = 25e6 / 8
 
 
 @pytest.fixture
