@@ -79,6 +79,7 @@ __all__ = [
     "TaintPolicy",
     "TaintRecord",
     "faults_of",
+    "plan_expiry",
     "plan_taint",
     "plan_untaint",
 ]
@@ -240,6 +241,15 @@ def plan_taint(
 def plan_untaint(node: NodeView, now: float, why: str = "diag untaint") -> TaintPlan:
     """Remove diag's taints, record and condition (the node's other taints stay)."""
     return _clear(node, ClearReason.MANUAL, why, now)
+
+
+def plan_expiry(node: NodeView, policy: TaintPolicy, now: float) -> TaintPlan:
+    """For the expiry sweep (`diag untaint --expired`): untaint `node` when its taint expired,
+    else nothing. It has no evidence, and changes nothing but diag's taint and condition."""
+    plan = plan_taint(node, (), policy, JobBudget(), now)
+    if plan.action != Action.UNTAINT:
+        return TaintPlan(node.name, Action.NONE, plan.why, taints=node.taints)
+    return plan
 
 
 def _plan_clear_if_due(node: NodeView, evidence: Sequence[Evidence], now: float) -> TaintPlan:
