@@ -304,3 +304,43 @@ def test_health_watch_plans_when_something_is_new(tmp_path: Path) -> None:
     assert [e.signal for e in watch.current()] == [Signal.PRECHECK_FAULTY]
     _write(path, _report(Severity.HEALTHY, 20.0))
     assert watch.step(plan) and [e.signal for e in planned[-1]] == [Signal.PRECHECK_HEALTHY]
+
+
+# --- configuration -----------------------------------------------------------------------------
+
+
+def test_health_options_flags_over_env_over_file(tmp_path: Path) -> None:
+    import argparse
+
+    from diag.agent import config as agent_config
+    from diag.agent.exitcodes import UsageError
+
+    conf = tmp_path / "agent.toml"
+    conf.write_text(
+        '[taint]\nwatch_nics = ["ib0", "ib1"]\nnic_grace = 30\nprecheck_report = "/run/pc.json"\n'
+    )
+    parser = argparse.ArgumentParser()
+    agent_config.add_arguments(parser)
+
+    def load(*argv: str, **env: str):  # type: ignore[no-untyped-def]
+        args = parser.parse_args(["--config", str(conf), "--node", "n", *argv])
+        return agent_config.load(args, env=env).taint.health
+
+    h = load()
+    assert (h.nics, h.nic_grace, h.precheck_report, h.gpu, h.interval) == (
+        ("ib0", "ib1"),
+        30.0,
+        Path("/run/pc.json"),
+        True,
+        10.0,
+    )
+    h = load("--taint-nic-grace", "5", DIAG_TAINT_NIC_GRACE="7", DIAG_TAINT_WATCH_NICS="eth0")
+    assert (h.nics, h.nic_grace) == (("eth0",), 5.0)
+    assert load("--taint-gpu-watch", "false").gpu is False
+    for argv, problem in (
+        (("--taint-watch-nics", "eth0,/sys/x"), "--taint-watch-nics: not an interface name"),
+        (("--taint-health-interval", "0"), "--taint-health-interval: must be > 0"),
+        (("--taint-gpu-watch", "maybe"), "--taint-gpu-watch: expected true or false"),
+    ):
+        with pytest.raises(UsageError, match=problem):
+            load(*argv)
