@@ -19,6 +19,7 @@ import psutil
 
 from diag.agent.evidence import EvidenceResult, EvidenceTarget, capture, verdict_document
 from diag.agent.hang import Action, ActionKind, Verdict
+from diag.agent.incident import incident_id_of
 from diag.agent.observer import Observer
 from diag.agent.pyspy import DumpTarget
 
@@ -99,7 +100,7 @@ class Executor:
         doc = verdict_document(
             verdict,
             kind=verdict.kind.value,
-            incident_id=f"{job}-{verdict.incident_id}" if job else verdict.incident_id,
+            incident_id=incident_id_of(job, verdict.incident_id),
             job=job,
             node=self.node,
             world_size=world,

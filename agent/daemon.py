@@ -24,14 +24,18 @@ from diag.agent.config import AgentConfig, Until
 from diag.agent.drain import DrainRequest, DrainState
 from diag.agent.drainer import Drainer
 from diag.agent.hang import EventKind, Verdict, WatchState, decide
+from diag.agent.healthwatch import HealthWatch
 from diag.agent.jobverdict import JobVerdictStore, report_for_job
 from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.server import MetricsServer
+from diag.agent.nodehealth import monitors_for
 from diag.agent.nodetaint import NodeTainter
 from diag.agent.nodeview import view_document
 from diag.agent.notice import Notice, NoticeWatcher, deadline_of
 from diag.agent.observer import Observer
 from diag.agent.pyspy import can_trace
+from diag.agent.taintconfig import TaintMode
+from diag.agent.taintevidence import JOB_VERDICTS_DIR
 from diag.collector.meta import safe_job_name
 from diag.collector.rundir import control_socket_path
 
@@ -76,11 +80,25 @@ class Agent:
         if cfg.policy.persist_on_incident:
             self.executor.persist_hooks.append(self.persist_on_incident)
         self.executor.listeners.append(self.dump_fallback)
-        self.job_verdicts = JobVerdictStore(cfg.timeline / ".jobs")
+        self.job_verdicts = JobVerdictStore(cfg.timeline / JOB_VERDICTS_DIR)
         self._job_verdict_threads: list[threading.Thread] = []
         self._views: dict[str, dict[str, Any]] = {}  # incident id -> our ranks at its verdict
         self.executor.listeners.append(self.file_job_report)
-        self.tainter = NodeTainter(cfg.taint, cfg.node, cfg.timeline)
+        self.health: HealthWatch | None = None
+        if cfg.taint.mode != TaintMode.OFF:
+            h = cfg.taint.health
+            self.health = HealthWatch(
+                monitors_for(h, cfg.node, xid_memory=cfg.taint.policy.expiry),
+                cfg.taint.policy,
+                h.interval,
+            )
+        self.tainter = NodeTainter(
+            cfg.taint,
+            cfg.node,
+            cfg.timeline,
+            self.job_verdicts,
+            health=self.health.current if self.health is not None else tuple,
+        )
         self.executor.listeners.append(self.tainter.on_incident)
         self.control: ControlServer | None = None
         self._checkpoint_fed = float("-inf")
@@ -226,6 +244,8 @@ class Agent:
                 "no ptrace permission: stack dumps will fail; run as root or add SYS_PTRACE"
             )
         server = self._serve_metrics()
+        if self.health is not None:
+            self.health.start(self.tainter.plan_health)
         if cfg.control:
             socket = cfg.control_socket or control_socket_path(cfg.run_dir, cfg.job)
             self.control = ControlServer(socket, self.checkpoints).start()
@@ -257,7 +277,10 @@ class Agent:
             # SIGKILLs at its end anyway.
             left = self._time_left()
             self.executor.join(timeout=min(cfg.stop_grace + 5, left))
-            self.tainter.join(timeout=min(30, left))
+            # An incident whose culprit its own node did not blame waits for the job verdict.
+            self.tainter.join(timeout=min(self.tainter.job_verdict_wait + 10, left))
+            if self.health is not None:
+                self.health.close(timeout=min(10, left))
             for t in self._job_verdict_threads:
                 t.join(timeout=min(self.job_verdicts.settle + 5, self._time_left()))
             if self.control is not None:

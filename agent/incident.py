@@ -26,6 +26,12 @@ VERDICT_FORMAT = "diag.verdict/1"
 VERDICT_FILE = "verdict.json"
 
 
+def incident_id_of(job: str, verdict_id: str) -> str:
+    """The id an incident carries in its verdict.json: the job's name, then the verdict's id
+    (which names the stuck collective, so the nodes of one incident share it)."""
+    return f"{job}-{verdict_id}" if job else verdict_id
+
+
 def dir_name(when: dt.datetime, kind: str, node: str) -> str:
     safe_node = re.sub(r"[^A-Za-z0-9_.-]+", "_", node)[:63] or "node"
     return f"{when.strftime('%Y%m%d-%H%M%S')}-{kind.replace('_', '-')}-{safe_node}"

@@ -161,7 +161,7 @@ def apply_plan(
         attempts += 1
         if on_attempt is not None:
             on_attempt(attempts)
-        body = _node_patch(plan, state.resource_version)
+        body = node_patch(plan, state.resource_version)
         if body is None:
             break  # a blocked plan changes the condition only
         try:
@@ -175,12 +175,11 @@ def apply_plan(
             raise KubeError(_api_text(e, f"patch node {name}")) from e
         except Exception as e:  # urllib3 connection errors and the like
             raise KubeError(f"patch node {name}: {e}") from e
-    if plan.condition is not None:
+    status = status_patch(plan)
+    if status is not None:
         _call(
             lambda: api.patch_node_status(
-                name,
-                {"status": {"conditions": [_condition_body(plan.condition)]}},
-                _content_type="application/strategic-merge-patch+json",
+                name, status, _content_type="application/strategic-merge-patch+json"
             ),
             f"patch the condition of node {name}",
         )
@@ -191,17 +190,23 @@ def apply_plan(
 
 
 def post_event(api: Any, node: str, uid: str, event: NodeEvent, namespace: str) -> str:
-    now = dt.datetime.now(dt.UTC)
-    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    body = event_body(node, uid, event, namespace, time.time_ns())
+    _call(lambda: api.create_namespaced_event(namespace, body), f"post an event for {node}")
+    return str(body["metadata"]["name"])
+
+
+def event_body(node: str, uid: str, event: NodeEvent, namespace: str, now_ns: int) -> dict:
+    """The Event about `node`, as it is posted."""
+    stamp = dt.datetime.fromtimestamp(now_ns / 1e9, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     # Named like the kubelet's events (object name + unique suffix): generateName needs the
     # server to pick the name, and the name must be known to find the event again.
-    name = f"{node}.{time.time_ns():x}"
+    name = f"{node}.{now_ns:x}"
     annotations = {}
     if event.incident_id:
         annotations[INCIDENT_ANNOTATION] = event.incident_id
     if event.incident_path:
         annotations[INCIDENT_PATH_ANNOTATION] = event.incident_path
-    body = {
+    return {
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"name": name, "namespace": namespace, "annotations": annotations},
@@ -216,11 +221,19 @@ def post_event(api: Any, node: str, uid: str, event: NodeEvent, namespace: str) 
         "lastTimestamp": stamp,
         "count": 1,
     }
-    _call(lambda: api.create_namespaced_event(namespace, body), f"post an event for {node}")
-    return name
 
 
-def _node_patch(plan: TaintPlan, resource_version: str) -> dict[str, Any] | None:
+def status_patch(plan: TaintPlan) -> dict[str, Any] | None:
+    """The strategic-merge patch of `nodes/status` that sets diag's condition alone (merged by
+    `type`: the kubelet's conditions stay as they are); None when the plan leaves it."""
+    if plan.condition is None:
+        return None
+    return {"status": {"conditions": [_condition_body(plan.condition)]}}
+
+
+def node_patch(plan: TaintPlan, resource_version: str) -> dict[str, Any] | None:
+    """The JSON merge patch of the node: its whole taint list and diag's annotation, with the
+    `resourceVersion` the plan was made from; None for a plan that changes the condition only."""
     if plan.action == Action.BLOCKED:
         return None
     annotations: dict[str, Any] = {}

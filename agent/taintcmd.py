@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from diag.agent import exitcodes, taintconfig, taintevidence
+from diag.agent import exitcodes, gpuhealth, taintconfig, taintevidence
 from diag.agent.config import DEFAULT_TIMELINE
 from diag.agent.exitcodes import UsageError
 from diag.agent.kube import KubeError
@@ -47,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-gpu-probe", action="store_true", help="do not read ECC/XIDs from NVML"
     )
     parser.add_argument(
+        "--gpu-watch",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="listen this long for XID events (NVML reports XIDs as they happen, not those "
+        "raised before; the agent's --taint-gpu-watch listens all along). Default 0: ECC only",
+    )
+    parser.add_argument(
         "--xid",
         action="append",
         default=[],
@@ -62,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--incident-id", default="", help="incident id for --xid/--ecc")
     parser.add_argument("--incident-path", default="", help="where their evidence lies")
-    taintconfig.add_arguments(parser, with_mode=False)
+    taintconfig.add_arguments(parser, agent=False)
 
 
 def resolve_node(args: argparse.Namespace) -> str:
@@ -99,13 +107,15 @@ def gather(args: argparse.Namespace, node: str, timeline: Path, now: float, wind
     notes: list[str] = []
     if args.precheck_report:
         evidence += taintevidence.from_precheck_report(args.precheck_report, node)
-    evidence += taintevidence.from_timeline(timeline, node, now - window)
+    evidence += taintevidence.culprit_history(timeline, node, now - window)
     if args.iface:
         evidence += taintevidence.probe_nics(
             [i for part in args.iface for i in part.split(",") if i], now
         )
+    if args.gpu_watch < 0:
+        raise UsageError(f"--gpu-watch {args.gpu_watch:g}: must be >= 0 seconds")
     if not args.no_gpu_probe:
-        gpu, note = taintevidence.probe_gpus(now)
+        gpu, note = gpuhealth.probe(args.gpu_watch)
         evidence += gpu
         if note:
             notes.append(note)

@@ -2,7 +2,8 @@
 flags > environment > the `[taint]` table of the `--config` TOML file > default.
 
 Each option `NAME` has the flag `--taint-NAME` and the variable `DIAG_TAINT_NAME` (`job_cap`:
-`--taint-job-cap`, `DIAG_TAINT_JOB_CAP`, `job_cap = 2` in `[taint]`).
+`--taint-job-cap`, `DIAG_TAINT_JOB_CAP`, `job_cap = 2` in `[taint]`). The node-health monitors'
+options (`watch_nics`, ...) are the agent's only: the commands take their evidence as flags.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from diag.agent.exitcodes import UsageError
-from diag.agent.taints import APPLICATION_XIDS, HARDWARE_XIDS, TaintPolicy
+from diag.agent.nodehealth import HealthSettings
+from diag.agent.taintmodel import APPLICATION_XIDS, HARDWARE_XIDS, TaintPolicy
 
 
 class TaintMode(enum.StrEnum):
@@ -34,6 +36,7 @@ class TaintSettings:
     retries: int = 5  # conflict retries on the node's resourceVersion
     kubeconfig: str | None = None  # None: $KUBECONFIG, else the in-cluster service account
     ledger_timeout: float = 30.0
+    health: HealthSettings = field(default_factory=HealthSettings)
 
 
 def _seconds(text: str) -> float:
@@ -48,6 +51,25 @@ def _count(text: str) -> int:
     if value < 0:
         raise ValueError(f"must be >= 0, got {text}")
     return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise ValueError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(p.strip() for p in str(text).split(",") if p.strip()))
+    bad = [n for n in names if "/" in n or len(n) > 15]
+    if bad:
+        raise ValueError(f"not an interface name: {', '.join(bad)} (expected e.g. eth0,ib0)")
+    return names
+
+
+def _path(text: str) -> Path | None:
+    return Path(text) if text else None
 
 
 def _xids(text: str) -> tuple[int, ...]:
@@ -73,6 +95,7 @@ class _Opt:
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
+    agent_only: bool = False  # a node-health monitor's option: not for `diag taint`/`untaint`
 
     @property
     def flag(self) -> str:
@@ -108,15 +131,54 @@ OPTIONS = (
     _Opt("event_namespace", str, None, "namespace of the Events (default: $POD_NAMESPACE)"),
     _Opt("retries", _count, 5, "retries when another writer changed the node meanwhile"),
     _Opt("kubeconfig", str, None, "kubeconfig file (default: $KUBECONFIG, else in-cluster)"),
+    _Opt(
+        "watch_nics",
+        _names,
+        (),
+        "watch these interfaces' carrier (comma-separated, e.g. eth0,ib0): a NIC without "
+        "carrier taints",
+        agent_only=True,
+    ),
+    _Opt(
+        "nic_grace",
+        _seconds,
+        10.0,
+        "seconds a NIC must stay without carrier before it counts",
+        agent_only=True,
+    ),
+    _Opt(
+        "precheck_report",
+        _path,
+        None,
+        "watch this `diag precheck --report` file: a faulty verdict for this node taints, a "
+        "clean one clears the taint",
+        agent_only=True,
+    ),
+    _Opt(
+        "gpu_watch",
+        _bool,
+        True,
+        "watch NVML for critical XID events and uncorrected ECC errors (skipped without a driver)",
+        agent_only=True,
+    ),
+    _Opt(
+        "health_interval",
+        _positive,
+        10.0,
+        "seconds between looks at the node's health",
+        agent_only=True,
+    ),
 )
 
 
-def add_arguments(parser: argparse.ArgumentParser, with_mode: bool = True) -> None:
+def add_arguments(parser: argparse.ArgumentParser, agent: bool = True) -> None:
+    """The options of `diag agent` (`agent`), else of `diag taint` and `diag untaint`."""
     group = parser.add_argument_group("node taints")
     for opt in OPTIONS:
-        if opt.name == "mode" and not with_mode:
+        if (opt.name == "mode" or opt.agent_only) and not agent:
             continue
         default = _csv(opt.default) if isinstance(opt.default, tuple) else opt.default
+        default = "none" if default in ("", None) else default
         group.add_argument(
             opt.flag,
             dest=f"taint_{opt.name}",
@@ -170,6 +232,13 @@ def load(
         event_namespace=values["event_namespace"] or env.get("POD_NAMESPACE") or "default",
         retries=values["retries"],
         kubeconfig=values["kubeconfig"],
+        health=HealthSettings(
+            nics=values["watch_nics"],
+            nic_grace=values["nic_grace"],
+            precheck_report=values["precheck_report"],
+            gpu=values["gpu_watch"],
+            interval=values["health_interval"],
+        ),
     )
 
 

@@ -2,47 +2,52 @@
 
 - a precheck report (`diag precheck --report`): this node's verdict, its GPUs' ECC/XID findings
   and its NIC's carrier;
-- the incident directories under the timeline path that name this node's rank as the culprit
-  (a rank is this node's when its stack dump is in this node's incident directory, or when the
-  verdict names the culprit's node);
-- NVML now: uncorrected ECC errors (volatile) and XID events seen while it looks;
-- the link state of named interfaces.
+- the incident directories under the timeline path whose verdict blames one of this node's own
+  ranks (its stack dump is in this node's incident directory);
+- the job verdicts under `<timeline>/.jobs/` that name this node as the culprit's: the job
+  verdict names a rank its own node did not blame (that node's agent saw a deadlock in which no
+  rank stood out, or only ranks waiting for other nodes);
+- the link state of named interfaces (`nodehealth.py` watches them in the agent) and the GPUs
+  (`gpuhealth.py`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from diag.agent.exitcodes import UsageError
-from diag.agent.incident import VERDICT_FILE
+from diag.agent.incident import VERDICT_FILE, incident_id_of
+from diag.agent.jobverdict import JobVerdict, JobVerdictStore
 from diag.agent.precheck.evidence import DeviceHealth, NicState, Severity
 from diag.agent.precheck.report import PrecheckReport
 from diag.agent.taints import Evidence, Signal
 
 log = logging.getLogger(__name__)
 
+JOB_VERDICTS_DIR = ".jobs"  # under the timeline: the agent's JobVerdictStore (daemon.py)
 
-def from_precheck_report(path: Path, node: str) -> list[Evidence]:
+
+def from_precheck_report(path: Path, node: str, flag: str = "--precheck-report") -> list[Evidence]:
     """This node's part of a precheck report: the copy a node writes has `reported_by` = its
-    rank; the node's entry is also found by host name when the report came from elsewhere."""
+    rank; the node's entry is also found by host name when the report came from elsewhere.
+    Raises UsageError, naming `flag`, on a file that is missing or not a report."""
     try:
         report = PrecheckReport.from_dict(json.loads(path.read_text()))
     except FileNotFoundError as e:
-        raise UsageError(f"--precheck-report {path}: no such file") from e
+        raise UsageError(f"{flag} {path}: no such file") from e
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UsageError(
-            f"--precheck-report {path}: not a diag precheck report ({e}); pass the file "
+            f"{flag} {path}: not a diag precheck report ({e}); pass the file "
             "`diag precheck --report` wrote"
         ) from e
     entry = next((n for n in report.nodes if n.host == node), None) or report.node(
         report.reported_by
     )
     if entry is None:
-        raise UsageError(f"--precheck-report {path}: no entry for node {node}")
+        raise UsageError(f"{flag} {path}: no entry for node {node}")
     at = report.started_at + report.wall_seconds
     where = str(path)
     out: list[Evidence] = []
@@ -82,7 +87,7 @@ def from_nics(nics: Iterable[NicState], at: float, where: str = "") -> list[Evid
         Evidence(
             Signal.NIC_NO_CARRIER,
             at,
-            f"{n.iface}: operstate {n.operstate or '?'}",
+            f"{n.iface}: no carrier",
             incident_path=where,
         )
         for n in nics
@@ -102,18 +107,9 @@ def probe_nics(ifaces: Sequence[str], now: float) -> list[Evidence]:
     return from_nics(states, now)
 
 
-def probe_gpus(now: float) -> tuple[list[Evidence], str | None]:
-    """ECC and XIDs from NVML now; the note says why nothing was read (no driver)."""
-    from diag.agent.precheck.devicehealth import NvmlWatch
-
-    watch = NvmlWatch()
-    watch.start()
-    devices = watch.finish()
-    return from_devices(devices, now, "nvml"), watch.note
-
-
 def from_timeline(timeline: Path, node: str, since: float) -> list[Evidence]:
-    """One CULPRIT per incident (by id) since `since` whose culprit rank ran on `node`."""
+    """One CULPRIT per incident (by id) since `since` whose verdict, written on `node`, blames
+    one of `node`'s own ranks."""
     out: dict[str, Evidence] = {}
     if not timeline.is_dir():
         return []
@@ -146,9 +142,7 @@ def from_timeline(timeline: Path, node: str, since: float) -> list[Evidence]:
 
 
 def _culprit_here(doc: dict, incident_dir: Path, node: str) -> bool:
-    culprit_node = doc.get("culprit_node")
-    if culprit_node is not None:
-        return str(culprit_node) == node
+    """The verdict was written on `node` and the rank it blames is one it dumped (runs there)."""
     if doc.get("node") != node:
         return False
     try:
@@ -158,5 +152,53 @@ def _culprit_here(doc: dict, incident_dir: Path, node: str) -> bool:
     return any(incident_dir.glob(f"{rank:05d}-*.stack.json"))
 
 
-def now() -> float:
-    return time.time()
+def from_job_verdict(
+    verdict: JobVerdict, job: str, node: str, at: float, incident_path: str
+) -> Evidence | None:
+    """A CULPRIT against `node` when the job verdict names it as the culprit's node; its id is
+    the one the nodes' incident directories carry, so it counts once with them."""
+    if verdict.culprit is None or verdict.culprit_node != node:
+        return None
+    return Evidence(
+        Signal.CULPRIT,
+        at,
+        f"rank {verdict.culprit}: named by the job verdict",
+        incident_id=incident_id_of(job, verdict.incident_id),
+        incident_path=incident_path,
+    )
+
+
+def from_job_verdicts(timeline: Path, node: str, since: float) -> list[Evidence]:
+    """One CULPRIT per job verdict under `<timeline>/.jobs/<job>/` decided since `since` (by
+    its directory's time) that names `node`; the evidence path is the job verdict's directory.
+    The job is the directory's name (a job's name with only the characters file names take)."""
+    root = timeline / JOB_VERDICTS_DIR
+    store = JobVerdictStore(root)
+    out = []
+    for incident_dir in sorted(root.glob("*/*")):
+        job, incident = incident_dir.parent.name, incident_dir.name
+        if job.startswith(".") or incident.startswith("."):
+            continue
+        try:
+            at = incident_dir.stat().st_mtime
+            if at < since:
+                continue
+            verdict = store.load(job, incident)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.debug("skipping the job verdict in %s: %s", incident_dir, e)
+            continue
+        if verdict is None:
+            continue
+        ev = from_job_verdict(verdict, job, node, at, str(incident_dir))
+        if ev is not None:
+            out.append(ev)
+    return out
+
+
+def culprit_history(timeline: Path, node: str, since: float) -> list[Evidence]:
+    """Every incident since `since` that names `node`'s rank, from its own incident directories
+    and from the job verdicts, one piece of evidence per incident (its own directory first)."""
+    out: dict[str, Evidence] = {}
+    for ev in [*from_timeline(timeline, node, since), *from_job_verdicts(timeline, node, since)]:
+        out.setdefault(ev.incident_id, ev)
+    return sorted(out.values(), key=lambda e: e.at)

@@ -18,11 +18,11 @@ from diag.agent.kube import ApplyResult, apply_plan, connect, read_node
 from diag.agent.taintconfig import TaintSettings
 from diag.agent.taintledger import TaintLedger
 from diag.agent.taints import (
-    Action,
     Evidence,
     JobBudget,
     NodeView,
     TaintPlan,
+    plan_expiry,
     plan_taint,
     plan_untaint,
 )
@@ -117,10 +117,7 @@ def expire(
     api = api if api is not None else connect(settings.kubeconfig)
 
     def decide(view: NodeView) -> TaintPlan:
-        plan = plan_taint(view, (), settings.policy, JobBudget(), clock())
-        if plan.action != Action.UNTAINT:
-            return TaintPlan(view.name, Action.NONE, plan.why, taints=view.taints)
-        return plan
+        return plan_expiry(view, settings.policy, clock())
 
     if dry_run:
         return TaintOutcome(decide(read_node(api, node).view), dry_run=True)

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="only remove taints past their expiry; without --node, on every node carrying "
         "diag's taint (needs `list` on nodes: run it as a CronJob, see deploy/k8s/expiry)",
     )
-    taintconfig.add_arguments(parser, with_mode=False)
+    taintconfig.add_arguments(parser, agent=False)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -164,7 +164,23 @@ def test_the_expiry_cronjob(rendered):
         ("nodes/status",): ["patch"],
         ("events",): ["create"],
     }
+    # Its patch right is narrowed by its own admission policy, shipped with it, cluster-scoped.
+    policies = by_kind(docs, "ValidatingAdmissionPolicy")
+    bindings = by_kind(docs, "ValidatingAdmissionPolicyBinding")
+    assert (
+        {p["metadata"]["name"] for p in policies}
+        == {b["spec"]["policyName"] for b in bindings}
+        == {"diag-taint-expiry-removes-only", "diag-taint-expiry-events"}
+    )
+    assert all("namespace" not in d["metadata"] for d in policies + bindings)
+    (account,) = by_kind(docs, "ServiceAccount")
+    (binding,) = by_kind(docs, "ClusterRoleBinding")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "diag-taint-expiry", "namespace": "diag-system"}
+    ]
+    assert account["metadata"]["namespace"] == "diag-system"
     (cron,) = by_kind(docs, "CronJob")
+    assert cron["metadata"]["namespace"] == "diag-system"
     (c,) = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert c["args"][0] == "untaint"

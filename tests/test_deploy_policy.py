@@ -1,6 +1,5 @@
 """The ValidatingAdmissionPolicy of deploy/k8s/policy, evaluated by a real CEL evaluator
-(cel-python) the way the API server does: match conditions, then the variables in order, then
-every validation; an evaluation error denies (failurePolicy: Fail).
+(cel-python) the way the API server does (tests/celadmission.py).
 
 The objects are what the agent really sends: the node after the JSON merge patch that
 `agent/kube.py` builds from a real plan, and the Event it posts."""
@@ -12,11 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import celpy
 import pytest
-import yaml
+from celadmission import admit, load_policies, merge_patch
 
-from diag.agent.kube import _node_patch
+from diag.agent.kube import node_patch
 from diag.agent.taints import (
     CONDITION_TYPE,
     Evidence,
@@ -30,69 +28,11 @@ from diag.agent.taints import (
 )
 
 POLICY_FILE = Path(__file__).resolve().parents[1] / "deploy/k8s/policy/admission-policy.yaml"
-NODE_KEY = "authentication.kubernetes.io/node-name"
 AGENT = "system:serviceaccount:training:diag-agent"
 
 
 def policies() -> dict[str, dict]:
-    docs = [d for d in yaml.safe_load_all(POLICY_FILE.read_text()) if d]
-    pols = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
-    bindings = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"]
-    assert {b["spec"]["policyName"] for b in bindings} == set(pols)
-    assert all(b["spec"]["validationActions"] == ["Deny"] for b in bindings)
-    return pols
-
-
-ENV = celpy.Environment()
-
-
-def _eval(expr: str, activation: dict[str, Any]) -> Any:
-    prog = ENV.program(ENV.compile(expr))
-    out = prog.evaluate(activation)
-    if isinstance(out, celpy.CELEvalError):
-        raise out
-    return out
-
-
-def admit(
-    policy: dict, obj: dict, old: dict | None, user: str, node: str | None, sub: str = ""
-) -> tuple[bool, list[str]]:
-    """(allowed, messages). Not matched: allowed."""
-    extra = {NODE_KEY: [node]} if node is not None else {}
-    request = {
-        "userInfo": {"username": user, "extra": extra},
-        "subResource": sub,
-        "operation": "UPDATE" if old is not None else "CREATE",
-    }
-    act: dict[str, Any] = {
-        "object": celpy.json_to_cel(obj),
-        "oldObject": celpy.json_to_cel(old),
-        "request": celpy.json_to_cel(request),
-    }
-    spec = policy["spec"]
-    for cond in spec.get("matchConditions", []):
-        if not _eval(cond["expression"], act):
-            return True, []
-    # Variables are evaluated in order; each sees the ones before it.
-    variables: dict[str, Any] = {}
-    for var in [*spec.get("variables", []), None]:
-        act["variables"] = celpy.celtypes.MapType(
-            {celpy.celtypes.StringType(k): v for k, v in variables.items()}
-        )
-        if var is not None:
-            variables[var["name"]] = _eval(var["expression"], act)
-    denied = []
-    for v in spec["validations"]:
-        try:
-            ok = bool(_eval(v["expression"], act))
-        except celpy.CELEvalError as e:
-            ok = False
-            denied.append(f"evaluation error: {e}")
-            continue
-        if not ok:
-            msg = v.get("message") or str(_eval(v["messageExpression"], act))
-            denied.append(msg)
-    return not denied, denied
+    return load_policies(POLICY_FILE)
 
 
 def node(name: str = "node-a", **extra: Any) -> dict:
@@ -116,19 +56,6 @@ def node(name: str = "node-a", **extra: Any) -> dict:
     return n
 
 
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386, as the API server applies a JSON merge patch."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = copy.deepcopy(target) if isinstance(target, dict) else {}
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = merge_patch(out.get(k), v)
-    return out
-
-
 def view_of(n: dict) -> NodeView:
     taints = tuple(
         Taint(t["key"], t["effect"], t.get("value", "")) for t in n["spec"].get("taints", [])
@@ -139,7 +66,7 @@ def view_of(n: dict) -> NodeView:
 def tainted(n: dict) -> dict:
     ev = [Evidence(Signal.GPU_XID, time.time(), xid=79, incident_id="i", incident_path="/t/i")]
     plan = plan_taint(view_of(n), ev, TaintPolicy(job="j"), JobBudget(), time.time())
-    return merge_patch(n, _node_patch(plan, "7"))
+    return merge_patch(n, node_patch(plan, "7"))
 
 
 NODE_POLICY = "diag-agent-own-node"
@@ -156,7 +83,7 @@ def test_the_agent_may_taint_its_own_node():
 def test_and_untaint_it():
     old = tainted(node())
     plan = plan_untaint(view_of(old), time.time())
-    new = merge_patch(old, _node_patch(plan, "8"))
+    new = merge_patch(old, node_patch(plan, "8"))
     assert [t["key"] for t in new["spec"]["taints"]] == ["nvidia.com/gpu"]
     assert admit(policies()[NODE_POLICY], new, old, AGENT, "node-a") == (True, [])
 

@@ -5,8 +5,9 @@ end-to-end tests of wait-for cycles and of jobs that never mark a step. One proc
 
 Scenarios (the fault happens on `--fault-rank` at `--fault-step`):
   groups    two groups with the same members; each step all-reduces on the first, then on the
-            second. At the fault step the fault rank takes the second group first: a deadlock
-            across groups.
+            second. At the fault step the fault rank takes the second group first (after
+            `--fault-delay` seconds, so that the others are inside the first before it): a
+            deadlock across groups.
   p2p       ranks exchange with a partner (pairs 0-1, 2-3...): the lower rank sends then receives,
             the higher receives then sends; then an all-reduce. At the fault step the fault rank
             receives first: both partners wait in recv from each other.
@@ -35,6 +36,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=6)
     p.add_argument("--fault-after", type=float, default=40.0, help="stepless: seconds")
+    p.add_argument("--fault-delay", type=float, default=0.0, help="groups: seconds")
     p.add_argument("--steps", type=int, default=10_000)
     p.add_argument("--step-seconds", type=float, default=0.1, help="sleep per step")
     p.add_argument("--pg-timeout", type=float, default=300.0, help="gloo collective timeout, s")
@@ -75,6 +77,8 @@ def main() -> int:
             first, second = (other, None) if at_fault and fault else (None, other)
             if at_fault:
                 log("fault step")
+                if fault:
+                    time.sleep(args.fault_delay)
             dist.all_reduce(x, group=first)
             dist.all_reduce(x, group=second)
         elif args.scenario == "p2p":
