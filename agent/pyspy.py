@@ -102,10 +102,25 @@ def _start(binary: str, t: DumpTarget, native: bool) -> _Running:
         cmd.append("--native")
     if not blocking:
         cmd.append("--nonblocking")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
-    )
+    try:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+        )
+    except OSError as e:
+        # The kernel refuses to run a binary whose file capability (cap_sys_ptrace, in the
+        # non-root image) is outside the container's bounding set: EPERM at exec.
+        return _Running(t, None, time.monotonic(), word, native, _start_error(binary, e))
     return _Running(t, proc, time.monotonic(), word, native and blocking)
+
+
+def _start_error(binary: str, e: OSError) -> str:
+    msg = f"py-spy could not be started: {e}"
+    if file_has_capability(binary, CAP_SYS_PTRACE):
+        msg += (
+            "; it carries cap_sys_ptrace as a file capability, so its container needs SYS_PTRACE "
+            "in capabilities.add and allowPrivilegeEscalation: true"
+        )
+    return msg
 
 
 def _finish(r: _Running, deadline: float, timeout: float) -> RankDump:
