@@ -87,12 +87,12 @@ def built() -> Iterator[tuple[Podman, str]]:
         made = [image for image in (DEMO, AGENT) if image not in before and _exists(image)]
         if made:
             subprocess.run(["podman", "rmi", *made], capture_output=True, timeout=300)
-        # The layer cache of the builds (untagged images of the Dockerfile's stages).
-        subprocess.run(
-            ["podman", "image", "prune", "-f", "--filter", "label=dev.diag.stage"],
-            capture_output=True,
-            timeout=300,
-        )
+            # The layer cache of these builds (untagged images of the Dockerfile's stages).
+            subprocess.run(
+                ["podman", "image", "prune", "-f", "--filter", "label=dev.diag.stage"],
+                capture_output=True,
+                timeout=300,
+            )
         if BASE not in before and _exists(BASE):
             subprocess.run(["podman", "rmi", BASE], capture_output=True, timeout=300)
 
