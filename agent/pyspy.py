@@ -118,8 +118,25 @@ def _start(binary: str, t: DumpTarget, native: bool) -> _Running:
     # Output to unlinked files, not pipes: py-spy can write any amount without us reading it
     # meanwhile, and the agent reaps it itself with wait4 (for its peak memory).
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115 (_finish closes)
-    proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+    try:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+    except OSError as e:
+        out.close()
+        err.close()
+        # The kernel refuses to run a binary whose file capability (cap_sys_ptrace, in the
+        # non-root image) is outside the container's bounding set: EPERM at exec.
+        return _Running(t, None, time.monotonic(), word, native, _start_error(binary, e))
     return _Running(t, proc, time.monotonic(), word, native and blocking, out=out, err=err)
+
+
+def _start_error(binary: str, e: OSError) -> str:
+    msg = f"py-spy could not be started: {e}"
+    if file_has_capability(binary, CAP_SYS_PTRACE):
+        msg += (
+            "; it carries cap_sys_ptrace as a file capability, so its container needs SYS_PTRACE "
+            "in capabilities.add and allowPrivilegeEscalation: true"
+        )
+    return msg
 
 
 def _reap(proc: subprocess.Popen, deadline: float) -> int | None:

@@ -184,3 +184,65 @@ def test_native_dumps_start_two_then_as_many_as_their_measured_size_allows(tmp_p
         for p in sleepers:
             p.kill()
             p.wait(timeout=30)
+
+
+def _set_file_capability(path: Path, cap: int) -> None:
+    """setcap cap+ep without libcap's tools: struct vfs_cap_data, revision 2, effective bit."""
+    import struct
+
+    os.setxattr(path, "security.capability", struct.pack("<5I", 0x02000001, 1 << cap, 0, 0, 0))
+
+
+def test_pyspy_refused_by_the_kernel_still_leaves_an_incident(tmp_path: Path) -> None:
+    """The non-root image: py-spy carries cap_sys_ptrace as a file capability, and a container
+    without SYS_PTRACE in its bounding set makes the kernel refuse to run it (EPERM at exec). The
+    incident is still written, each rank's dump naming the cause, instead of the exec's error
+    aborting the capture."""
+    import json
+    import shutil
+
+    from diag.agent.pyspy import CAP_SYS_PTRACE, file_has_capability, pyspy_binary
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to set a file capability and drop it from the bounding set")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    pyspy = bindir / "py-spy"
+    shutil.copy2(pyspy_binary(), pyspy)
+    try:
+        _set_file_capability(pyspy, CAP_SYS_PTRACE)
+    except OSError as e:
+        pytest.skip(f"no security.capability xattrs on {tmp_path}: {e}")
+    assert file_has_capability(str(pyspy), CAP_SYS_PTRACE)
+    timeline = tmp_path / "timeline"
+    sleeper = _python("import time\ndef idle():\n    time.sleep(60)\nidle()\n")
+    child = f"""
+import ctypes, datetime as dt, json, sys
+from pathlib import Path
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(24, {CAP_SYS_PTRACE}, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, as a container would
+    sys.exit(f"PR_CAPBSET_DROP failed: errno {{ctypes.get_errno()}}")
+from diag.agent.evidence import EvidenceTarget, capture, verdict_document
+from diag.agent.pyspy import DumpTarget
+doc = verdict_document(None, kind="manual", incident_id="t", job="j", node="n", world_size=1,
+                       detected_at=dt.datetime.now(dt.UTC), summary="test")
+result = capture([EvidenceTarget(DumpTarget(0, 1, {sleeper.pid}))], Path({str(timeline)!r}),
+                 doc, native=True, pyspy_timeout=30)
+print(json.dumps({{"path": str(result.path), "errors": [d.error for d in result.dumps]}}))
+"""
+    try:
+        _wait_state(sleeper.pid, "S")
+        env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+        r = subprocess.run(
+            [sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=60
+        )
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=30)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert Path(out["path"]).is_dir() and Path(out["path"]).is_relative_to(timeline)
+    assert (Path(out["path"]) / "verdict.json").is_file()
+    (error,) = out["errors"]
+    assert "py-spy could not be started" in error and "Operation not permitted" in error, error
+    assert "SYS_PTRACE" in error, error

