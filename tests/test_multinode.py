@@ -7,6 +7,7 @@ and `diag taint --dry-run` plans a taint for node-b only."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -106,8 +107,14 @@ def test_both_nodes_name_the_hung_rank_on_node_b(tmp_path: Path) -> None:
         assert len(job_verdicts) == 1, logs
         jv = json.loads(job_verdicts[0].read_text())
         assert (jv["culprit"], jv["culprit_node"]) == (3, "node-b"), jv
-        assert sorted(jv["nodes"]) == ["node-a", "node-b"]
-        assert sorted(jv["evidence"]) == sorted(str(d) for d, _ in verdicts.values())
+        # Only node-b filed (first-hand); node-a, which only waited for it, wrote nothing for
+        # the job verdict. Every node's directory is still found, by its name.
+        assert (jv["nodes"], jv["reports"]) == (["node-b"], 1), jv
+        assert jv["evidence"] == [str(verdicts["node-b"][0])]
+        dirs = sorted(glob.glob(jv["evidence_glob"]))
+        assert dirs == sorted(str(d) for d, _ in verdicts.values()), jv["evidence_glob"]
+        reports = list((timeline / ".jobs").glob("*/*/reports/*"))
+        assert [p.name.split("~")[0] for p in reports] == ["r3.L.node-b"], reports
         # One taint plan, for the job verdict's culprit node only, from its evidence on the
         # timeline (threshold 1: this single incident is enough), against the in-memory API.
         plans = _taint_plans(tmp_path, timeline, jv["culprit_node"])
