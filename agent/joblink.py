@@ -91,10 +91,12 @@ class JobLink:
         self._open[target.incident_id] = _Open(mine, target, job, threading.Event())
         if not (target.adopted or target.consequence):
             return replace(verdict, incident_id=target.incident_id)
-        log.warning(
-            "incident %s is part of job incident %s%s", verdict.incident_id, target.incident_id,
-            f": {target.reason}" if target.reason else "",
-        )  # fmt: skip
+        why = f": {target.reason}" if target.reason else ""
+        if target.adopted:
+            log.warning("incident %s joins job incident %s%s", verdict.incident_id,
+                        target.incident_id, why)  # fmt: skip
+        else:
+            log.warning("incident %s follows what another node reported%s", target.incident_id, why)
         return replace(
             verdict,
             incident_id=target.incident_id,
