@@ -120,7 +120,9 @@ class JobLink:
             log.info("no report for the job verdict: %s", o.target.reason)
             return
         if how == Filing.NOW:
-            self._start(self._file, job, o.target.incident_id, node_report)
+            # Filed here and now (two small writes); only the claimant's wait is a thread.
+            if self._file(job, o.target.incident_id, node_report):
+                self._start(self._conclude, job, o.target.incident_id, node_report.wall)
         else:
             self._start(self._settle, job, o, node_report, report.evidence.path)
 
@@ -172,17 +174,20 @@ class JobLink:
             "no first-hand report for %s within %.0f s: filing this node's view",
             target.incident_id, self.store.settle,
         )  # fmt: skip
-        self._file(job, target.incident_id, replace(node_report, wall=time.time()))
+        now = time.time()
+        if self._file(job, target.incident_id, replace(node_report, wall=now)):
+            self._conclude(job, target.incident_id, now)
 
-    def _file(self, job: str, incident_id: str, node_report: NodeReport) -> None:
+    def _file(self, job: str, incident_id: str, node_report: NodeReport) -> bool:
+        """True when this node claimed the incident (and so assembles its verdict)."""
         try:
-            claimed = self.store.file(job, incident_id, node_report)
+            return self.store.file(job, incident_id, node_report)
         except OSError as e:
             log.error("could not file the report for the job verdict under %s: %s",
                       self.store.root, e)  # fmt: skip
-            return
-        if not claimed:
-            return
+            return False
+
+    def _conclude(self, job: str, incident_id: str, first_seen: float) -> None:
         where = self.store.incident_dir(job, incident_id)
 
         def announce(jv: JobVerdict) -> None:
@@ -192,6 +197,6 @@ class JobLink:
             )  # fmt: skip
 
         try:
-            self.store.wait_and_conclude(job, incident_id, node_report.wall, announce)
+            self.store.wait_and_conclude(job, incident_id, first_seen, announce)
         except OSError as e:
             log.error("could not write the job verdict under %s: %s", self.store.root, e)
