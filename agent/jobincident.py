@@ -134,11 +134,13 @@ class Known:
     incident_id: str
     claimed_wall: float  # the claim's time (its file's mtime), or the directory's
     claim: Claim | None = None
-    verdict: bool = False  # job-verdict.json is in place (looked at only when it matters)
+    # Looked at only when it matters (a waiting node at the end of its settle time):
+    verdict: bool = False  # job-verdict.json is in place
+    marked: bool = False  # a first-hand report came after a waiting node's claim
 
     @property
     def first_hand(self) -> bool:
-        return self.claim is not None and self.claim.where == Where.LOCAL
+        return self.marked or (self.claim is not None and self.claim.where == Where.LOCAL)
 
 
 @dataclass(frozen=True)
@@ -289,7 +291,7 @@ def filing(mine: Mine, target: Target, *, settled: bool) -> Filing:
         return Filing.NONE
     if mine.where == Where.LOCAL:
         return Filing.NOW  # a verdict already in place takes it in late (add_late_reports)
-    if target.known is not None and target.known.verdict:
+    if target.known is not None and (target.known.verdict or target.known.first_hand):
         return Filing.NONE
     if not settled:
         return Filing.WAIT

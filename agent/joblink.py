@@ -55,6 +55,16 @@ def mine_of(verdict: Verdict, obs: Observation, now_wall: float) -> Mine:
     return Mine(verdict.incident_id, where, first, now_wall, since)
 
 
+def look(store: JobVerdictStore, job: str, mine: Mine, window: float, *, settled: bool) -> Target:
+    """One look at the job's incidents: a listing, a time check and a read of the claims of
+    this attempt; at the end of the settle time also whether the one chosen has its verdict
+    or a first-hand report (two more checks)."""
+    target = choose(mine, store.known(job, mine.attempt, mine.since_wall), window)
+    if settled and target.known is not None and not target.consequence:
+        target = replace(target, known=store.settled(target.known, job))
+    return target
+
+
 def job_incident_id(job: str, incident_id: str) -> str:
     """The id an incident directory's verdict.json carries (the executor's form)."""
     return f"{job}-{incident_id}" if job else incident_id
@@ -83,11 +93,10 @@ class JobLink:
         no culprit of its own: the job verdict names it)."""
         mine = mine_of(verdict, obs, now_wall)
         try:
-            known = self.store.known(job, mine.attempt, mine.since_wall)
+            target = look(self.store, job, mine, self.window, settled=False)
         except OSError as e:
             log.error("cannot list the job's incidents under %s: %s", self.store.root, e)
-            known = []
-        target = choose(mine, known, self.window)
+            target = choose(mine, [], self.window)
         self._open[target.incident_id] = _Open(mine, target, job, threading.Event())
         if not (target.adopted or target.consequence):
             return replace(verdict, incident_id=target.incident_id)
@@ -150,11 +159,7 @@ class JobLink:
         """At the end of the settle time: file this node's view only if nothing covers it."""
         time.sleep(max(0.0, o.mine.decided_wall + self.store.settle - time.time()))
         try:
-            target = choose(o.mine, self.store.known(job, o.mine.attempt, o.mine.since_wall),
-                            self.window)  # fmt: skip
-            if target.known is not None and not target.consequence:
-                seen = self.store.has_verdict(job, target.incident_id)
-                target = replace(target, known=replace(target.known, verdict=seen))
+            target = look(self.store, job, o.mine, self.window, settled=True)
         except OSError as e:
             log.error("cannot look for the job verdict under %s: %s", self.store.root, e)
             return

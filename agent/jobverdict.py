@@ -5,6 +5,7 @@ Nothing is written in steady state. On an incident:
     <timeline>/.jobs/<job>/<incident id>/
         reports/<report name>     one per node that files: first-hand ones, and views in a fallback
         claim                     created with O_CREAT|O_EXCL: its creator assembles the verdict
+        first-hand                made by a first-hand report that finds another node's claim
         job-verdict.json          the job's verdict, put in place by link(2), so there is one
 
 A node that blames one of its own ranks (it saw it die, or sit outside the collective the others
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 
 JOB_VERDICT_FILE = "job-verdict.json"
 CLAIM_FILE = "claim"
+FIRST_HAND_FILE = "first-hand"
 REPORTS_DIR = "reports"
 
 __all__ = [
@@ -134,12 +136,23 @@ class JobVerdictStore:
         try:
             fd = os.open(d / CLAIM_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
+            if report.where == Where.LOCAL and report.culprit is not None:
+                self._mark(d)
             return False
         claim = Claim(report.node, report.where, report.culprit, report.first_sign_wall)
         with os.fdopen(fd, "w") as f:
             f.write(claim.text())
         self.io.writes += 1
         return True
+
+    def _mark(self, d: Path) -> None:
+        """A first-hand report under another node's claim: one stat tells the claimant (and
+        the nodes about to file their views) instead of a listing of every report."""
+        try:
+            os.close(os.open(d / FIRST_HAND_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            self.io.writes += 1
+        except FileExistsError:
+            pass
 
     def known(self, job: str, attempt: int | None, since_wall: float) -> list[Known]:
         """The job's incidents of `attempt`: one listing of the job's directory, a time check
@@ -181,9 +194,17 @@ class JobVerdictStore:
         self.io.bytes_read += len(raw)
         return t, Claim.parse(raw.decode(errors="replace"))
 
-    def has_verdict(self, job: str, incident_id: str) -> bool:
+    def settled(self, k: Known, job: str) -> Known:
+        """`k` with whether its verdict is in place and whether a first-hand report came."""
+        d = self.incident_dir(job, k.incident_id)
+        self.io.stats += 2
+        return replace(
+            k, verdict=(d / JOB_VERDICT_FILE).exists(), marked=(d / FIRST_HAND_FILE).exists()
+        )
+
+    def first_hand_marked(self, job: str, incident_id: str) -> bool:
         self.io.stats += 1
-        return (self.incident_dir(job, incident_id) / JOB_VERDICT_FILE).exists()
+        return (self.incident_dir(job, incident_id) / FIRST_HAND_FILE).exists()
 
     def names(self, job: str, incident_id: str) -> list[ReportName]:
         d = self.incident_dir(job, incident_id) / REPORTS_DIR
@@ -306,10 +327,18 @@ class JobVerdictStore:
         """The claimant's loop: one listing per `poll` seconds until ready, at most `settle`.
         A verdict reached early (a first-hand report) gets the nodes that report first-hand
         later added once, at the end of the settle time; its culprit stays."""
+        # Views may be filed by thousands of nodes: list them only once a first-hand report
+        # is known to be there (the claim or the marker says so), or at the end.
+        first_hand = self._claimed_first_hand(job, incident_id)
         while True:
             now = time.time()
             force = now - first_seen >= self.settle
-            v = self.conclude(job, incident_id, first_seen=first_seen, now_wall=now, force=force)
+            first_hand = first_hand or self.first_hand_marked(job, incident_id)
+            v = None
+            if force or first_hand:
+                v = self.conclude(
+                    job, incident_id, first_seen=first_seen, now_wall=now, force=force
+                )
             if v is not None or force:
                 break
             time.sleep(self.poll)
@@ -319,6 +348,16 @@ class JobVerdictStore:
             return v
         time.sleep(max(0.0, first_seen + self.settle - time.time()))
         return self.add_late_reports(job, incident_id, v)
+
+    def _claimed_first_hand(self, job: str, incident_id: str) -> bool:
+        try:
+            raw = (self.incident_dir(job, incident_id) / CLAIM_FILE).read_bytes()
+        except FileNotFoundError:
+            return False
+        self.io.reads += 1
+        self.io.bytes_read += len(raw)
+        claim = Claim.parse(raw.decode(errors="replace"))
+        return claim is not None and claim.where == Where.LOCAL
 
     def add_late_reports(self, job: str, incident_id: str, v: JobVerdict) -> JobVerdict:
         names = self.names(job, incident_id)

@@ -166,3 +166,23 @@ def test_known_lists_the_attempt_and_reads_only_this_runs_claims(tmp_path: Path)
     assert known["a0-hang-pg0-seq42"].claim is None  # its time says enough
     assert known["a0-rank_exited"].claim == Claim("a", Where.LOCAL, 1, 5.0)
     assert (reader.io.listings, reader.io.reads) == (1, 1)
+
+
+def test_a_first_hand_report_after_a_waiting_nodes_claim_ends_the_wait(tmp_path: Path) -> None:
+    """A node that filed its view (no first-hand report within its settle time) holds the
+    claim; the culprit's node reports after all. The claimant learns it from one marker, not
+    from listing every view, and concludes first-hand without waiting out its settle time."""
+    store = JobVerdictStore(tmp_path / ".jobs", settle=8.0, poll=0.05)
+    assert store.file("j", "inc", NodeReport("a", None, Where.REMOTE, str(tmp_path / "ea")))
+    first = time.time()
+    t = threading.Thread(target=store.wait_and_conclude, args=("j", "inc", first))
+    t.start()
+    time.sleep(0.3)
+    assert store.load("j", "inc") is None and store.io.listings == 0  # views not listed
+    late = JobVerdictStore(tmp_path / ".jobs")
+    assert not late.file("j", "inc", NodeReport("b", 3, Where.LOCAL, str(tmp_path / "eb")))
+    assert (store.incident_dir("j", "inc") / "first-hand").is_file()
+    t.join(60)
+    v = store.load("j", "inc")
+    assert v is not None and (v.culprit, v.culprit_node, v.reports) == (3, "b", 2)
+    assert v.decided_wall < first + store.settle  # concluded on the marker, not at the end
