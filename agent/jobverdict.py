@@ -49,7 +49,7 @@ from diag.agent.jobincident import (
     pick_culprit,
     ready,
 )
-from diag.agent.nodeview import analyse
+from diag.agent.nodeview import analyse, fold_rank_lists
 from diag.collector.meta import safe_job_name, write_atomic
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def _from_views(reports: list[NodeReport], now_wall: float) -> tuple[int, str, s
     a = analyse(views, now_wall)
     if a.culprit is None:
         return None
-    return a.culprit, a.node, f"from the views of {len(views)} nodes: {a.reason}"
+    return a.culprit, a.node, f"from the views of {len(views)} nodes: {fold_rank_lists(a.reason)}"
 
 
 def _verdict_bytes(verdict: JobVerdict) -> bytes:

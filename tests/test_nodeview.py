@@ -9,7 +9,13 @@ from pathlib import Path
 from diag.agent.culprit import SuspectKind, find_suspects
 from diag.agent.hang import Policy, WatchState, decide
 from diag.agent.jobverdict import JobVerdictStore, NodeReport, Where
-from diag.agent.nodeview import analyse, groups_from, snapshots_from, view_document
+from diag.agent.nodeview import (
+    analyse,
+    fold_rank_lists,
+    groups_from,
+    snapshots_from,
+    view_document,
+)
 from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.agent.timeouts import TimeoutPolicy
 from diag.collector.records import OpCode, OpState
@@ -120,3 +126,13 @@ def test_claimant_without_a_first_hand_report_reads_every_view(tmp_path: Path) -
     # The verdict names the culprit's node; both filed (the other's directory is found by
     # its name, not listed in the verdict).
     assert v.nodes == ("node-b",) and v.reports == 2
+
+
+def test_long_rank_lists_fold_into_spans() -> None:
+    listed = ",".join(str(r) for r in range(128000) if r != 7)
+    assert fold_rank_lists(f"ranks {listed} wait in all_reduce #42") == (
+        "ranks 0-6,8-127999 wait in all_reduce #42"
+    )
+    assert (
+        fold_rank_lists("ranks 2,3 wait; rank 12 at step 7") == "ranks 2,3 wait; rank 12 at step 7"
+    )
