@@ -4,6 +4,7 @@ on its own clock, and the analysis over every node's view that names a rank no s
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from diag.agent.culprit import SuspectKind, find_suspects
@@ -136,3 +137,21 @@ def test_long_rank_lists_fold_into_spans() -> None:
     assert (
         fold_rank_lists("ranks 2,3 wait; rank 12 at step 7") == "ranks 2,3 wait; rank 12 at step 7"
     )
+
+
+def test_views_of_half_the_nodes_still_name_the_rank_behind() -> None:
+    """Nodes whose agents are gone file nothing: the analysis runs over the views there are
+    (ranks missing from view are shared, not copied per waiting rank)."""
+    now, n = 100.0, 400
+    views = []
+    for node in range(0, n, 2):  # every other node filed
+        ranks = tuple(
+            replace(
+                _rank(r, f"node-{node}", now, pending=r != 7, last=11.9 if r == 7 else 10),
+                local_rank=r % 8,
+            )
+            for r in range(node * 8, node * 8 + 8)
+        )
+        views.append(_doc(_obs(now, ranks, world=n * 8), f"node-{node}", 5000.0))
+    a = analyse(views, now_wall=5001.0)
+    assert (a.culprit, a.node) == (7, "node-0"), a.reason
