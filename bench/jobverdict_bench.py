@@ -32,6 +32,7 @@ import heapq
 import multiprocessing as mp
 import os
 import random
+import resource
 import shutil
 import tempfile
 import threading
@@ -106,6 +107,7 @@ class Plan:
     offsets: list[float]  # each node's local verdict, seconds after t0
     settle: float
     poll: float
+    max_memory: int = 6 << 30
 
 
 @dataclass
@@ -120,6 +122,8 @@ class WorkerResult:
 
 
 def _worker(plan: Plan, me: int, workers: int, q_in: Any, q_out: Any) -> None:
+    # Other work shares the machine: a runaway analysis fails here rather than swapping.
+    resource.setrlimit(resource.RLIMIT_AS, (plan.max_memory, plan.max_memory))
     store = JobVerdictStore(Path(plan.root) / ".jobs", settle=plan.settle, poll=plan.poll)
     timeline = Path(plan.root)
     mine_nodes = [i for i in range(plan.n) if i % workers == me]
