@@ -168,8 +168,11 @@ def fold_rank_lists(text: str) -> str:
     ("ranks 0-6,8-127999 wait in ..."): a job verdict's text does not grow with the job."""
 
     def fold(m: re.Match[str]) -> str:
-        spans = _spans(tuple(int(r) for r in m.group(0).split(",")))
-        return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
+        ranks = [int(r) for r in m.group(0).split(",")]
+        spans = [f"{a}-{b}" if a != b else str(a) for a, b in _spans(tuple(ranks))]
+        if len(spans) > 12:  # with gaps everywhere (nodes that filed nothing): a sample
+            spans = [*spans[:8], f"... ({len(ranks)} ranks in {len(spans)} runs) ...", *spans[-2:]]
+        return ",".join(spans)
 
     return _RANK_LIST.sub(fold, text)
 

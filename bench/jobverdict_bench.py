@@ -43,7 +43,7 @@ from typing import Any
 
 from diag.agent.jobincident import Filing, Mine, NodeReport, Where, filing
 from diag.agent.joblink import look
-from diag.agent.jobverdict import JobVerdict, JobVerdictStore
+from diag.agent.jobverdict import IOCount, JobVerdict, JobVerdictStore
 from diag.agent.nodeview import view_document
 from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.collector.meta import write_atomic
@@ -116,6 +116,8 @@ class WorkerResult:
     first_look: float = float("inf")  # wall time of the earliest local verdict it played
     filed: int = 0
     verdict_at: float | None = None  # when its claimant put the verdict in place
+    claimed_at: float | None = None  # when its claimant filed (and claimed)
+    claimant_reads: int = 0  # reports its claimant read
     verdict: JobVerdict | None = None
     late_s: float = 0.0  # how far behind its schedule it ran, at worst
     report_bytes: list[int] = field(default_factory=list)
@@ -136,14 +138,20 @@ def _worker(plan: Plan, me: int, workers: int, q_in: Any, q_out: Any) -> None:
     t0 = q_in.get()
     res = WorkerResult(io={})
     claimant: list[threading.Thread] = []
+    claimant_io: list[IOCount] = []
     events = [(t0 + plan.offsets[i], 0, i) for i in mine_nodes]  # (time, look number, node)
     heapq.heapify(events)
 
     def conclude(first_seen: float) -> None:
+        own = JobVerdictStore(store.root, settle=plan.settle, poll=plan.poll)
+        res.claimed_at = first_seen
+
         def on_verdict(v: JobVerdict) -> None:
             res.verdict_at, res.verdict = time.time(), v
 
-        store.wait_and_conclude(JOB, INCIDENT, first_seen, on_verdict)
+        own.wait_and_conclude(JOB, INCIDENT, first_seen, on_verdict)
+        res.claimant_reads = own.io.reads
+        claimant_io.append(own.io)
 
     while events:
         at, n_look, i = heapq.heappop(events)
@@ -176,6 +184,8 @@ def _worker(plan: Plan, me: int, workers: int, q_in: Any, q_out: Any) -> None:
             claimant.append(t)
     for t in claimant:
         t.join()
+    for io in claimant_io:
+        store.io.add(io)
     res.io = dict(vars(store.io))
     q_out.put(("done", res))
 
@@ -206,7 +216,8 @@ def scenario(
         p.join(60)
     verdicts = [r for r in results if r.verdict_at is not None]
     assert len(verdicts) == 1, "one claimant, one verdict"
-    v = verdicts[0].verdict
+    claimant = verdicts[0]
+    v = claimant.verdict
     assert v is not None and (v.culprit, v.culprit_node) == (7, "node-0"), v
     io = {k: sum(r.io[k] for r in results) for k in results[0].io}
     sizes = [b for r in results for b in r.report_bytes]
@@ -225,6 +236,10 @@ def scenario(
         # (a): from the culprit's node's own verdict; (b): from the first filing's
         "verdict_after_culprit_s": verdicts[0].verdict_at - (t0 + offsets[0]),  # type: ignore[operator]
         "late_s": max(r.late_s for r in results),
+        "claimant_reads": float(claimant.claimant_reads),
+        # (b): from the end of the claimant's settle time to its verdict: reading the views and
+        # the analysis
+        "conclude_s": claimant.verdict_at - (claimant.claimed_at + settle),  # type: ignore[operator]
     }
 
 
@@ -237,6 +252,13 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="processes playing the nodes")
     ap.add_argument("--spread", type=float, default=0.5, help="local verdicts within, seconds")
     ap.add_argument("--settle", type=float, default=10.0)
+    ap.add_argument(
+        "--fallback-settle",
+        type=float,
+        default=None,
+        help="settle time of the fallback scenario (default --settle): longer when this machine "
+        "cannot play every node's filing within the settle time, so that every view is read",
+    )
     ap.add_argument("--board-payload", type=int, default=4096)
     ap.add_argument("--sample", type=int, default=3, help="agents that read the whole old board")
     ap.add_argument("--seed", type=int, default=1)
@@ -252,7 +274,9 @@ def main() -> None:
                     fallback=name == "fallback",
                     workers=args.workers,
                     spread=args.spread,
-                    settle=args.settle,
+                    settle=(args.fallback_settle or args.settle)
+                    if name == "fallback"
+                    else args.settle,
                     seed=args.seed,
                 )
                 for name in ("normal", "fallback")
@@ -266,7 +290,7 @@ def _print(n: int, args: argparse.Namespace, old: dict, runs: dict[str, dict]) -
     a, b = runs["normal"], runs["fallback"]
     print(f"\n== {n} nodes (directory {args.dir or tempfile.gettempdir()}, "
           f"{args.workers} worker processes, verdicts within {args.spread} s, "
-          f"settle {args.settle} s) ==")  # fmt: skip
+          f"settle {args.settle} s, fallback {args.fallback_settle or args.settle} s) ==")  # fmt: skip
     print(f"{'':38}{'old board':>14}{'(a) normal':>14}{'(b) fallback':>14}")
     rows = [
         ("steady state: writes/s", old["steady_writes_per_s"], 0.0, 0.0),
@@ -289,7 +313,8 @@ def _print(n: int, args: argparse.Namespace, old: dict, runs: dict[str, dict]) -
         f"  report {a['report_bytes'] / 1024:.1f} KiB (a), {b['report_bytes'] / 1024:.1f} KiB "
         f"(b); job verdict file {a['verdict_bytes']:.0f} B (a), {b['verdict_bytes']:.0f} B (b); "
         f"the simulation ran up to {a['late_s']:.2f} s (a) / {b['late_s']:.2f} s (b) behind "
-        "its schedule"
+        f"its schedule; (b) claimant read {b['claimant_reads']:.0f} reports and concluded "
+        f"{b['conclude_s']:.2f} s after its settle time"
     )
 
 
