@@ -296,7 +296,7 @@ def _print(n: int, args: argparse.Namespace, old: dict, runs: dict[str, dict]) -
         ("steady state: writes/s", old["steady_writes_per_s"], 0.0, 0.0),
         ("steady state: bytes written/s", old["steady_bytes_per_s"], 0.0, 0.0),
         ("incident: writes (job-wide)", old["incident_writes"], a["writes"], b["writes"]),
-        ("incident: reports filed", float("nan"), a["filed"], b["filed"]),
+        ("incident: reports filed", old["incident_writes"], a["filed"], b["filed"]),
         ("incident: file reads", old["incident_reads"], a["reads"], b["reads"]),
         ("incident: listings", float("nan"), a["listings"], b["listings"]),
         ("incident: existence/time checks", float("nan"), a["stats"], b["stats"]),
@@ -308,7 +308,7 @@ def _print(n: int, args: argparse.Namespace, old: dict, runs: dict[str, dict]) -
          a["verdict_after_culprit_s"], b["verdict_after_culprit_s"]),
     ]  # fmt: skip
     for label, o, x, y in rows:
-        print(f"{label:38}{o:>14.4g}{x:>14.4g}{y:>14.4g}")
+        print(f"{label:38}{_num(o):>14}{_num(x):>14}{_num(y):>14}")
     print(
         f"  report {a['report_bytes'] / 1024:.1f} KiB (a), {b['report_bytes'] / 1024:.1f} KiB "
         f"(b); job verdict file {a['verdict_bytes']:.0f} B (a), {b['verdict_bytes']:.0f} B (b); "
@@ -316,6 +316,12 @@ def _print(n: int, args: argparse.Namespace, old: dict, runs: dict[str, dict]) -
         f"its schedule; (b) claimant read {b['claimant_reads']:.0f} reports and concluded "
         f"{b['conclude_s']:.2f} s after its settle time"
     )
+
+
+def _num(x: float) -> str:
+    if x != x:  # nan: not a figure of that scheme
+        return "-"
+    return f"{x:,.0f}" if x == int(x) else f"{x:.4g}"
 
 
 if __name__ == "__main__":
