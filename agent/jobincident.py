@@ -239,12 +239,12 @@ def choose(mine: Mine, known: list[Known], window: float) -> Target:
         and k.incident_id != own_id
     ]  # fmt: skip
     if mine.death:
-        lead = own is not None and own.claim is not None
-        later = lead and own.claim.first_sign_wall <= mine.first_sign_wall  # type: ignore[union-attr]
+        # Deaths share the id: ours is a consequence when the one claimed came first.
+        lead = own.claim if own is not None else None
+        later = lead is not None and lead.first_sign_wall <= mine.first_sign_wall
         return Target(
-            own_id, own, adopted=False, consequence=bool(later),
-            reason=_after(own.claim) if later and own and own.claim else "",
-        )  # fmt: skip
+            own_id, own, adopted=False, consequence=later, reason=_after(lead) if later else ""
+        )
     deaths = sorted(
         (k for k in current if kind_of(k.incident_id) == DEATH),
         key=lambda k: k.claimed_wall,
