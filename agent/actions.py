@@ -2,6 +2,8 @@
 
 Other parts of the agent (checkpoint persistence, node taints, metrics) subscribe through
 `IncidentListener`s, called in order after the evidence is on disk and before ranks are stopped.
+`on_disk` listeners are called earlier, as soon as the incident directory holds the Python
+stacks (before the slower native ones): the job verdict should not wait for those.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Executor:
         self.pyspy_timeout = pyspy_timeout
         self.dump_parallel = dump_parallel
         self.listeners: list[IncidentListener] = []
+        self.on_disk: list[IncidentListener] = []
         self.persist_hooks: list[PersistHook] = []
         self.reports: list[IncidentReport] = []
         self._stoppers: list[threading.Thread] = []
@@ -116,6 +119,9 @@ class Executor:
                 native=self.native_stacks,
                 pyspy_timeout=self.pyspy_timeout,
                 dump_parallel=self.dump_parallel,
+                on_disk=lambda early: self._notify(
+                    self.on_disk, IncidentReport(verdict, early, job, self.node)
+                ),
             )
             log.warning(
                 "evidence of %d ranks in %s (on disk after %.2f s, native stacks after %.2f s)",
@@ -133,7 +139,11 @@ class Executor:
             )  # fmt: skip
         report = IncidentReport(verdict, result, job, self.node)
         self.reports.append(report)
-        for listener in self.listeners:
+        self._notify(self.listeners, report)
+
+    @staticmethod
+    def _notify(listeners: list[IncidentListener], report: IncidentReport) -> None:
+        for listener in listeners:
             try:
                 listener(report)
             except Exception:

@@ -161,19 +161,19 @@ def find_suspects(obs: Observation) -> list[Suspect]:
     for w in waits(obs, local_only=False):
         members = w.members or obs.groups.get(w.group, ())
         waiting = set(w.waiting)
+        remote_reason = ""
         for m in members:
             if m in waiting:
                 continue
             r = by_rank.get(m)
             if r is None:
-                add(
-                    Suspect(
-                        m,
-                        SuspectKind.REMOTE,
-                        f"ranks {_fmt_ranks(w.waiting)} wait for it in {w.describe()}; it runs "
-                        "on another node (the job verdict names the culprit)",
-                    )
+                # One text per wait, shared by every rank it waits for: with thousands of
+                # ranks waiting and thousands missing, a text each would be quadratic.
+                remote_reason = remote_reason or (
+                    f"ranks {_fmt_ranks(w.waiting)} wait for it in {w.describe()}; it runs "
+                    "on another node (the job verdict names the culprit)"
                 )
+                add(Suspect(m, SuspectKind.REMOTE, remote_reason))
                 continue
             if not r.alive:
                 continue  # reported as dead above (or closed: then the others wait in vain)

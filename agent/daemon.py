@@ -11,6 +11,7 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
@@ -23,9 +24,10 @@ from diag.agent.checkpoint.sessions import CommandKind
 from diag.agent.config import AgentConfig, Until
 from diag.agent.drain import DrainRequest, DrainState
 from diag.agent.drainer import Drainer
-from diag.agent.hang import EventKind, Verdict, WatchState, decide
+from diag.agent.hang import Decision, EventKind, Verdict, WatchState, decide
 from diag.agent.healthwatch import HealthWatch
-from diag.agent.jobverdict import JobVerdictStore, report_for_job
+from diag.agent.joblink import JobLink
+from diag.agent.jobverdict import JobVerdictStore
 from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.server import MetricsServer
 from diag.agent.nodehealth import monitors_for
@@ -81,9 +83,11 @@ class Agent:
             self.executor.persist_hooks.append(self.persist_on_incident)
         self.executor.listeners.append(self.dump_fallback)
         self.job_verdicts = JobVerdictStore(cfg.timeline / JOB_VERDICTS_DIR)
-        self._job_verdict_threads: list[threading.Thread] = []
+        self.job_link = JobLink(self.job_verdicts, cfg.node)
         self._views: dict[str, dict[str, Any]] = {}  # incident id -> our ranks at its verdict
-        self.executor.listeners.append(self.file_job_report)
+        # The job verdict needs the incident directory, not the slower native stacks.
+        self.executor.on_disk.append(self.file_job_report)
+        self.executor.listeners.append(self.job_link.captured)
         self.health: HealthWatch | None = None
         if cfg.taint.mode != TaintMode.OFF:
             h = cfg.taint.health
@@ -140,12 +144,11 @@ class Agent:
             log.warning("asked ranks %s to dump their own stacks", sorted(sent))
 
     def file_job_report(self, report: IncidentReport) -> None:
-        """Files this node's view of the incident for the job verdict; the node that claims the
-        incident first assembles it (in a thread: it may wait for the culprit's node)."""
+        """Files this node's report for the job verdict when it is first-hand, or later when no
+        first-hand report comes (joblink.py); the node that claims the incident first assembles
+        the verdict (in a thread)."""
         view = self._views.pop(report.verdict.incident_id, None)
-        thread = report_for_job(self.job_verdicts, report, view)
-        if thread is not None:
-            self._job_verdict_threads.append(thread)
+        self.job_link.on_disk(report, view)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -193,12 +196,15 @@ class Agent:
         self.observations += 1
         decision = decide(self.state, obs, self.cfg.policy)
         if decision.verdict is not None:
-            # Our ranks as they are now travel with our report for the job verdict: whoever
-            # assembles it can then weigh them against the other nodes' (nothing is shared in
-            # steady state).
-            self._views[decision.verdict.incident_id] = view_document(
-                obs, self.cfg.node, time.time()
+            wall = time.time()
+            # Before any evidence is written: the job incident this one belongs to names it.
+            decision = _under(
+                decision,
+                self.job_link.resolve(decision.verdict, obs, obs.job or self.cfg.job or "", wall),
             )
+            # Our ranks as they are now travel with our report for the job verdict, if we file
+            # one: whoever assembles it can weigh them against the other nodes'.
+            self._views[decision.verdict.incident_id] = view_document(obs, self.cfg.node, wall)
         self.state = decision.state
         if self.metrics is not None:
             self.metrics.update(obs, self.state, decision.verdict)
@@ -281,8 +287,7 @@ class Agent:
             self.tainter.join(timeout=min(self.tainter.job_verdict_wait + 10, left))
             if self.health is not None:
                 self.health.close(timeout=min(10, left))
-            for t in self._job_verdict_threads:
-                t.join(timeout=min(self.job_verdicts.settle + 5, self._time_left()))
+            self.job_link.join(timeout=min(self.job_link.longest_wait, self._time_left()))
             if self.control is not None:
                 self.control.stop()
             self.checkpoints.close(timeout=min(60, left))
@@ -327,6 +332,18 @@ def _ends_sooner(a: DrainRequest, b: DrainRequest, cfg: AgentConfig) -> bool:
         return r.deadline if r.deadline is not None else r.at + grace
 
     return end(a) < end(b)
+
+
+def _under(decision: Decision, verdict: Verdict | None) -> Decision:
+    """The decision with its verdict replaced in its state and actions too."""
+    if verdict is None or verdict is decision.verdict:
+        return decision
+    return replace(
+        decision,
+        state=replace(decision.state, incident=verdict),
+        verdict=verdict,
+        actions=tuple(replace(a, verdict=verdict) for a in decision.actions),
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

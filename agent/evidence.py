@@ -8,6 +8,7 @@ import datetime as dt
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,7 @@ def capture(
     dump_parallel: int = 0,
     limits: ContainerLimits | None = None,
     native_cost: DumpCost = NATIVE_DUMP,
+    on_disk: Callable[[EvidenceResult], None] | None = None,
 ) -> EvidenceResult:
     """Two passes: Python stacks of all ranks (~10 ms each) go to disk with the journals and the
     verdict at once; native stacks (slower: py-spy loads the libraries' symbols) then replace them
@@ -186,11 +188,15 @@ def capture(
     by the memory its cgroup limits leave (`limits`, read now when not given): native dumps that
     would not fit are not started, so the agent is not OOM-killed in the middle of an incident.
     `native_cost` is what a native dump is assumed to take until the first ones have been
-    measured (their peak resident size), which then decides how many run at once."""
+    measured (their peak resident size), which then decides how many run at once.
+    `on_disk` is called between the passes, with the Python stacks, as soon as the incident
+    directory is in place."""
     started = time.monotonic()
     when = dt.datetime.now(dt.UTC)
     dump_targets = [t.dump for t in targets]
-    incident = IncidentDir.create(timeline, verdict_doc["kind"], verdict_doc["node"], when)
+    incident = IncidentDir.create(
+        timeline, verdict_doc["kind"], verdict_doc["node"], when, verdict_doc.get("incident_id", "")
+    )
     doc = dict(verdict_doc)
     limits = limits if limits is not None else read_limits()
     python_width = dump_parallelism(
@@ -225,7 +231,9 @@ def capture(
     except BaseException:
         incident.abandon()
         raise
-    on_disk = time.monotonic()
+    on_disk_at = time.monotonic()
+    if on_disk is not None:
+        on_disk(EvidenceResult(path, tuple(dumps), started, on_disk_at, on_disk_at))
     if width is not None and width.count == 0:
         log.warning("native stacks skipped, no room for py-spy (%s)", width.reason)
     elif width is not None:
@@ -276,7 +284,7 @@ def capture(
             doc["evidence"]["native_parallel_measured"] = max(1, after.count)
             doc["evidence"]["native_parallel_measured_reason"] = after.reason
         write_atomic(path / VERDICT_FILE, json.dumps(doc, indent=1).encode())
-    return EvidenceResult(path, tuple(dumps), started, on_disk, time.monotonic())
+    return EvidenceResult(path, tuple(dumps), started, on_disk_at, time.monotonic())
 
 
 def _evidence_doc(

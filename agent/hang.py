@@ -237,7 +237,9 @@ def _rank_exit_verdict(obs: Observation) -> Verdict | None:
     ws = waits(obs)
     return Verdict(
         kind=VerdictKind.RANK_EXITED,
-        incident_id=f"a{obs.attempt}-{VerdictKind.RANK_EXITED.value}-rank{first.rank}",
+        # One id per attempt, not per rank: when ranks on several nodes die in one cascade,
+        # each node's agent names the same incident whichever rank it saw die first.
+        incident_id=f"a{obs.attempt}-{VerdictKind.RANK_EXITED.value}",
         at=obs.now,
         culprit=first.rank,
         suspects=(lead, *suspects),

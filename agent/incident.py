@@ -1,6 +1,6 @@
 """Incident directories: one per node per incident under the timeline path.
 
-    <timeline>/<YYYYmmdd-HHMMSS>-<kind>-<node>/
+    <timeline>/<YYYYmmdd-HHMMSS>-<kind>-<node>@<incident id>/
         verdict.json                      what was decided and why (format diag.verdict/1)
         {rank:05d}-{world:05d}.stack.json one stack dump per local rank (viewer/stacks.py)
         {rank:05d}-{world:05d}.journal.json the rank's journal tail
@@ -8,7 +8,8 @@
 
 The directory is built under a hidden temporary name and renamed into place when complete, so a
 viewer never reads half an incident. Directories of one incident on several nodes share the
-`incident_id` in their verdict.json.
+`incident_id` in their verdict.json, and its key ends their names: one listing of the timeline
+finds every node's directory of an incident, none of them read.
 """
 
 from __future__ import annotations
@@ -32,9 +33,38 @@ def incident_id_of(job: str, verdict_id: str) -> str:
     return f"{job}-{verdict_id}" if job else verdict_id
 
 
-def dir_name(when: dt.datetime, kind: str, node: str) -> str:
+def incident_key(incident_id: str) -> str:
+    """An incident id as it ends directory names: the same on every node."""
+    return re.sub(r"[^A-Za-z0-9_.~-]+", "_", incident_id)[:120] or "incident"
+
+
+def dir_name(when: dt.datetime, kind: str, node: str, incident_id: str = "") -> str:
     safe_node = re.sub(r"[^A-Za-z0-9_.-]+", "_", node)[:63] or "node"
-    return f"{when.strftime('%Y%m%d-%H%M%S')}-{kind.replace('_', '-')}-{safe_node}"
+    name = f"{when.strftime('%Y%m%d-%H%M%S')}-{kind.replace('_', '-')}-{safe_node}"
+    return f"{name}@{incident_key(incident_id)}" if incident_id else name
+
+
+def find_dirs(timeline: Path, key: str) -> list[Path]:
+    """The incident directories of every node whose names end with `key` (one listing)."""
+    ending = re.compile(rf"@{re.escape(key)}(\.\d+)?$")
+    try:
+        names = os.listdir(timeline)
+    except FileNotFoundError:
+        return []
+    return sorted(timeline / n for n in names if not n.startswith(".") and ending.search(n))
+
+
+def retag(incident: Path, incident_id: str, note: str) -> None:
+    """Moves a finished incident directory into another incident (its verdict's id, which
+    `diag merge` groups by), keeping the id it had and saying why."""
+    path = incident / VERDICT_FILE
+    doc = json.loads(path.read_text())
+    doc.setdefault("own_incident_id", doc.get("incident_id"))
+    doc["incident_id"] = incident_id
+    doc["summary"] = f"{doc.get('summary', '')} ({note})"
+    tmp = incident / f".{VERDICT_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
 
 
 @dataclass
@@ -43,9 +73,11 @@ class IncidentDir:
     tmp: Path
 
     @classmethod
-    def create(cls, timeline: Path, kind: str, node: str, when: dt.datetime) -> IncidentDir:
+    def create(
+        cls, timeline: Path, kind: str, node: str, when: dt.datetime, incident_id: str = ""
+    ) -> IncidentDir:
         timeline.mkdir(parents=True, exist_ok=True)
-        base = dir_name(when, kind, node)
+        base = dir_name(when, kind, node, incident_id)
         final = timeline / base
         n = 1
         while final.exists():

@@ -1,162 +1,69 @@
 """One verdict per incident for the whole job, agreed through the shared timeline volume.
 
-Every agent that raised an incident files one report for it, and nothing in steady state:
+Nothing is written in steady state. On an incident:
 
     <timeline>/.jobs/<job>/<incident id>/
-        reports/<report name>     one per node that saw the incident (its own evidence directory)
+        reports/<report name>     one per node that files: first-hand ones, and views in a fallback
         claim                     created with O_CREAT|O_EXCL: its creator assembles the verdict
+        first-hand                made by a first-hand report that finds another node's claim
         job-verdict.json          the job's verdict, put in place by link(2), so there is one
 
-A report's *name* carries what the verdict needs from it (the rank it blames, whether that rank
-runs on the reporting node, and the node), so the agent that holds the claim learns every node's
-opinion from one directory listing and reads the contents of the reports from the culprit's node
-only. When no node blames one of its own ranks (the culprit's node saw nothing, or its agent is
-gone), the claimant reads every report once and runs the culprit analysis over the views of the
-ranks they carry (`nodeview.py`), as if one agent watched the whole job. The filesystem's
-exclusive create is the only arbitration: no home-made consensus.
+A node that blames one of its own ranks (it saw it die, or sit outside the collective the others
+wait in) files at once. A node that only waits for ranks elsewhere files nothing while such a
+report covers the incident: it looks once at its verdict and once at the end of the settle time
+(one listing of the job's incidents each time), and files its view of its ranks only when no
+first-hand report came (the culprit's node saw nothing, or its agent is gone). The claimant
+then runs the culprit analysis over the views (`nodeview.py`). Which incident a node's incident
+belongs to, and whether it files, is decided in `jobincident.py`; this module is the file
+adapter. The filesystem's exclusive create is the only arbitration: no home-made consensus.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import logging
 import os
 import re
 import threading
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from diag.agent.nodeview import analyse
+from diag.agent.incident import find_dirs, incident_key
+from diag.agent.jobincident import (
+    DEATH,
+    JOB_VERDICT_FORMAT,
+    Claim,
+    JobVerdict,
+    Known,
+    NodeReport,
+    ReportName,
+    Where,
+    assemble,
+    attempt_of,
+    fresh,
+    kind_of,
+    parse_name,
+    pick_culprit,
+    ready,
+)
+from diag.agent.nodeview import analyse, fold_rank_lists
 from diag.collector.meta import safe_job_name, write_atomic
-
-if TYPE_CHECKING:
-    from diag.agent.actions import IncidentReport
 
 log = logging.getLogger(__name__)
 
-JOB_VERDICT_FORMAT = "diag.job-verdict/1"
 JOB_VERDICT_FILE = "job-verdict.json"
 CLAIM_FILE = "claim"
+FIRST_HAND_FILE = "first-hand"
 REPORTS_DIR = "reports"
 
-
-class Where(enum.Enum):
-    LOCAL = "L"  # the blamed rank runs on the reporting node: that node knows it first-hand
-    REMOTE = "R"  # the blamed rank runs elsewhere (or the report blames nobody)
-
-
-@dataclass(frozen=True)
-class NodeReport:
-    """One node's view of one incident."""
-
-    node: str
-    culprit: int | None
-    where: Where
-    evidence: str  # the node's incident directory
-    kind: str = ""
-    summary: str = ""
-    wall: float = 0.0  # when the node filed it (its clock)
-    view: dict[str, Any] | None = None  # its ranks at the verdict (nodeview.view_document)
-
-    def name(self) -> str:
-        rank = "x" if self.culprit is None else str(self.culprit)
-        # The evidence directory's own name rides along, so one listing gives every node's.
-        evidence = _safe(Path(self.evidence).name)
-        return f"r{rank}.{self.where.value}.{_safe(self.node)[:63]}~{evidence}"
-
-
-@dataclass(frozen=True)
-class ReportName:
-    """What a report's file name says, without reading it."""
-
-    node: str
-    culprit: int | None
-    where: Where
-    file: str
-    evidence_name: str = ""
-
-
-_NAME = re.compile(r"^r(x|\d+)\.([LR])\.([A-Za-z0-9_.-]+)~([A-Za-z0-9_.-]*)$")
-
-
-def parse_name(name: str) -> ReportName | None:
-    m = _NAME.match(name)
-    if m is None:
-        return None
-    rank = None if m.group(1) == "x" else int(m.group(1))
-    return ReportName(
-        node=m.group(3), culprit=rank, where=Where(m.group(2)), file=name, evidence_name=m.group(4)
-    )
-
-
-@dataclass(frozen=True)
-class JobVerdict:
-    incident_id: str
-    job: str
-    culprit: int | None
-    culprit_node: str  # "" when no node reported the culprit as its own
-    basis: str  # why this rank: first-hand, or the most nodes' opinion
-    nodes: tuple[str, ...]
-    evidence: tuple[str, ...]  # the incident directories of every node that reported
-    first_hand: NodeReport | None
-    decided_wall: float
-
-
-def ready(names: list[ReportName], first_seen: float, now: float, settle: float) -> bool:
-    """The verdict can be assembled once a node has reported the culprit as its own rank, or
-    `settle` seconds after the first report (a culprit whose node saw nothing)."""
-    return any(n.where == Where.LOCAL and n.culprit is not None for n in names) or (
-        now - first_seen >= settle
-    )
-
-
-def pick_culprit(names: list[ReportName]) -> tuple[int | None, str, str]:
-    """(rank, node, basis). A node that blames one of its own ranks knows it first-hand (it saw
-    the rank die or sit outside the collective); otherwise the rank most nodes blame."""
-    local = Counter(n.culprit for n in names if n.where == Where.LOCAL and n.culprit is not None)
-    if local:
-        rank, _ = max(local.items(), key=lambda kv: (kv[1], -kv[0]))
-        node = min(n.node for n in names if n.where == Where.LOCAL and n.culprit == rank)
-        return rank, node, "first-hand: the culprit's own node blamed it"
-    blamed = Counter(n.culprit for n in names if n.culprit is not None)
-    if not blamed:
-        return None, "", "no node named a single culprit"
-    rank, votes = max(blamed.items(), key=lambda kv: (kv[1], -kv[0]))
-    return rank, "", f"named by {votes} of {len(names)} nodes; its own node did not report"
-
-
-def assemble(
-    incident_id: str,
-    job: str,
-    names: list[ReportName],
-    read: dict[str, NodeReport],
-    evidence: dict[str, str],
-    now_wall: float,
-    pick: tuple[int | None, str, str] | None = None,
-) -> JobVerdict:
-    rank, node, basis = pick if pick is not None else pick_culprit(names)
-    first = None
-    for n in names:
-        if n.node == node and n.culprit == rank and n.file in read:
-            first = replace(read[n.file], view=None)  # the verdict stays small
-            break
-    nodes = tuple(sorted({n.node for n in names}))
-    return JobVerdict(
-        incident_id=incident_id,
-        job=job,
-        culprit=rank,
-        culprit_node=node,
-        basis=basis,
-        nodes=nodes,
-        evidence=tuple(evidence[n.file] for n in sorted(names, key=lambda n: n.node)),
-        first_hand=first,
-        decided_wall=now_wall,
-    )
+__all__ = [
+    "CLAIM_FILE", "JOB_VERDICT_FILE", "JOB_VERDICT_FORMAT", "REPORTS_DIR", "IOCount",
+    "JobVerdict", "JobVerdictStore", "NodeReport", "ReportName", "Where", "parse_name",
+    "pick_culprit", "ready",
+]  # fmt: skip
 
 
 def _from_views(reports: list[NodeReport], now_wall: float) -> tuple[int, str, str] | None:
@@ -166,7 +73,7 @@ def _from_views(reports: list[NodeReport], now_wall: float) -> tuple[int, str, s
     a = analyse(views, now_wall)
     if a.culprit is None:
         return None
-    return a.culprit, a.node, f"from the views of {len(views)} nodes: {a.reason}"
+    return a.culprit, a.node, f"from the views of {len(views)} nodes: {fold_rank_lists(a.reason)}"
 
 
 def _verdict_bytes(verdict: JobVerdict) -> bytes:
@@ -176,30 +83,47 @@ def _verdict_bytes(verdict: JobVerdict) -> bytes:
     return json.dumps(doc, indent=1).encode()
 
 
-def _safe(node: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", node)[:100] or "node"
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.~-]+", "_", name)[:100] or "node"
 
 
-@dataclass
 class IOCount:
-    writes: int = 0
-    reads: int = 0
-    listings: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
+    """File operations on the shared volume, by kind (what a network filesystem charges)."""
+
+    def __init__(self) -> None:
+        self.writes = 0  # files created or replaced, directories made
+        self.reads = 0  # files read
+        self.listings = 0  # directories listed
+        self.stats = 0  # existence and time checks
+        self.bytes_written = 0
+        self.bytes_read = 0  # file contents, and the names a listing returns
+
+    def add(self, other: IOCount) -> None:
+        for k, v in vars(other).items():
+            setattr(self, k, getattr(self, k) + v)
 
 
 class JobVerdictStore:
     """The file adapter: `<root>/<job>/<incident id>/` on the shared timeline volume."""
 
-    def __init__(self, root: Path, *, settle: float = 10.0, poll: float = 0.5) -> None:
+    def __init__(
+        self, root: Path, *, settle: float = 10.0, poll: float = 0.5, cascade: float = 1.0
+    ) -> None:
         self.root = root
         self.settle = settle
         self.poll = poll
+        self.cascade = cascade  # a death's verdict waits this long for an earlier death
         self.io = IOCount()
 
+    @property
+    def timeline(self) -> Path:
+        return self.root.parent
+
+    def job_dir(self, job: str) -> Path:
+        return self.root / safe_job_name(job or "job")
+
     def incident_dir(self, job: str, incident_id: str) -> Path:
-        return self.root / safe_job_name(job or "job") / _safe(incident_id)
+        return self.job_dir(job) / _safe(incident_id)
 
     def file(self, job: str, incident_id: str, report: NodeReport) -> bool:
         """Files this node's report; True when this node holds the claim (and so assembles)."""
@@ -212,11 +136,75 @@ class JobVerdictStore:
         try:
             fd = os.open(d / CLAIM_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
+            if report.where == Where.LOCAL and report.culprit is not None:
+                self._mark(d)
             return False
+        claim = Claim(report.node, report.where, report.culprit, report.first_sign_wall)
         with os.fdopen(fd, "w") as f:
-            f.write(report.node)
+            f.write(claim.text())
         self.io.writes += 1
         return True
+
+    def _mark(self, d: Path) -> None:
+        """A first-hand report under another node's claim: one stat tells the claimant (and
+        the nodes about to file their views) instead of a listing of every report."""
+        try:
+            os.close(os.open(d / FIRST_HAND_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            self.io.writes += 1
+        except FileExistsError:
+            pass
+
+    def known(self, job: str, attempt: int | None, since_wall: float) -> list[Known]:
+        """The job's incidents of `attempt`: one listing of the job's directory, a time check
+        of each one's claim, and a read of the claims made since `since_wall` (the others are
+        an earlier run's: their time is all that matters)."""
+        d = self.job_dir(job)
+        self.io.listings += 1
+        try:
+            entries = os.listdir(d)
+        except FileNotFoundError:
+            return []
+        self.io.bytes_read += sum(len(e) for e in entries)
+        out = []
+        for e in entries:
+            if e.startswith(".") or attempt_of(e) != attempt:
+                continue
+            claimed, claim = self._claim(d / e, since_wall)
+            if claimed is not None:
+                out.append(Known(e, claimed, claim))
+        return out
+
+    def _claim(self, d: Path, since_wall: float) -> tuple[float | None, Claim | None]:
+        self.io.stats += 1
+        try:
+            t = (d / CLAIM_FILE).stat().st_mtime
+        except FileNotFoundError:
+            try:  # made a moment ago, its claim not yet written
+                self.io.stats += 1
+                return d.stat().st_mtime, None
+            except FileNotFoundError:
+                return None, None
+        if not fresh(t, since_wall):
+            return t, None
+        try:
+            raw = (d / CLAIM_FILE).read_bytes()
+        except FileNotFoundError:
+            return t, None
+        self.io.reads += 1
+        self.io.bytes_read += len(raw)
+        return t, Claim.parse(raw.decode(errors="replace"))
+
+    def settled(self, k: Known, job: str) -> Known:
+        """`k` with whether its verdict is in place and whether a first-hand report came."""
+        d = self.incident_dir(job, k.incident_id)
+        self.io.stats += 2
+        return replace(
+            k, verdict=(d / JOB_VERDICT_FILE).exists(), marked=(d / FIRST_HAND_FILE).exists()
+        )
+
+    def first_hand_marked(self, job: str, incident_id: str) -> bool:
+        self.io.stats += 1
+        return (self.incident_dir(job, incident_id) / FIRST_HAND_FILE).exists()
 
     def names(self, job: str, incident_id: str) -> list[ReportName]:
         d = self.incident_dir(job, incident_id) / REPORTS_DIR
@@ -239,46 +227,68 @@ class JobVerdictStore:
             log.warning("ignoring the unreadable report %s: %s", path, e)
             return None
 
+    def evidence_glob(self, job: str, incident_id: str) -> str:
+        """Where every node's incident directory of this incident is: the agents name them
+        after the job's incident id (`incident.dir_name`)."""
+        return str(
+            self.timeline / f"*@{incident_key(f'{job}-{incident_id}' if job else incident_id)}"
+        )
+
+    def evidence_dirs(self, verdict: JobVerdict) -> list[Path]:
+        """Every node's incident directory of the verdict's incident: one listing."""
+        key = incident_key(
+            f"{verdict.job}-{verdict.incident_id}" if verdict.job else verdict.incident_id
+        )
+        return find_dirs(self.timeline, key)
+
     def conclude(
         self, job: str, incident_id: str, *, first_seen: float, now_wall: float, force: bool
     ) -> JobVerdict | None:
-        """One attempt: lists the reports, and when `ready` (or `force`) reads the culprit
-        node's reports only and puts the job verdict in place (once: link(2) refuses a second)."""
+        """One attempt: lists the reports, and when `ready` (or `force`) reads the first-hand
+        ones (those of the suspects' nodes; in a fallback, every report and its view) and puts
+        the job verdict in place (once: link(2) refuses a second)."""
         names = self.names(job, incident_id)
-        if not names or not (force or ready(names, first_seen, now_wall, self.settle)):
+        cascade = self.cascade if kind_of(incident_id) == DEATH else 0.0
+        if not names or not (
+            force or ready(names, first_seen, now_wall, self.settle, cascade=cascade)
+        ):
             return None
         d = self.incident_dir(job, incident_id)
-        pick = pick_culprit(names)
-        rank, node, _ = pick
         first_hand = any(n.where == Where.LOCAL and n.culprit is not None for n in names)
         read: dict[str, NodeReport] = {}
         for n in names:
-            if (node and n.node == node and n.culprit == rank) or not first_hand:
+            if n.where == Where.LOCAL or not first_hand:
                 r = self._read(d / REPORTS_DIR / n.file)
                 if r is not None:
                     read[n.file] = r
+        pick = pick_culprit(names, read)
         if not first_hand:
             pick = _from_views(list(read.values()), now_wall) or pick
         # Evidence directories sit in the timeline, named in each report's name.
-        timeline = self.root.parent
         evidence = {
-            n.file: (read[n.file].evidence if n.file in read else str(timeline / n.evidence_name))
+            n.file: (read[n.file].evidence if n.file in read else str(self.timeline / n.evidence_name))
             for n in names
-        }
-        verdict = assemble(incident_id, job, names, read, evidence, now_wall, pick)
-        self.publish(d, verdict)
+        }  # fmt: skip
+        verdict = assemble(
+            incident_id, job, names, read, evidence, now_wall, pick,
+            evidence_glob=self.evidence_glob(job, incident_id),
+        )  # fmt: skip
+        if self.publish(d, verdict):
+            return verdict
         return self.load(job, incident_id)
 
-    def publish(self, d: Path, verdict: JobVerdict) -> None:
+    def publish(self, d: Path, verdict: JobVerdict) -> bool:
+        """True when this verdict is the one in place."""
         data = _verdict_bytes(verdict)
-        tmp = d / f".{JOB_VERDICT_FILE}.{os.getpid()}.tmp"
+        tmp = d / f".{JOB_VERDICT_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
         tmp.write_bytes(data)
         try:
             os.link(tmp, d / JOB_VERDICT_FILE)
             self.io.writes += 1
             self.io.bytes_written += len(data)
+            return True
         except FileExistsError:
-            pass  # another agent concluded first: theirs stands
+            return False  # another agent concluded first: theirs stands
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -286,9 +296,12 @@ class JobVerdictStore:
     def load(self, job: str, incident_id: str) -> JobVerdict | None:
         path = self.incident_dir(job, incident_id) / JOB_VERDICT_FILE
         try:
-            doc = json.loads(path.read_bytes())
+            raw = path.read_bytes()
         except FileNotFoundError:
             return None
+        self.io.reads += 1
+        self.io.bytes_read += len(raw)
+        doc = json.loads(raw)
         fh = doc.get("first_hand")
         return JobVerdict(
             incident_id=doc["incident_id"],
@@ -300,86 +313,67 @@ class JobVerdictStore:
             evidence=tuple(doc["evidence"]),
             first_hand=NodeReport(**{**fh, "where": Where(fh["where"])}) if fh else None,
             decided_wall=doc["decided_wall"],
+            evidence_glob=doc.get("evidence_glob", ""),
+            reports=int(doc.get("reports", len(doc["nodes"]))),
         )
 
-    def wait_and_conclude(self, job: str, incident_id: str, first_seen: float) -> JobVerdict | None:
+    def wait_and_conclude(
+        self,
+        job: str,
+        incident_id: str,
+        first_seen: float,
+        on_verdict: Callable[[JobVerdict], None] | None = None,
+    ) -> JobVerdict | None:
         """The claimant's loop: one listing per `poll` seconds until ready, at most `settle`.
-        A verdict reached early (the culprit's node reported) gets the evidence of the nodes
-        that report later added once, at the end of the settle time; its culprit stays."""
+        A verdict reached early (a first-hand report) gets the nodes that report first-hand
+        later added once, at the end of the settle time; its culprit stays."""
+        # Views may be filed by thousands of nodes: list them only once a first-hand report
+        # is known to be there (the claim or the marker says so), or at the end.
+        first_hand = self._claimed_first_hand(job, incident_id)
         while True:
             now = time.time()
             force = now - first_seen >= self.settle
-            v = self.conclude(job, incident_id, first_seen=first_seen, now_wall=now, force=force)
+            first_hand = first_hand or self.first_hand_marked(job, incident_id)
+            v = None
+            if force or first_hand:
+                v = self.conclude(
+                    job, incident_id, first_seen=first_seen, now_wall=now, force=force
+                )
             if v is not None or force:
                 break
             time.sleep(self.poll)
+        if v is not None and on_verdict is not None:
+            on_verdict(v)
         if v is None or force:
             return v
         time.sleep(max(0.0, first_seen + self.settle - time.time()))
         return self.add_late_reports(job, incident_id, v)
 
+    def _claimed_first_hand(self, job: str, incident_id: str) -> bool:
+        try:
+            raw = (self.incident_dir(job, incident_id) / CLAIM_FILE).read_bytes()
+        except FileNotFoundError:
+            return False
+        self.io.reads += 1
+        self.io.bytes_read += len(raw)
+        claim = Claim.parse(raw.decode(errors="replace"))
+        return claim is not None and claim.where == Where.LOCAL
+
     def add_late_reports(self, job: str, incident_id: str, v: JobVerdict) -> JobVerdict:
         names = self.names(job, incident_id)
-        late = [n for n in names if n.node not in set(v.nodes)]
-        if not late:
+        late = [n for n in names if n.where == Where.LOCAL and n.node not in set(v.nodes)]
+        count = len({n.node for n in names})
+        if not late and count == v.reports:
             return v
-        timeline = self.root.parent
         evidence = dict(zip(v.nodes, v.evidence, strict=False))
-        for n in late:
-            evidence[n.node] = str(timeline / n.evidence_name)
-        nodes = tuple(sorted(evidence))
-        full = replace(v, nodes=nodes, evidence=tuple(evidence[n] for n in nodes))
         d = self.incident_dir(job, incident_id)
+        for n in late:
+            r = self._read(d / REPORTS_DIR / n.file)  # its name may cut a long directory name
+            evidence[n.node] = r.evidence if r else str(self.timeline / n.evidence_name)
+        nodes = tuple(sorted(evidence))
+        full = replace(v, nodes=nodes, evidence=tuple(evidence[n] for n in nodes), reports=count)
         data = _verdict_bytes(full)
         write_atomic(d / JOB_VERDICT_FILE, data)
         self.io.writes += 1
         self.io.bytes_written += len(data)
         return full
-
-
-def report_for_job(
-    store: JobVerdictStore, report: IncidentReport, view: dict[str, Any] | None = None
-) -> threading.Thread | None:
-    """Files a node's incident, with the view of its ranks, for the job verdict; the claimant
-    assembles it in a thread (the one returned: join it before exiting, or the verdict may be
-    left unwritten)."""
-    if report.evidence is None:
-        return None
-    v = report.verdict
-    # First-hand only when the blamed rank is one this node dumped (it runs here).
-    local_ranks = {d.rank for d in report.evidence.dumps}
-    remote = v.culprit is None or v.culprit not in local_ranks
-    node_report = NodeReport(
-        node=report.node,
-        culprit=v.culprit,
-        where=Where.REMOTE if remote else Where.LOCAL,
-        evidence=str(report.evidence.path),
-        kind=v.kind.value,
-        summary=v.summary,
-        wall=time.time(),
-        view=view,
-    )
-    try:
-        claimed = store.file(report.job, v.incident_id, node_report)
-    except OSError as e:
-        log.error("could not file the report for the job verdict under %s: %s", store.root, e)
-        return None
-    if not claimed:
-        return None
-
-    def assemble_job_verdict() -> None:
-        try:
-            jv = store.wait_and_conclude(report.job, v.incident_id, node_report.wall)
-        except OSError as e:
-            log.error("could not write the job verdict under %s: %s", store.root, e)
-            return
-        if jv is not None:
-            log.warning(
-                "job verdict for %s: culprit rank %s on node %s (%s), %d nodes reported, in %s",
-                jv.incident_id, jv.culprit, jv.culprit_node or "?", jv.basis, len(jv.nodes),
-                store.incident_dir(report.job, v.incident_id),
-            )  # fmt: skip
-
-    thread = threading.Thread(target=assemble_job_verdict, name="diag-job-verdict", daemon=True)
-    thread.start()
-    return thread

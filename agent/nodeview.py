@@ -11,6 +11,7 @@ seconds that hang limits are made of.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,6 +158,23 @@ def _absent(world_size: int, seen: set[int]) -> list[int]:
 
 def _span_text(ranks: list[int]) -> str:
     return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in _spans(tuple(ranks)))
+
+
+_RANK_LIST = re.compile(r"\d+(?:,\d+){3,}")
+
+
+def fold_rank_lists(text: str) -> str:
+    """Long lists of ranks in a reason ("ranks 0,1,2,...,127999 wait in ...") as spans
+    ("ranks 0-6,8-127999 wait in ..."): a job verdict's text does not grow with the job."""
+
+    def fold(m: re.Match[str]) -> str:
+        ranks = [int(r) for r in m.group(0).split(",")]
+        spans = [f"{a}-{b}" if a != b else str(a) for a, b in _spans(tuple(ranks))]
+        if len(spans) > 12:  # with gaps everywhere (nodes that filed nothing): a sample
+            spans = [*spans[:8], f"... ({len(ranks)} ranks in {len(spans)} runs) ...", *spans[-2:]]
+        return ",".join(spans)
+
+    return _RANK_LIST.sub(fold, text)
 
 
 def analyse(views: list[dict[str, Any]], now_wall: float) -> Attribution:

@@ -84,7 +84,9 @@ def blocked_ranks(obs: Observation) -> dict[int, Blocked]:
     out: dict[int, Blocked] = {}
     # Whether a member has arrived at a collective does not depend on who asks: one pass per
     # collective, not one per waiting rank (thousands of ranks wait in the same all-reduce).
-    collective: dict[tuple[str, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    # The waiting ranks share its tuples too: with thousands of ranks missing from view (nodes
+    # that filed no report), a copy each would be quadratic.
+    collective: dict[tuple[str, int], tuple[tuple[int, ...], tuple[int, ...], frozenset[int]]] = {}
     for r in obs.all_ranks:
         if not r.alive or not r.pending:
             continue
@@ -94,10 +96,12 @@ def blocked_ranks(obs: Observation) -> dict[int, Blocked]:
         else:
             key = (op.group, op.group_seq)
             if key not in collective:
-                collective[key] = _blockers(-1, op, obs, by_rank)
-            on_all, missing_all = collective[key]
-            on = tuple(m for m in on_all if m != r.rank)
-            missing = tuple(m for m in missing_all if m != r.rank)
+                on_all, missing_all = _blockers(-1, op, obs, by_rank)
+                collective[key] = (on_all, missing_all, frozenset(on_all + missing_all))
+            on, missing, listed = collective[key]
+            if r.rank in listed:  # rarely: a rank is in view and inside the op itself
+                on = tuple(m for m in on if m != r.rank)
+                missing = tuple(m for m in missing if m != r.rank)
         out[r.rank] = Blocked(r.rank, op, on, missing)
     return out
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from diag.agent.jobincident import Claim
 from diag.agent.jobverdict import (
     JOB_VERDICT_FILE,
     JobVerdictStore,
@@ -87,8 +89,14 @@ def test_store_assembles_one_verdict_reading_only_the_culprit_node(tmp_path: Pat
     assert v is not None
     assert (v.culprit, v.culprit_node) == (5, "node-x")
     assert v.first_hand is not None and v.first_hand.evidence.endswith("e-x")
-    assert len(v.nodes) == 21 and len(v.evidence) == 21
-    assert str(tmp_path / "timeline" / "e-7") in v.evidence
+    # The verdict names the first-hand node only, however many filed: the other nodes'
+    # directories are found by their names (evidence_glob), not listed one by one.
+    assert (v.nodes, v.evidence, v.reports) == (
+        ("node-x",),
+        (str(tmp_path / "timeline" / "e-x"),),
+        21,
+    )
+    assert v.evidence_glob == str(tmp_path / "timeline" / "*@job-a0-hang-g0-7")
     assert store.io.reads == 1  # the culprit node's report, nothing else
     # A second assembly (another agent after a crash of the first) does not replace it.
     store.publish(
@@ -131,8 +139,50 @@ def test_nodes_reporting_after_an_early_verdict_are_added(tmp_path: Path) -> Non
         time.sleep(0.01)
     early = store.load("j", "inc")
     assert early is not None and early.nodes == ("b",)
-    store.file("j", "inc", NodeReport("a", 3, Where.REMOTE, str(tmp_path / "ea")))
+    # A late first-hand report (node a saw its own rank 6 go wrong) is named; a late view
+    # (node c) is only counted: its directory is found by its name.
+    store.file("j", "inc", NodeReport("a", 6, Where.LOCAL, str(tmp_path / "ea")))
+    store.file("j", "inc", NodeReport("c", 3, Where.REMOTE, str(tmp_path / "ec")))
     t.join(60)
     final = store.load("j", "inc")
     assert final is not None and final.nodes == ("a", "b") and final.culprit_node == "b"
     assert final.evidence == (str(tmp_path / "ea"), str(tmp_path / "eb"))
+    assert (final.culprit, final.reports) == (3, 3)
+
+
+def test_known_lists_the_attempt_and_reads_only_this_runs_claims(tmp_path: Path) -> None:
+    store = JobVerdictStore(tmp_path / ".jobs")
+    for inc, node in (
+        ("a0-hang-pg0-seq42", "old"),
+        ("a0-rank_exited", "a"),
+        ("a1-rank_exited", "b"),
+    ):
+        store.file("j", inc, NodeReport(node, 1, Where.LOCAL, f"/t/{node}", first_sign_wall=5.0))
+    old = store.incident_dir("j", "a0-hang-pg0-seq42") / "claim"
+    os.utime(old, (time.time() - 3600, time.time() - 3600))  # an earlier run of the job
+    reader = JobVerdictStore(tmp_path / ".jobs")
+    known = {k.incident_id: k for k in reader.known("j", 0, since_wall=time.time() - 60)}
+    assert set(known) == {"a0-hang-pg0-seq42", "a0-rank_exited"}  # attempt 0 only
+    assert known["a0-hang-pg0-seq42"].claim is None  # its time says enough
+    assert known["a0-rank_exited"].claim == Claim("a", Where.LOCAL, 1, 5.0)
+    assert (reader.io.listings, reader.io.reads) == (1, 1)
+
+
+def test_a_first_hand_report_after_a_waiting_nodes_claim_ends_the_wait(tmp_path: Path) -> None:
+    """A node that filed its view (no first-hand report within its settle time) holds the
+    claim; the culprit's node reports after all. The claimant learns it from one marker, not
+    from listing every view, and concludes first-hand without waiting out its settle time."""
+    store = JobVerdictStore(tmp_path / ".jobs", settle=8.0, poll=0.05)
+    assert store.file("j", "inc", NodeReport("a", None, Where.REMOTE, str(tmp_path / "ea")))
+    first = time.time()
+    t = threading.Thread(target=store.wait_and_conclude, args=("j", "inc", first))
+    t.start()
+    time.sleep(0.3)
+    assert store.load("j", "inc") is None and store.io.listings == 0  # views not listed
+    late = JobVerdictStore(tmp_path / ".jobs")
+    assert not late.file("j", "inc", NodeReport("b", 3, Where.LOCAL, str(tmp_path / "eb")))
+    assert (store.incident_dir("j", "inc") / "first-hand").is_file()
+    t.join(60)
+    v = store.load("j", "inc")
+    assert v is not None and (v.culprit, v.culprit_node, v.reports) == (3, "b", 2)
+    assert v.decided_wall < first + store.settle  # concluded on the marker, not at the end

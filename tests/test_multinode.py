@@ -3,16 +3,20 @@ with its own run directory and its own `diag agent`, sharing the timeline as a c
 volume. Rank 3, on node-b, hangs. Node-b's agent names it first-hand; node-a's says its ranks wait
 for ranks on other nodes and leaves the name to the job verdict. Both incident directories carry
 the same incident id and `diag merge` merges them; the job gets one job verdict (rank 3 on node-b)
-and `diag taint --dry-run` plans a taint for node-b only."""
+and `diag taint --dry-run` plans a taint for node-b only. A death on node-a that gloo turns into
+deaths on node-b is one incident too."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -53,9 +57,15 @@ def _taint_plans(tmp_path: Path, timeline: Path, culprit: str) -> dict[str, str]
     return out
 
 
-def test_both_nodes_name_the_hung_rank_on_node_b(tmp_path: Path) -> None:
+@contextmanager
+def two_nodes(
+    tmp_path: Path, fault: str, fault_rank: int
+) -> Iterator[tuple[list[subprocess.Popen[bytes]], list[subprocess.Popen[bytes]]]]:
+    """Agents and launchers of two "nodes" on this machine; `fault` on rank `fault_rank` at
+    step 4. Yields (agents, launchers)."""
     timeline, port = tmp_path / "timeline", _port()
-    agents, jobs = [], []
+    agents: list[subprocess.Popen[bytes]] = []
+    jobs: list[subprocess.Popen[bytes]] = []
     try:
         for node_rank, node in enumerate(("node-a", "node-b")):
             run = tmp_path / f"run-{node}"
@@ -76,17 +86,41 @@ def test_both_nodes_name_the_hung_rank_on_node_b(tmp_path: Path) -> None:
             jobs.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
                  str(node_rank), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                 "--master-port", str(port), "-m", "diag.trainer.demo_job", "--fault", "hang",
-                 "--fault-rank", "3", "--fault-step", "4", "--steps", "40"],
+                 "--master-port", str(port), "-m", "diag.trainer.demo_job", "--fault", fault,
+                 "--fault-rank", str(fault_rank), "--fault-step", "4", "--steps", "40"],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True))  # fmt: skip
+        yield agents, jobs
+    finally:
+        for p in jobs:
+            if p.poll() is None:
+                stop_tree(p.pid, grace=5)
+            p.wait(timeout=30)
+        for a in agents:
+            if a.poll() is None:
+                a.send_signal(signal.SIGTERM)
+                try:
+                    a.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    a.kill()
+                    a.wait(timeout=10)
+
+
+def _verdicts(timeline: Path) -> dict[str, tuple[Path, dict]]:
+    out = {}
+    for d in timeline.iterdir():
+        if (d / "verdict.json").exists():
+            v = json.loads((d / "verdict.json").read_text())
+            out[v["node"]] = (d, v)
+    return out
+
+
+def test_both_nodes_name_the_hung_rank_on_node_b(tmp_path: Path) -> None:
+    timeline = tmp_path / "timeline"
+    with two_nodes(tmp_path, "hang", 3) as (agents, _):
         for a in agents:
             a.wait(timeout=180)
-        verdicts = {}
-        for d in timeline.iterdir():
-            if (d / "verdict.json").exists():
-                v = json.loads((d / "verdict.json").read_text())
-                verdicts[v["node"]] = (d, v)
+        verdicts = _verdicts(timeline)
         logs = {n: (tmp_path / f"agent-{n}.log").read_text()[-2000:] for n in ("node-a", "node-b")}
         assert set(verdicts) == {"node-a", "node-b"}, logs
         b, a = verdicts["node-b"][1], verdicts["node-a"][1]
@@ -106,23 +140,42 @@ def test_both_nodes_name_the_hung_rank_on_node_b(tmp_path: Path) -> None:
         assert len(job_verdicts) == 1, logs
         jv = json.loads(job_verdicts[0].read_text())
         assert (jv["culprit"], jv["culprit_node"]) == (3, "node-b"), jv
-        assert sorted(jv["nodes"]) == ["node-a", "node-b"]
-        assert sorted(jv["evidence"]) == sorted(str(d) for d, _ in verdicts.values())
+        # Only node-b filed (first-hand); node-a, which only waited for it, wrote nothing for
+        # the job verdict. Every node's directory is still found, by its name.
+        assert (jv["nodes"], jv["reports"]) == (["node-b"], 1), jv
+        assert jv["evidence"] == [str(verdicts["node-b"][0])]
+        dirs = sorted(glob.glob(jv["evidence_glob"]))
+        assert dirs == sorted(str(d) for d, _ in verdicts.values()), jv["evidence_glob"]
+        reports = list((timeline / ".jobs").glob("*/*/reports/*"))
+        assert [p.name.split("~")[0] for p in reports] == ["r3.L.node-b"], reports
         # One taint plan, for the job verdict's culprit node only, from its evidence on the
         # timeline (threshold 1: this single incident is enough), against the in-memory API.
         plans = _taint_plans(tmp_path, timeline, jv["culprit_node"])
         assert "+ taint" in plans[jv["culprit_node"]] and "dry run" in plans[jv["culprit_node"]]
         assert "+ taint" not in plans["node-a"], plans
-    finally:
-        for p in jobs:
-            if p.poll() is None:
-                stop_tree(p.pid, grace=5)
-            p.wait(timeout=30)
+
+
+def test_deaths_in_one_cascade_make_one_incident(tmp_path: Path) -> None:
+    """Rank 1 is killed on node-a; gloo then fails node-b's ranks (their peer's sockets
+    closed) a moment later. Both agents see deaths, node-b's later: one incident, one job
+    verdict naming rank 1 on node-a, and node-b files nothing (its death came after the one
+    already reported)."""
+    timeline = tmp_path / "timeline"
+    with two_nodes(tmp_path, "exit", 1) as (agents, _):
         for a in agents:
-            if a.poll() is None:
-                a.send_signal(signal.SIGTERM)
-                try:
-                    a.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    a.kill()
-                    a.wait(timeout=10)
+            a.wait(timeout=180)
+        verdicts = _verdicts(timeline)
+        logs = {n: (tmp_path / f"agent-{n}.log").read_text()[-2000:] for n in ("node-a", "node-b")}
+        assert set(verdicts) == {"node-a", "node-b"}, logs
+        a, b = verdicts["node-a"][1], verdicts["node-b"][1]
+        assert (a["kind"], a["culprit"]) == ("rank_exited", 1), a["summary"]
+        assert b["kind"] == "rank_exited" and b["culprit"] is None, b["summary"]
+        assert "part of job incident a0-rank_exited: rank 1 on node node-a" in b["summary"]
+        assert a["incident_id"] == b["incident_id"] == "mn-a0-rank_exited"
+        job_verdicts = list((timeline / ".jobs").glob("*/*/job-verdict.json"))
+        assert len(job_verdicts) == 1, logs
+        jv = json.loads(job_verdicts[0].read_text())
+        assert (jv["culprit"], jv["culprit_node"], jv["reports"]) == (1, "node-a", 1), jv
+        assert sorted(glob.glob(jv["evidence_glob"])) == sorted(
+            str(d) for d, _ in verdicts.values()
+        )
