@@ -21,7 +21,7 @@ from diag.agent.actions import Executor, IncidentReport
 from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
 from diag.agent.checkpoint.sessions import CommandKind
-from diag.agent.config import AgentConfig, Until
+from diag.agent.config import AgentConfig
 from diag.agent.drain import DrainRequest, DrainState
 from diag.agent.drainer import Drainer
 from diag.agent.hang import Decision, EventKind, Verdict, WatchState, decide
@@ -35,6 +35,7 @@ from diag.agent.nodetaint import NodeTainter
 from diag.agent.nodeview import view_document
 from diag.agent.notice import Notice, NoticeWatcher, deadline_of
 from diag.agent.observer import Observer
+from diag.agent.options import Until
 from diag.agent.pyspy import can_trace
 from diag.agent.taintconfig import TaintMode
 from diag.agent.taintevidence import JOB_VERDICTS_DIR

@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 
 from diag.agent import exitcodes
-from diag.agent.config import DEFAULT_TIMELINE
 from diag.agent.evidence import EvidenceTarget, capture, verdict_document
 from diag.agent.observer import Observer
+from diag.agent.options import DEFAULT_TIMELINE
 from diag.agent.pyspy import DumpTarget, can_trace
 from diag.collector.rundir import default_run_dir, node_name
 

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from diag.agent import exitcodes, gpuhealth, taintconfig, taintevidence
-from diag.agent.config import DEFAULT_TIMELINE
 from diag.agent.exitcodes import UsageError
 from diag.agent.kube import KubeError
+from diag.agent.options import DEFAULT_TIMELINE
 from diag.agent.taintflow import TaintOutcome, taint
 from diag.agent.taintledger import LedgerBusy
 from diag.agent.taints import Evidence, Signal
