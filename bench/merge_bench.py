@@ -215,7 +215,7 @@ def production(root: Path, world: int, perl: str, fg: Path, repeat: int, clean: 
     """A production-shaped incident in xpu_timer's format: ours, and xpu_timer's viewer logic on
     its readable files, each in a child process, interleaved."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import incident_gen
+    import incidentgen as incident_gen
 
     d = root / f"production-{world}"
     truth = incident_gen.write_incident(
