@@ -1,7 +1,8 @@
 """Reading an incident's dumps and collecting their stacks, in worker processes when there are
 thousands.
 
-Each worker reads its share of the files, tells every thread's role, and aggregates the stacks
+Each worker reads its share of the files (and the journal tails beside them, see journals.py),
+tells every thread's role, and aggregates the stacks
 of both views by distinct stack (tree.collect). What comes back is small: the dumps without
 their threads (rank, state, error, node), and per view the distinct stacks with how many
 threads and which ranks have each. Merging then costs per distinct stack, not per thread of
@@ -11,11 +12,13 @@ every rank.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from diag.viewer import ranksets
+from diag.viewer.journals import JournalThreads, read_journal_threads
 from diag.viewer.roles import RoleCache
 from diag.viewer.sources import DumpFile, load_dump, map_chunks
 from diag.viewer.stacks import FrameInterner, RankDump
@@ -38,14 +41,19 @@ def _strip(d: RankDump) -> RankDump:
 def _gather_chunk(files: list[DumpFile]) -> Gathered:
     interner = FrameInterner()
     reader = StacktraceReader(interner)
-    cache = RoleCache()
     dumps: list[RankDump] = []
+    journals: dict[int, JournalThreads] = {}
     formats: Counter = Counter()
     for f in files:
         d = load_dump(f, interner, reader)
         if d is not None:
             dumps.append(d)
             formats[f.format.value] += 1
+            if f.journal:
+                found = read_journal_threads(os.path.join(f.directory, f.journal))
+                if found is not None:
+                    journals[f.rank] = found
+    cache = RoleCache(journals)
     collected = {v: [collect(dumps, v, cache)] for v in View}
     with_stacks = ranksets.bits_of(d.rank for d in dumps if d.threads or d.native_threads)
     return Gathered([_strip(d) for d in dumps], formats, collected, with_stacks)

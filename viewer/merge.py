@@ -23,6 +23,7 @@ from diag.viewer.flame import FlameHeader, FlameOptions, render_svg
 from diag.viewer.folded import write_folded
 from diag.viewer.gather import gather
 from diag.viewer.incidents import Incident, IncidentError, find_incidents, pick_incident
+from diag.viewer.journals import journal_local_sizes
 from diag.viewer.sources import DumpFile, default_workers, load_dumps
 from diag.viewer.stacks import RankDump
 from diag.viewer.summary import VIEW_TITLES, MergeReport, ViewReport, to_json, to_text
@@ -136,25 +137,6 @@ def load_incident(inc: Incident, workers: int = 1) -> tuple[list[RankDump], int,
     return dumps, world, formats
 
 
-JOURNAL_SUFFIX = ".journal.json"
-
-
-def journal_local_sizes(inc: Incident) -> list[int]:
-    """The local world size the journal tails of the incident record (one read per
-    directory: the ranks of one job agree)."""
-    out = []
-    for d in inc.dirs:
-        try:
-            first = next((e for e in os.scandir(d.path) if e.name.endswith(JOURNAL_SUFFIX)), None)
-            if first is None:
-                continue
-            meta = json.loads(Path(first.path).read_bytes()).get("meta") or {}
-            out.append(int(meta.get("local_world_size") or 0))
-        except (OSError, ValueError, TypeError, AttributeError):
-            continue
-    return out
-
-
 def _out_dir(inc: Incident) -> Path:
     if len(inc.dirs) == 1:
         return inc.dirs[0].path
@@ -208,7 +190,7 @@ def _header(
 def _local_size(dumps: list[RankDump], inc: Incident, given: int | None) -> int | None:
     if given:
         return given
-    return local_world_size(dumps, journal_local_sizes(inc))
+    return local_world_size(dumps, journal_local_sizes(d.path for d in inc.dirs))
 
 
 def merge_incident(

@@ -9,7 +9,9 @@ mean nothing. Ranks are compared on their training threads; the others are drawn
 role.
 
 The training threads of a rank are the threads inside a collective (a torch.distributed or
-DeepSpeed comm frame); when none is, the main thread. A thread's other role comes from the
+DeepSpeed comm frame) and the one its journal says issued the last op (see journals.py: a
+training loop may run in a worker thread, and be outside any collective when dumped); when none
+is known, the main thread. Threads the journal lists as diag's are diag's, whatever they run. A thread's other role comes from the
 first frame, root first, that belongs to a known helper (`torch/utils/data/` is the data loader,
 `multiprocessing/queues.py` a queue feeder, `logging/handlers.py` or TensorBoard a logger,
 `grpc/` an RPC poller, diag's own packages diag); native threads that run no Python from their
@@ -25,6 +27,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from diag.viewer.journals import JournalThreads
 from diag.viewer.stacks import Frame, RankDump, ThreadStack
 
 
@@ -160,11 +163,13 @@ class ThreadRoles:
 
 class RoleCache:
     """Remembers the role content gives each distinct stack (the dumps share frame tuples), so
-    that thousands of ranks cost a lookup per thread, and the roles of each dump."""
+    that thousands of ranks cost a lookup per thread, and the roles of each dump. `journals`:
+    what the ranks' journal tails say about their threads, by rank."""
 
-    def __init__(self) -> None:
+    def __init__(self, journals: dict[int, JournalThreads] | None = None) -> None:
         self._content: dict[int, tuple[tuple[Frame, ...], Role | None, bool, bool]] = {}
         self._dumps: dict[int, tuple[RankDump, tuple[ThreadRoles, ThreadRoles]]] = {}
+        self.journals = journals or {}
 
     def content(self, frames: tuple[Frame, ...]) -> tuple[Role | None, bool, bool]:
         """(role from the frames, or None; in a collective (running Python); the main thread's
@@ -191,15 +196,21 @@ def _assign(
     cache: RoleCache,
     is_main: Sequence[bool],
     known: dict[int, Role] | None = None,
+    journal: JournalThreads | None = None,
 ) -> ThreadRoles:
     roles: list[Role | None] = []
-    collective: list[bool] = []
+    collective: list[bool] = []  # trains: in a collective, or the journal's issuer
     for t in threads:
         role, coll, _ = cache.content(t.frames)
         if known is not None and t.os_tid in known:
             roles.append(known[t.os_tid])
             collective.append(known[t.os_tid] is Role.TRAINING)
             continue
+        if journal is not None and t.os_tid:
+            if t.os_tid in journal.own:
+                role, coll = Role.DIAG, False
+            elif t.os_tid == journal.issuer:
+                coll = True
         roles.append(role)
         collective.append(coll)
     training = [i for i, c in enumerate(collective) if c]
@@ -230,10 +241,13 @@ def dump_roles(dump: RankDump, cache: RoleCache | None = None) -> tuple[ThreadRo
 
 
 def _dump_roles(dump: RankDump, cache: RoleCache) -> tuple[ThreadRoles, ThreadRoles]:
+    journal = cache.journals.get(dump.rank)
     py = _assign(
         dump.threads,
         cache,
         [t.name == MAIN_THREAD or (dump.pid > 0 and t.os_tid == dump.pid) for t in dump.threads],
+        None,
+        journal,
     )
     if not dump.native_threads:
         return py, ThreadRoles(())
@@ -246,5 +260,6 @@ def _dump_roles(dump: RankDump, cache: RoleCache) -> tuple[ThreadRoles, ThreadRo
             for t in dump.native_threads
         ],
         known or None,
+        journal,
     )
     return py, native
