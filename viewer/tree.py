@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from diag.viewer import ranksets
 from diag.viewer.labels import (
     ROOT_INFO,
+    UNRESOLVED,
     FrameInfo,
     FrameKind,
     frame_info,
@@ -46,6 +47,19 @@ class View(enum.StrEnum):
 
 
 NO_NATIVE = "no native stack"
+_FRAMES = frozenset({FrameKind.PYTHON, FrameKind.NATIVE, FrameKind.TORCH})
+# The C library and the dynamic loader: where a waiting thread sits, below the call that waits.
+_C_LIBRARY = re.compile(
+    r"@(\S*/)?(libc|libpthread|ld-linux[\w-]*)([.-][\w.]*)?\.so[\d.]*$|@\[vdso\]$"
+)
+
+
+def _settles(info: FrameInfo) -> bool:
+    # unresolved frames, one (`??@lib`) or a run of them (`?? x9@lib`)
+    unresolved = info.text.startswith(UNRESOLVED)
+    return info.native and (unresolved or _C_LIBRARY.search(info.text) is not None)
+
+
 # Errors of ranks that did not answer at all (no dump file), shown as they are: they name the
 # node or rank, which must not be blanked like pids in other errors.
 NO_DUMP = "no dump"
@@ -177,6 +191,16 @@ class _Builder:
             i = j
         return tuple(out)
 
+    def settled(self, node: int) -> int:
+        """The innermost frame of a native stack above its wait in the C library: the frames
+        where a waiting thread happens to be inside libc (a futex, a poll, a spin on sched_yield,
+        unresolved frames below its last named one) vary with timing, and would set ranks apart
+        that wait in the same place."""
+        info, parent = self.info, self.parent
+        while node > 0 and _settles(info[node]) and info[parent[node]].kind in _FRAMES:
+            node = parent[node]
+        return node
+
     def insert(self, path: Sequence[int]) -> int:
         node = 0
         kids, info, parent, depth = self.kids, self.info, self.parent, self.depth
@@ -300,6 +324,8 @@ def merged_tree(parts: Sequence[Collected], view: View, world_size: int, present
                 end = node
                 for _ in range(len(path) - stack_len):
                     end = b.parent[end]
+                if native:
+                    end = b.settled(end)
                 for r in ranksets.ranks_of(bits):
                     found = sig.get(r)
                     if found is None:
