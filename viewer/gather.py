@@ -38,6 +38,19 @@ def _strip(d: RankDump) -> RankDump:
     return dataclasses.replace(d, threads=(), native_threads=())
 
 
+def gather_dumps(
+    dumps: Sequence[RankDump],
+    formats: Counter | None = None,
+    journals: dict[int, JournalThreads] | None = None,
+) -> Gathered:
+    """The stacks of dumps already read (with what their journal tails say), collected as the
+    workers collect them."""
+    cache = RoleCache(journals)
+    collected = {v: [collect(dumps, v, cache)] for v in View}
+    with_stacks = ranksets.bits_of(d.rank for d in dumps if d.threads or d.native_threads)
+    return Gathered([_strip(d) for d in dumps], formats or Counter(), collected, with_stacks)
+
+
 def _gather_chunk(files: list[DumpFile]) -> Gathered:
     interner = FrameInterner()
     reader = StacktraceReader(interner)
@@ -53,10 +66,7 @@ def _gather_chunk(files: list[DumpFile]) -> Gathered:
                 found = read_journal_threads(os.path.join(f.directory, f.journal))
                 if found is not None:
                     journals[f.rank] = found
-    cache = RoleCache(journals)
-    collected = {v: [collect(dumps, v, cache)] for v in View}
-    with_stacks = ranksets.bits_of(d.rank for d in dumps if d.threads or d.native_threads)
-    return Gathered([_strip(d) for d in dumps], formats, collected, with_stacks)
+    return gather_dumps(dumps, formats, journals)
 
 
 def gather(files: Sequence[DumpFile], workers: int = 1) -> Gathered:
