@@ -173,7 +173,7 @@ PARALLEL_FROM_BYTES = 32 << 20
 
 
 def _load_chunk(files: list[DumpFile]) -> list[RankDump | None]:
-    interner = FrameInterner()
+    interner = FrameInterner(blank_addresses=True)
     reader = StacktraceReader(interner)
     return [load_dump(f, interner, reader) for f in files]
 

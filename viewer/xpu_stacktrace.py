@@ -56,6 +56,11 @@ def _reading_view() -> type:
 _Stacktrace = _reading_view()
 
 
+# Fields of a py-spy thread that differ in every process: cleared before the thread's content is
+# looked up.
+_PY_PER_PROCESS = ("pid", "thread_id", "os_thread_id", "active", "owns_gil")
+
+
 def _split_line(file_name: str) -> tuple[str, int]:
     path, sep, line = file_name.rpartition(":")
     if sep and line.isdigit():
@@ -72,32 +77,24 @@ class StacktraceReader:
         self._native: dict[bytes, tuple[Frame, ...]] = {}
 
     def _py_frames(self, t) -> tuple[Frame, ...]:
-        key = t.SerializeToString()
-        found = self._py.get(key)
-        if found is None:
-            frames = []
-            for f in reversed(t.frames):
-                native = f.module not in ("", "unknown")
-                path, line = _split_line(f.file_name)
-                frames.append(
-                    self.interner.frame(f.func_name, path, line, native, f.module if native else "")
-                )
-            found = self._py[key] = self.interner.stack(frames)
-        return found
+        frames = []
+        for f in reversed(t.frames):
+            native = f.module not in ("", "unknown")
+            path, line = _split_line(f.file_name)
+            frames.append(
+                self.interner.frame(f.func_name, path, line, native, f.module if native else "")
+            )
+        return self.interner.stack(frames)
 
     def _native_frames(self, t) -> tuple[Frame, ...]:
-        key = t.SerializeToString()
-        found = self._native.get(key)
-        if found is None:
-            frames = []
-            for f in reversed(t.frames):
-                path, line = _split_line(f.file_name)
-                if path == "??":
-                    path = ""
-                module = path if ".so" in path.rsplit("/", 1)[-1] else ""
-                frames.append(self.interner.frame(f.func_name or "??", path, line, True, module))
-            found = self._native[key] = self.interner.stack(frames)
-        return found
+        frames = []
+        for f in reversed(t.frames):
+            path, line = _split_line(f.file_name)
+            if path == "??":
+                path = ""
+            module = path if ".so" in path.rsplit("/", 1)[-1] else ""
+            frames.append(self.interner.frame(f.func_name or "??", path, line, True, module))
+        return self.interner.stack(frames)
 
     def read(self, data: bytes, rank: int, world_size: int) -> RankDump:
         """One rank's file as a RankDump. Rank and world size come from the file name
@@ -109,18 +106,29 @@ class StacktraceReader:
             # the runtime's message names our private reading view: say it plainly
             raise StacktraceError("not a Stacktrace message, or a truncated one") from e
         st.DiscardUnknownFields()
+        # The loops below run for every thread of every rank: attribute lookups hoisted.
         py: list[ThreadStack] = []
+        seen, clear = self._py, _PY_PER_PROCESS
         for t in st.py_stacktrace:
             tid, os_tid, name = t.thread_id, t.os_thread_id, t.thread_name
             active, owns_gil = t.active, t.owns_gil
-            for field in ("pid", "thread_id", "os_thread_id", "active", "owns_gil"):
+            for field in clear:
                 t.ClearField(field)
-            py.append(ThreadStack(tid, os_tid, name, self._py_frames(t), active, owns_gil))
+            key = t.SerializeToString()
+            frames = seen.get(key)
+            if frames is None:
+                frames = seen[key] = self._py_frames(t)
+            py.append(ThreadStack(tid, os_tid, name, frames, active, owns_gil))
         native: list[ThreadStack] = []
+        seen = self._native
         for t in st.stacktrace:
             lwp = t.pid
             t.ClearField("pid")
-            native.append(ThreadStack(lwp, lwp, t.thread_name, self._native_frames(t)))
+            key = t.SerializeToString()
+            frames = seen.get(key)
+            if frames is None:
+                frames = seen[key] = self._native_frames(t)
+            native.append(ThreadStack(lwp, lwp, t.thread_name, frames))
         errors = [e.strip() for e in (st.pstack_stderr, st.pyspy_stderr) if e.strip()]
         if not py and st.pyspy_stdout:
             # xpu_timer keeps py-spy's raw output when it could not parse it; we may do better.

@@ -49,6 +49,13 @@ class Addresses:
             b = self.base[lib] = 0x7F0000000000 + self.rng.randrange(1 << 28) * 0x1000
         return b + 0x1000 + index * 0x1F3
 
+    def heap(self, index: int) -> int:
+        """A pointer into the process's heap, as gdb prints among a frame's arguments."""
+        b = self.base.get("[heap]")
+        if b is None:
+            b = self.base["[heap]"] = 0x550000000000 + self.rng.randrange(1 << 28) * 0x1000
+        return b + index * 0x2A8
+
 
 def pyspy_frames(frames: tuple[F, ...], addr: Addresses) -> list[dict]:
     """`py-spy dump --json --native` frames, innermost first: Python frames and native ones
@@ -97,9 +104,30 @@ def diag_frames(frames: list[F] | tuple[F, ...], native: bool) -> list[dict]:
     return out
 
 
-def _gdb_line(n: int, f: F, address: int) -> str:
+# gdb prints the arguments of frames it has debug information for (those with a source line):
+# pointers among them differ in every process. Python's evaluation frames are most of a thread.
+_GDB_ARGS = {
+    "_PyEval_EvalFrameDefault": "tstate=0x{a:x}, frame=0x{b:x}, throwflag=<optimized out>",
+    "_PyEval_EvalFrame": "tstate=0x{a:x}, frame=0x{b:x}, throwflag=0",
+    "_PyEval_Vector": "tstate=0x{a:x}, func=0x{b:x}, locals=locals@entry=0x0, args=0x{c:x},"
+    " argcount=<optimized out>, kwnames=<optimized out>",
+    "_PyFunction_Vectorcall": "func=0x{b:x}, stack=0x{c:x}, nargsf=<optimized out>,"
+    " kwnames=<optimized out>",
+    "_PyObject_VectorcallTstate": "kwnames=0x0, nargsf=9223372036854775809, args=0x{c:x},"
+    " callable=0x{b:x}, tstate=0x{a:x}",
+    "PyObject_Vectorcall": "callable=0x{b:x}, args=0x{c:x}, nargsf=<optimized out>,"
+    " kwnames=<optimized out>",
+}
+_GDB_ARGS_DEFAULT = "self=0x{b:x}, args=0x{c:x}, kwargs=<optimized out>"
+
+
+def _gdb_line(n: int, f: F, address: int, addr: Addresses) -> str:
     where = f" at {f.src}" if f.src else (f" from {f.lib}" if f.lib else "")
-    return f"#{n:<3}0x{address:016x} in {f.func} (){where}"
+    args = ""
+    if f.src:
+        fmt = _GDB_ARGS.get(f.func, _GDB_ARGS_DEFAULT)
+        args = fmt.format(a=addr.heap(0), b=addr.heap(3 * n + 1), c=addr.heap(3 * n + 2))
+    return f"#{n:<3}0x{address:016x} in {f.func} ({args}){where}"
 
 
 @dataclass
@@ -188,7 +216,7 @@ def xpu_dump(rt: RankThreads, rank: int, state: str, addr: Addresses) -> bytes:
             t.frames.add(
                 func_name=f.func,
                 file_name=file_name,
-                origin=_gdb_line(n, f, addr.of(f.lib or "-", n)),
+                origin=_gdb_line(n, f, addr.of(f.lib or "-", n), addr),
             )
     for m, tid, lwp in rt.threads:
         if not m.py:
@@ -198,3 +226,18 @@ def xpu_dump(rt: RankThreads, rank: int, state: str, addr: Addresses) -> bytes:
             if not f.native:  # xpu_timer runs py-spy without --native
                 t.frames.add(func_name=f.func, file_name=f"{f.file}:{f.line}", module="unknown")
     return st.SerializeToString()
+
+
+def folded_lines(rt: RankThreads, state: str) -> tuple[list[str], list[str]]:
+    """The rank's threads as flamegraph.pl's folded input, one line per thread: the Python view
+    (the Python threads' Python frames) and the native view (every thread as gdb shows it). The
+    bench gives flamegraph.pl these to merge and draw the same stacks `diag merge` does."""
+    py, cpp = [], []
+    for m, _tid, _lwp in rt.threads:
+        head = f"State@{state};Thread@{m.name or m.comm}"
+        if m.py:
+            frames = (f"{f.func}@{f.file}:{f.line}" for f in m.frames if not f.native)
+            py.append(";".join((head, *frames)) + " 1\n")
+        frames = (f"{f.func}@{f.src or f.lib}" for f in gdb_frames(m.frames))
+        cpp.append(";".join((head, *frames)) + " 1\n")
+    return py, cpp

@@ -14,7 +14,15 @@ import orjson
 
 from diag.proto import hosting_service_pb2 as xpu_pb2
 
-from .formats import Addresses, diag_dump, gdb_frames, pyspy_dump, rank_threads, xpu_dump
+from .formats import (
+    Addresses,
+    diag_dump,
+    folded_lines,
+    gdb_frames,
+    pyspy_dump,
+    rank_threads,
+    xpu_dump,
+)
 from .model import RankPlan
 
 FORMATS = ("diag", "xpu", "pyspy", "mixed")
@@ -144,8 +152,11 @@ def file_format(truth: Truth, rank: int) -> str:
 SUFFIX = {"diag": ".stack.json", "xpu": ".stacktrace", "pyspy": ".pyspy.json"}
 
 
-def rank_file(truth: Truth, rank: int) -> tuple[str, bytes] | None:
-    """The file name and content of one rank's dump, None when it has none."""
+def rank_file(
+    truth: Truth, rank: int, folded: tuple[list[str], list[str]] | None = None
+) -> tuple[str, bytes] | None:
+    """The file name and content of one rank's dump, None when it has none. `folded`: lists the
+    rank's folded lines are added to (py view, native view) when its dump is readable."""
     if rank in truth.missing_ranks:
         return None
     fmt = file_format(truth, rank)
@@ -165,6 +176,10 @@ def rank_file(truth: Truth, rank: int) -> tuple[str, bytes] | None:
         data = xpu_dump(rt, rank, state, addr)
     if rank in truth.corrupt_ranks:
         data = _corrupt(data, fmt)
+    elif folded is not None:
+        py, cpp = folded_lines(rt, state)
+        folded[0].extend(py)
+        folded[1].extend(cpp)
     return name, data
 
 
@@ -215,11 +230,16 @@ def _shifted(truth: Truth) -> int:
     return sum(1 for r in range(truth.world_size) if rank_plan(truth, r).counter_shift)
 
 
-def write_incident(directory: Path, truth: Truth, workers: int = 1) -> Truth:
+def write_incident(
+    directory: Path, truth: Truth, workers: int = 1, folded: Path | None = None
+) -> Truth:
     """Writes every rank's dump and `truth.json` into `directory`; returns the truth completed
-    with what it counted."""
+    with what it counted. `folded`: a directory to write the readable ranks' stacks into as
+    flamegraph.pl's folded input, `py.N.folded` and `cpp.N.folded` (one pair per worker)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    if folded is not None:
+        Path(folded).mkdir(parents=True, exist_ok=True)
     ranks = list(range(truth.world_size))
     if workers > 1 and len(ranks) > 256:
         import multiprocessing
@@ -227,9 +247,11 @@ def write_incident(directory: Path, truth: Truth, workers: int = 1) -> Truth:
         chunks = [ranks[i::workers] for i in range(workers)]
         ctx = multiprocessing.get_context("fork")
         with ctx.Pool(workers) as pool:
-            parts = pool.starmap(_write_ranks, [(directory, truth, ch) for ch in chunks])
+            parts = pool.starmap(
+                _write_ranks, [(directory, truth, ch, folded, i) for i, ch in enumerate(chunks)]
+            )
     else:
-        parts = [_write_ranks(directory, truth, ranks)]
+        parts = [_write_ranks(directory, truth, ranks, folded, 0)]
     formats: dict[str, int] = {}
     for part in parts:
         for k, v in part.items():
@@ -249,17 +271,31 @@ def write_incident(directory: Path, truth: Truth, workers: int = 1) -> Truth:
     return done
 
 
-def _write_ranks(directory: Path, truth: Truth, ranks: list[int]) -> dict[str, int]:
+def _write_ranks(
+    directory: Path, truth: Truth, ranks: list[int], folded: Path | None, part: int
+) -> dict[str, int]:
     formats: dict[str, int] = {}
-    for r in ranks:
-        found = rank_file(truth, r)
-        if found is None:
-            continue
-        name, data = found
-        with open(os.path.join(directory, name), "wb") as fh:
-            fh.write(data)
-        fmt = file_format(truth, r)
-        formats[fmt] = formats.get(fmt, 0) + 1
+    lines: tuple[list[str], list[str]] | None = ([], []) if folded is not None else None
+    outs = []
+    if folded is not None:
+        outs = [open(Path(folded) / f"{v}.{part}.folded", "w") for v in ("py", "cpp")]  # noqa: SIM115
+    try:
+        for r in ranks:
+            found = rank_file(truth, r, lines)
+            if found is None:
+                continue
+            name, data = found
+            with open(os.path.join(directory, name), "wb") as fh:
+                fh.write(data)
+            fmt = file_format(truth, r)
+            formats[fmt] = formats.get(fmt, 0) + 1
+            if lines is not None:
+                for out, got in zip(outs, lines, strict=True):
+                    out.writelines(got)
+                    got.clear()
+    finally:
+        for out in outs:
+            out.close()
     return formats
 
 
