@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from diag.viewer import ranksets
@@ -109,22 +109,19 @@ def error_text(error: str) -> str:
     return "error: " + _VARYING.sub("N", first)[:100]
 
 
-def view_stacks(
+def view_threads(
     dump: RankDump, view: View, cache: RoleCache | None = None
-) -> Iterator[tuple[ThreadStack, bool, Role]]:
-    """The thread stacks of a dump that a view shows, with whether to keep native frames and
-    the thread's role (see roles.py). A thread with nothing left in the view draws nothing."""
+) -> tuple[tuple[ThreadStack, ...], bool, tuple[Role, ...]]:
+    """The threads of a dump that a view shows, whether to keep their native frames, and their
+    roles (see roles.py)."""
     py, nat = dump_roles(dump, cache)
     if view is View.PY:
-        threads, native, roles = dump.threads, False, py.roles
-    elif dump.native_threads:
-        threads, native, roles = dump.native_threads, True, nat.roles
-    elif dump.native or any(f.native for t in dump.threads for f in t.frames):
-        threads, native, roles = dump.threads, True, py.roles
-    else:
-        return
-    for t, role in zip(threads, roles, strict=True):
-        yield t, native, role
+        return dump.threads, False, py.roles
+    if dump.native_threads:
+        return dump.native_threads, True, nat.roles
+    if dump.native or any(f.native for t in dump.threads for f in t.frames):
+        return dump.threads, True, py.roles
+    return (), False, ()
 
 
 def marker(dump: RankDump, view: View, has_stacks: bool) -> str | None:
@@ -240,28 +237,34 @@ def collect(dumps: Sequence[RankDump], view: View, cache: RoleCache | None = Non
     has_py: dict[int, bool] = {}
     labels: dict[str, str] = {}
 
+    training = Role.TRAINING
     for d in dumps:
-        state = d.process_state
+        state, rank = d.process_state, d.rank
         has_stacks = False
-        for thread, native, role in view_stacks(d, view, cache):
+        threads, native, roles = view_threads(d, view, cache)
+        for thread, role in zip(threads, roles, strict=True):
             frames = thread.frames
             if not frames:
                 continue
             fid = id(frames)
-            if fid not in frames_of:
+            py = has_py.get(fid)
+            if py is None:
                 frames_of[fid] = frames
-                has_py[fid] = any(not f.native for f in frames)
-            if not native and not has_py[fid]:
+                py = has_py[fid] = any(not f.native for f in frames)
+            if not (native or py):  # nothing left in the view
                 continue
-            has_stacks = has_stacks or role is Role.TRAINING
-            label = labels.get(thread.name)
+            if role is training:
+                has_stacks = True
+            name = thread.name
+            label = labels.get(name)
             if label is None:
-                label = labels[thread.name] = thread_label(thread.name)
+                label = labels[name] = thread_label(name)
             key = (state, role, label, fid, native)
             found = ranks.get(key)
             if found is None:
-                found = ranks[key] = []
-            found.append(d.rank)
+                ranks[key] = [rank]
+            else:
+                found.append(rank)
         mark = marker(d, view, has_stacks)
         if mark is not None or not has_stacks:
             key = (state, None, mark, 0, False)
