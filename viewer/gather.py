@@ -2,11 +2,10 @@
 thousands.
 
 Each worker reads its share of the files (and the journal tails beside them, see journals.py),
-tells every thread's role, and aggregates the stacks
-of both views by distinct stack (tree.collect). What comes back is small: the dumps without
-their threads (rank, state, error, node), and per view the distinct stacks with how many
-threads and which ranks have each. Merging then costs per distinct stack, not per thread of
-every rank.
+tells every thread's role, and aggregates the stacks of both views by distinct stack
+(tree.collect). What comes back is small: the dumps without their threads (rank, state, error,
+node), and per view the distinct stacks with how many threads and which ranks have each.
+Merging then costs per distinct stack, not per thread of every rank.
 """
 
 from __future__ import annotations
