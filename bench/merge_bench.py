@@ -260,7 +260,8 @@ def main() -> int:
     for r in rows:
         info = r["info"]
         svg_kib = "+".join(str(b // 1024) for b in info["svg_bytes"])
-        found = "yes" if info["suspects"][:1] == [r["odd"]] else f"no {info['suspects']}"
+        first = [rank for rank, _ in info["suspects"][:1]]
+        found = "yes" if first == [r["odd"]] else f"no {info['suspects'][:5]}"
         print(
             f"{r['world']:>6} {r['input_mib']:>9.0f} | {r['ours_s']:>6.2f} {r['ours_cpu']:>5.2f} "
             f"{r['ours_mb']:>5.0f} | {r['pr_s']:>7.2f} {r['pr_cpu']:>5.2f} {r['pr_mb']:>5.0f} | "
