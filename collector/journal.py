@@ -10,6 +10,9 @@ File layout (little-endian):
   [64, 72)      head: number of slots ever claimed; stored after the slot is settled
   [128, 256)    state block under a seqlock: status, step, phase
   [4096, ...)   `capacity` slots of 128 bytes (see records.py)
+
+Version 2 records the native id of the thread that issued each record; readers read version 1
+journals too (their records say tid 0), so an agent outlives trainers of the older version.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from pathlib import Path
 
 from diag.collector.records import (
     BODY,
+    BODY_V1,
     CRC_OFFSET,
+    CRC_OFFSET_V1,
     NAME_BYTES,
     SLOT_SIZE,
     DType,
@@ -38,7 +43,8 @@ from diag.collector.records import (
 )
 
 MAGIC = b"DIAGJRN1"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 HEADER_SIZE = 4096
 DEFAULT_CAPACITY = 4096  # 512 KiB of slots per rank
 
@@ -50,7 +56,7 @@ _STATE_OFF = 128
 # phase_ns u64 | crc u32 | pad u32
 _STATE = struct.Struct("<QIIQQQ48sQII")
 _STATE_CRC_OFF = _STATE.size - 8
-_SLOT_VER_CRC = struct.Struct("<II")
+_U32 = struct.Struct("<I")
 _READ_RETRIES = 64
 
 
@@ -189,6 +195,7 @@ class JournalWriter:
             t_end_ns,
             self._step,
             name.encode()[:NAME_BYTES],
+            threading.get_native_id(),
         ]
         return self._claim(fields, live)
 
@@ -206,7 +213,7 @@ class JournalWriter:
         """An enqueued op, kept live for `update`: `append` without the keyword plumbing, since
         every instrumented collective pays for this call."""
         fields = [RecordKind.OP, OpState.ENQUEUED, op, dtype, flags, group, peer, group_seq]
-        fields += [nbytes, t_enqueue_ns, 0, 0, self._step, b""]
+        fields += [nbytes, t_enqueue_ns, 0, 0, self._step, b"", threading.get_native_id()]
         return self._claim(fields, True)
 
     def _claim(self, fields: list, live: bool) -> int:
@@ -245,7 +252,7 @@ class JournalWriter:
         body = BODY.pack(*fields)
         _U64.pack_into(mm, off, 2 * seq + 1)  # odd: slot in flux
         mm[off + 8 : off + CRC_OFFSET] = body
-        _SLOT_VER_CRC.pack_into(mm, off + CRC_OFFSET, zlib.crc32(body, seq & 0xFFFFFFFF), 0)
+        _U32.pack_into(mm, off + CRC_OFFSET, zlib.crc32(body, seq & 0xFFFFFFFF))
         _U64.pack_into(mm, off, 2 * seq + 2)  # even: settled
 
     # -- training progress -------------------------------------------------------------------
@@ -324,12 +331,16 @@ class JournalReader:
         if magic != MAGIC:
             self.close()
             raise JournalFormatError(f"{path} is not an op journal (bad magic {magic!r})")
-        if version != VERSION or hsize != HEADER_SIZE or ssize != SLOT_SIZE:
+        if version not in READABLE_VERSIONS or hsize != HEADER_SIZE or ssize != SLOT_SIZE:
             self.close()
+            readable = " and ".join(map(str, READABLE_VERSIONS))
             raise JournalFormatError(
                 f"{path}: journal version {version} (header {hsize}, slot {ssize}) is not "
-                f"supported by this diag (version {VERSION}); upgrade the agent or the trainer"
+                f"supported by this diag (it reads versions {readable}); upgrade the agent or the "
+                "trainer so that both run the same diag"
             )
+        self.version = version
+        self._body, self._crc_off = (BODY_V1, CRC_OFFSET_V1) if version == 1 else (BODY, CRC_OFFSET)
         if st.st_size < HEADER_SIZE + cap * SLOT_SIZE:
             self.close()
             raise JournalFormatError(f"{path} is truncated: {st.st_size} bytes for {cap} slots")
@@ -399,14 +410,14 @@ class JournalReader:
                     time.sleep(0)
                     continue
                 return None
-            body = raw[8:CRC_OFFSET]
-            crc = _SLOT_VER_CRC.unpack_from(raw, CRC_OFFSET)[0]
+            body = raw[8 : self._crc_off]
+            crc = _U32.unpack_from(raw, self._crc_off)[0]
             if zlib.crc32(body, seq & 0xFFFFFFFF) != crc:
                 time.sleep(0)
                 continue
             if _U64.unpack_from(mm, off)[0] != want:
                 continue
-            return Record.decode(seq, BODY.unpack(body))
+            return Record.decode(seq, self._body.unpack(body))
         return None
 
     def read_range(self, start: int, end: int) -> list[Record]:

@@ -51,6 +51,9 @@ class JournalMeta:
     groups: tuple[GroupInfo, ...] = field(default_factory=tuple)
     version: int = META_VERSION
     pid_ns: int = 0  # inode of the writer's PID namespace (rundir.pid_namespace), 0 if unknown
+    # Native ids of threads diag runs in this process whose stacks do not say so (the control
+    # channel's gRPC poller): stack merges class them as diag's, not as the job's RPC.
+    own_threads: tuple[int, ...] = ()
 
     def group(self, index: int) -> GroupInfo | None:
         for g in self.groups:
@@ -77,8 +80,9 @@ class JournalMeta:
             )
             for g in raw.get("groups", ())
         )
-        known = {f for f in cls.__dataclass_fields__ if f != "groups"}
-        return cls(groups=groups, **{k: v for k, v in raw.items() if k in known})
+        known = {f for f in cls.__dataclass_fields__ if f not in ("groups", "own_threads")}
+        own = tuple(int(t) for t in raw.get("own_threads") or ())
+        return cls(groups=groups, own_threads=own, **{k: v for k, v in raw.items() if k in known})
 
 
 def safe_job_name(job: str) -> str:

@@ -96,18 +96,23 @@ class OpFlag(enum.IntFlag):
 
 NAME_BYTES = 48
 
-# Slot layout, little-endian, 128 bytes:
+# Slot layout (journal version 2), little-endian, 128 bytes:
 #   ver u64 | kind u8 | state u8 | op u16 | dtype u16 | flags u16 | group i32 | peer i32 |
 #   group_seq u64 | nbytes u64 | t_enqueue u64 | t_start u64 | t_end u64 | step u64 |
-#   name 48s | crc u32 | pad u32
+#   name 48s | tid u32 | crc u32
 # `ver` is a per-slot seqlock: 2*seq+1 while the writer is changing the slot, 2*seq+2 once the
-# slot is consistent. `crc` (zlib.crc32 over bytes 0..120 with crc zeroed) catches a slot that a
-# dying writer left half-written even if its version word looked settled.
-BODY = struct.Struct("<BBHHHiiQQQQQQ48s")
-SLOT = struct.Struct("<Q" + BODY.format[1:] + "II")
+# slot is consistent. `crc` (zlib.crc32 over the body, seeded with the low 32 bits of seq) catches
+# a slot that a dying writer left half-written even if its version word looked settled. `tid` is
+# the native id of the thread that issued the record (0: unknown): the training thread, which
+# need not be the main one.
+# Version 1 had no `tid`: its body ends after `name`, its crc sits at 120, followed by padding.
+BODY = struct.Struct("<BBHHHiiQQQQQQ48sI")
+SLOT = struct.Struct("<Q" + BODY.format[1:] + "I")
 SLOT_SIZE = 128
 assert SLOT.size == SLOT_SIZE, SLOT.size
-CRC_OFFSET = 8 + BODY.size  # 120
+CRC_OFFSET = 8 + BODY.size  # 124
+BODY_V1 = struct.Struct("<BBHHHiiQQQQQQ48s")
+CRC_OFFSET_V1 = 8 + BODY_V1.size  # 120
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +134,7 @@ class Record:
     t_end_ns: int
     step: int
     name: str
+    tid: int = 0  # native id of the issuing thread, 0 when unknown (a version 1 journal)
 
     @property
     def pending(self) -> bool:
@@ -150,14 +156,17 @@ class Record:
             self.t_end_ns,
             self.step,
             self.name.encode()[:NAME_BYTES],
+            self.tid,
         )
 
     @classmethod
     def decode(cls, seq: int, body: tuple) -> Record:
-        """From a slot's unpacked body. The agent decodes every record of every rank: enum
-        members are looked up in plain dicts, which is several times cheaper than calling the
-        enum classes."""
-        (kind, state, op, dtype, flags, group, peer, gseq, nbytes, t0, t1, t2, step, name) = body
+        """From a slot's unpacked body (of either journal version). The agent decodes every
+        record of every rank: enum members are looked up in plain dicts, which is several times
+        cheaper than calling the enum classes."""
+        (kind, state, op, dtype, flags, group, peer, gseq, nbytes, t0, t1, t2, step, name) = body[
+            :14
+        ]
         flag = _FLAGS.get(flags)
         if flag is None:
             flag = _FLAGS[flags] = OpFlag(flags)
@@ -177,6 +186,7 @@ class Record:
             t_end_ns=t2,
             step=step,
             name=name.rstrip(b"\0").decode(errors="replace"),
+            tid=body[14] if len(body) > 14 else 0,
         )
 
 

@@ -216,3 +216,71 @@ def test_writer_killed_mid_record_leaves_a_readable_journal(tmp_path: Path) -> N
         _check_consistent(recs)
         assert len(recs) >= 30  # at most the slot in flight (and its neighbour) is lost
         assert r.state().status == JournalStatus.RUNNING  # died without closing
+
+
+def test_records_carry_the_native_id_of_the_thread_that_issued_them(tmp_path: Path) -> None:
+    import threading
+
+    w = _writer(tmp_path / "j.journal")
+    main_seq = _op(w, 0)
+    issued: dict[str, int] = {}
+
+    def train() -> None:  # a training loop in a worker thread
+        issued["seq"] = _op(w, 1, live=True)
+        issued["tid"] = threading.get_native_id()
+
+    t = threading.Thread(target=train)
+    t.start()
+    t.join(timeout=10)
+    # completion is seen on another thread: the record still names the issuer
+    done = threading.Thread(target=w.update, args=(issued["seq"], OpState.COMPLETED))
+    done.start()
+    done.join(timeout=10)
+    r = JournalReader(tmp_path / "j.journal")
+    assert r.version == 2
+    first, second = r.read(main_seq), r.read(issued["seq"])
+    assert first is not None and first.tid == threading.get_native_id()
+    assert second is not None and second.state == OpState.COMPLETED
+    assert second.tid == issued["tid"] != first.tid
+
+
+_STATIC_V1 = struct.Struct("<8sIIIIiiiIIIQQ")
+_BODY_V1 = struct.Struct("<BBHHHiiQQQQQQ48s")
+
+
+def _version_1_journal(path: Path, version: int = 1) -> None:
+    """A journal as a version-1 trainer wrote it: 120-byte slots bodies without the thread id,
+    the crc at 120."""
+    import zlib
+
+    capacity = 16
+    mm = bytearray(HEADER_SIZE + capacity * SLOT_SIZE)
+    _STATIC_V1.pack_into(mm, 0, b"DIAGJRN1", version, HEADER_SIZE, SLOT_SIZE, capacity, 5, 8, 1,
+                         4242, 0, 0, 1, 2)  # fmt: skip
+    for seq in range(3):
+        body = _BODY_V1.pack(RecordKind.OP, OpState.COMPLETED, OpCode.BROADCAST, 1, 0, 0, -1,
+                             seq + 1, 64, 100 + seq, 0, 200 + seq, 7, b"v1")  # fmt: skip
+        off = HEADER_SIZE + seq * SLOT_SIZE
+        struct.pack_into("<Q", mm, off, 2 * seq + 2)
+        mm[off + 8 : off + 8 + len(body)] = body
+        struct.pack_into("<II", mm, off + 120, zlib.crc32(body, seq), 0)
+    struct.pack_into("<Q", mm, 64, 3)
+    path.write_bytes(bytes(mm))
+
+
+def test_version_1_journals_stay_readable(tmp_path: Path) -> None:
+    path = tmp_path / "old.journal"
+    _version_1_journal(path)
+    r = JournalReader(path)
+    assert r.version == 1 and r.header.rank == 5 and r.head() == 3
+    recs = r.tail(10)
+    assert [(x.seq, x.op, x.group_seq, x.t_end_ns, x.step, x.name, x.tid) for x in recs] == [
+        (s, OpCode.BROADCAST, s + 1, 200 + s, 7, "v1", 0) for s in range(3)
+    ]
+
+
+def test_an_unknown_journal_version_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "new.journal"
+    _version_1_journal(path, version=9)
+    with pytest.raises(JournalFormatError, match=r"version 9 .* reads versions 1 and 2"):
+        JournalReader(path)

@@ -144,14 +144,38 @@ def test_classes_say_where_they_part():
 def test_suspects_add_up_over_views_and_the_culprit_comes_first():
     world = 8
     dumps = odd_one_out(world, 5)
-    # rank 2: same Python stack as the majority, another native leaf
-    dumps[2] = rank_dump(2, world, thread(common(py("barrier", 4811, C10D), native("sched_yield"))))
+    # rank 2: same Python stack as the majority, but its native stack goes on elsewhere
+    cuda = native("cudaStreamSynchronize", "/usr/local/cuda/lib64/libcudart.so.12")
+    dumps[2] = rank_dump(2, world, thread(common(py("barrier", 4811, C10D), cuda)))
+    # rank 3: the same wait, caught at another place inside the C library: timing, not evidence
+    dumps[3] = rank_dump(3, world, thread(common(py("barrier", 4811, C10D), native("sched_yield"))))
     views = [equivalence_classes(build_tree(dumps, v, world)) for v in View]
     ranked = suspects(views, culprits=[7])
     assert [s.rank for s in ranked] == [7, 5, 2]
     assert ranked[0].score == 1.0 and ranked[0].reasons == ("named culprit by the verdict",)
     assert ranked[1].score > ranked[2].score
     assert len(ranked[1].reasons) == 2 and len(ranked[2].reasons) == 1
+
+
+def test_a_wait_caught_at_another_place_in_the_c_library_is_one_class():
+    """The innermost frames of a waiting thread inside libc (and unresolved ones) vary with
+    timing; the native classes compare stacks above them, and the picture keeps them."""
+    world = 6
+    leaves = [
+        [native("__futex_abstimed_wait_common"), native("futex_wait")],
+        [native("sched_yield")],
+        [native("0x7f3a00001234", "/usr/lib/libcuda.so.1"), native("poll")],
+    ]
+    cuda = native("cudaStreamSynchronize", "/usr/local/cuda/lib64/libcudart.so.12")
+    dumps = [
+        rank_dump(r, world, thread(common(py("barrier", 4811, C10D), cuda, *leaves[r % 3])))
+        for r in range(world)
+    ]
+    tree = build_tree(dumps, View.CPP, world)
+    (only,) = equivalence_classes(tree).classes
+    assert only.size == world and only.leaf.startswith("cudaStreamSynchronize@")
+    texts = {i.text for i in tree.info}
+    assert {"sched_yield@/usr/lib/x86_64-linux-gnu/libc.so.6", "??@/usr/lib/libcuda.so.1"} <= texts
 
 
 def big_tree(world: int, odd: int):

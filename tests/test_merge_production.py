@@ -4,6 +4,7 @@ ranks and whole nodes without a dump, corrupt and timed-out dumps, in the three 
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from incidentkit import gen
 
 from diag.viewer import ranksets
 from diag.viewer.merge import merge_incident
+from diag.viewer.sources import DumpFormat
 
 
 def merged(tmp_path: Path, world: int, fmt: str, scenario: str, local: int | None, **kw):
@@ -59,7 +61,23 @@ def test_1344_ranks(tmp_path: Path, fmt: str, scenario: str, local: int | None) 
 
 def test_mixed_formats_small(tmp_path: Path) -> None:
     truth, result = merged(tmp_path, 96, "mixed", "agree", 8)
-    assert truth.formats == {"diag": 30, "pyspy": 30, "xpu": 30} or sum(truth.formats.values())
+    # ranks take the formats in turn; the ranks without a file take none
+    expect = Counter(
+        ("diag", "xpu", "pyspy")[r % 3] for r in range(96) if r not in truth.missing_ranks
+    )
+    assert len(expect) == 3 and sum(expect.values()) == 96 - len(truth.missing_ranks)
+    assert truth.formats == dict(expect)
+    suffixes = {".stack.json": "diag", ".stacktrace": "xpu", ".pyspy.json": "pyspy"}
+    on_disk = Counter(
+        fmt
+        for p in (tmp_path / "inc").iterdir()
+        for s, fmt in suffixes.items()
+        if p.name.endswith(s)
+    )
+    assert on_disk == expect
+    # the merge read every file, corrupt and timed-out ones included, each in its format
+    read = {DumpFormat.DIAG: "diag", DumpFormat.XPU_TIMER: "xpu", DumpFormat.PYSPY: "pyspy"}
+    assert {read[DumpFormat(k)]: v for k, v in result.report.formats} == dict(expect)
     assert sorted(s.rank for s in result.suspects[: len(truth.unanswered)]) == list(
         truth.unanswered
     )

@@ -16,7 +16,8 @@ from incidentkit import gen
 from test_merge_browser import dom
 
 from diag.viewer import ranksets
-from diag.viewer.flame import FlameHeader, render_svg
+from diag.viewer.analysis import About, analyse, draw
+from diag.viewer.gather import gather_dumps
 from diag.viewer.labels import FrameKind
 from diag.viewer.layout import LayoutOptions, is_helper, layout
 from diag.viewer.merge import merge_incident
@@ -129,11 +130,13 @@ def test_production_incident_in_chromium(tmp_path: Path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_16384_ranks_in_chromium(tmp_path: Path):
-    """16,384 ranks of production-shaped stacks, built in memory (writing 4 GB of dumps is the
-    merge bench's business): 64 ranks' stacks stand for the others, with the odd ranks' own."""
+    """16,384 production-shaped ranks and a node that did not answer, drawn as `diag merge`
+    draws them: the stacks are built in memory (64 ranks' stacks stand for the others, with the
+    odd ranks' own: writing 4 GB of dumps is the merge bench's business), then gathered,
+    analysed and drawn by the merge's own code (gather_dumps, analyse, draw)."""
     world = 16384
     truth = gen.plan_incident(
-        world, scenario="odd", odd=2, missing_nodes=0, missing_ranks=0, corrupt=0, timed_out=0
+        world, scenario="odd", odd=2, missing_nodes=1, missing_ranks=0, corrupt=0, timed_out=0
     )
     base = dumps_of(
         gen.plan_incident(
@@ -147,18 +150,38 @@ def test_16384_ranks_in_chromium(tmp_path: Path):
         rt = gen.rank_threads(plan, random.Random(plan.seed))
         raw = gen.diag_dump(rt, r, world, 8, "S (sleeping)")
         odd[r] = RankDump.from_dict(raw, interner)
-    dumps = [odd.get(r) or replace(base[r % 64], rank=r, world_size=world) for r in range(world)]
-    suspects = ranksets.bits_of(truth.odd_ranks)
+    silent = set(truth.missing_ranks)
+    dumps = [
+        odd.get(r) or replace(base[r % 64], rank=r, world_size=world)
+        for r in range(world)
+        if r not in silent
+    ]
+    merged = analyse(gather_dumps(dumps), world, (), truth.local_world_size)
+    (node,) = merged.absent.nodes
+    assert node.index == truth.missing_nodes[0] and node.bits == ranksets.bits_of(silent)
+    found = [s.rank for s in merged.suspects]
+    assert sorted(found[:2]) == list(truth.odd_ranks) and sorted(found[2:]) == sorted(silent)
+    about = About("20261123-041209-hang-16k", "hang", ("node-0000",))
+    first_silent = min(silent)
     for view in View:
-        tree = build_tree(dumps, view, world)
         svg = tmp_path / f"{view.value}_stack.svg"
-        svg.write_text(render_svg(tree, suspects, FlameHeader(title=f"{view.value} 16k")))
+        svg.write_text(draw(view, about, merged))
         assert svg_height(svg) < 2 * SCREEN, (view, svg_height(svg))
+        page = dom(tmp_path, svg.as_uri())
+        assert 'data-ready="1"' in page
+        # the silent node: a tower of its own, wide enough to see without zooming
+        label = f"State@no dump: {node.label} did not answer"
+        tower = [w for _, t, w in cells_of(page) if t.startswith(label)]
+        assert tower and tower[0] >= 40, (view, tower)
+        # search by rank: each odd rank's red frames, and the silent node's tower
         for r in truth.odd_ranks:
             found = dom(tmp_path, f"{svg.as_uri()}?s=rank:{r}")
-            assert 'data-ready="1"' in found
             matched = [(c, w) for c, _, w in cells_of(found) if " match" in c]
             assert any(" s" in c and w >= 7.9 for c, w in matched), (view, r, matched[:5])
+            assert f"rank {r}: " in found
+        found = dom(tmp_path, f"{svg.as_uri()}?s=rank:{first_silent}")
+        matched = [t for c, t, _ in cells_of(found) if " match" in c]
+        assert any(t.startswith(label) for t in matched), (view, matched[:5])
 
 
 def test_interleaved_python_frames_stay_with_their_thread():

@@ -9,7 +9,8 @@ from incidentkit import gen
 from mergekit import C10D, common, native, py, rank_dump, thread
 
 from diag.viewer.classes import equivalence_classes, suspects
-from diag.viewer.roles import Role, dump_roles, thread_label
+from diag.viewer.journals import JournalThreads, journal_threads
+from diag.viewer.roles import Role, RoleCache, dump_roles, thread_label
 from diag.viewer.stacks import RankDump, ThreadStack
 from diag.viewer.tree import View, build_tree
 
@@ -194,3 +195,37 @@ def test_generated_rank_threads_get_the_roles_they_were_made_with(tmp_path) -> N
     py_made = [m.role for m, _, _ in rt.threads if m.py]
     assert list(py_roles.roles) == [expect[r] for r in py_made]
     assert list(native_roles.roles) == [expect[r] for r in made]
+
+
+def test_journal_tails_name_the_issuer_of_the_last_op_and_diag_threads() -> None:
+    doc = {
+        "records": [
+            {"seq": 7, "kind": "op", "tid": 101},
+            {"seq": 9, "kind": "op", "tid": 103},
+            {"seq": 8, "kind": "op", "tid": 102},
+            {"seq": 10, "kind": "step", "tid": 100},  # steps and marks issue no op
+            {"seq": 11, "kind": "op", "tid": None},  # a record of a journal of version 1
+        ],
+        "meta": {"own_threads": [105, 0]},
+    }
+    assert journal_threads(doc) == JournalThreads(103, frozenset({105}))
+    # an error document, or a tail from before threads were recorded, says nothing
+    assert journal_threads({"journal": "/x", "error": "bad magic"}) is None
+    assert journal_threads({"records": [{"seq": 1, "kind": "op"}], "meta": {}}) is None
+    assert journal_threads([]) is None
+
+
+def test_the_journal_overrules_what_stacks_alone_would_say() -> None:
+    """A training loop in a worker thread, writing a checkpoint (in no collective) while the main
+    thread joins it; the gRPC poller of diag's control channel runs grpc's frames only."""
+    main = thread([py("<module>", 9), py("join", 1100, THREADING), native("futex_wait")], tid=100)
+    worker = helper("Thread-1 (train)", py("train", 40), py("save_checkpoint", 12), tid=101)
+    spin = helper("Thread-2 (channel_spin)", py("channel_spin", 1925, GRPC), tid=102)
+    d = rank_dump(0, 1, main, worker, spin)
+    assert dump_roles(d)[0].roles == (Role.TRAINING, Role.OTHER, Role.RPC)
+    cache = RoleCache({0: JournalThreads(issuer=101, own=frozenset({102}))})
+    assert dump_roles(d, cache)[0].roles == (Role.OTHER, Role.TRAINING, Role.DIAG)
+    # another rank's journal says nothing about this one
+    assert dump_roles(d, RoleCache({1: JournalThreads(101, frozenset())}))[0].roles[0] is (
+        Role.TRAINING
+    )

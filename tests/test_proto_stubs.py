@@ -44,3 +44,27 @@ def test_xpu_timer_stacktrace_module_reads_xpu_timer_bytes() -> None:
     assert (st.pid, st.rank, st.process_state) == (7, 3, "S (sleeping)")
     assert st.py_stacktrace[0].frames[0].file_name == "/srv/train.py:12"
     assert st.stacktrace[0].frames[0].origin == "#0  0x0 in ?? ()"
+
+
+def test_the_stacktrace_reading_view_is_a_subset_of_xpu_timers_messages() -> None:
+    """Every field the reading view declares is its namesake's in hosting_service.proto: same
+    number, type, label and message type; what it leaves out is only what the merge never
+    reads."""
+    from diag.proto import hosting_service_pb2, stacktrace_view_pb2
+
+    full, view = hosting_service_pb2.DESCRIPTOR, stacktrace_view_pb2.DESCRIPTOR
+    assert set(view.message_types_by_name) <= set(full.message_types_by_name)
+    left_out = set()
+    for name, m in view.message_types_by_name.items():
+        whole = full.message_types_by_name[name]
+        for f in m.fields:
+            g = whole.fields_by_name[f.name]
+            assert (f.number, f.type, f.is_repeated) == (g.number, g.type, g.is_repeated), f.name
+            if f.message_type is not None:
+                assert f.message_type.name == g.message_type.name
+        left_out |= {f"{name}.{f.name}" for f in whole.fields if f.name not in m.fields_by_name}
+    assert left_out == {
+        "PstackFrame.origin",
+        "Stacktrace.device_stacktrace",
+        "Stacktrace.device_status",
+    }

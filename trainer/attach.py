@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _session: Session | None = None
+OWN_THREADS_KEPT = 8
 
 
 class Session:
@@ -100,6 +101,16 @@ class Session:
                 pg_timeout_s=self.meta.pg_timeout_s or self.instrumentation.pg_timeout_s,
                 device=device,
             )
+            write_meta(self.path, self.meta)
+
+    def add_own_thread(self, native_id: int) -> None:
+        """Records in the meta a thread diag started whose stack does not say so."""
+        with self._meta_lock:
+            if native_id in self.meta.own_threads:
+                return
+            # a thread per reconnection: the last few are the ones that may still run
+            own = (*self.meta.own_threads, native_id)[-OWN_THREADS_KEPT:]
+            self.meta = replace(self.meta, own_threads=own)
             write_meta(self.path, self.meta)
 
     # -- progress ----------------------------------------------------------------------------
@@ -182,7 +193,9 @@ def _start_control(session: Session, run_dir: Path, ident: RankIdentity) -> None
         m.job, ident.rank, ident.world_size, ident.local_rank, ident.attempt, m.node, m.pid,
         m.pid_start_time, m.pid_ns,
     )  # fmt: skip
-    shared_client(run_dir, client_ident, journal=str(session.path))
+    client = shared_client(run_dir, client_ident, journal=str(session.path))
+    if client is not None:
+        client.watch_own_threads(session.add_own_thread)
 
 
 def current() -> Session | None:

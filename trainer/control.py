@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,34 @@ class ClientIdentity:
 
 CommandHandler = Callable[[Any], None]  # gets a diag.proto.control_pb2.Command
 AckHandler = Callable[[Any], None]  # gets a diag.proto.control_pb2.PersistAck
+ThreadHandler = Callable[[int], None]  # gets the native id of a thread diag started
+_SPIN_FILE = os.path.join("grpc", "_channel.py")
+_SPIN_FUNC = "channel_spin"
+SPIN_WAIT_S = 1.0
+
+
+def channel_threads_since(before: set[int | None], wait_s: float = SPIN_WAIT_S) -> list[int]:
+    """Native ids of the threads started since `before` (thread idents) that run grpc's
+    channel poller (`_run_channel_spin_thread`). A streaming call starts one for its channel; it
+    runs only grpc's frames, so nothing in a stack dump says it is diag's: the journal meta
+    does. Waits up to `wait_s` for a new thread to reach the poller."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        fresh = [t for t in threading.enumerate() if t.ident not in before]
+        frames = sys._current_frames()
+        found = []
+        for t in fresh:
+            f = frames.get(t.ident)  # type: ignore[arg-type]
+            while f is not None:
+                code = f.f_code
+                if code.co_name == _SPIN_FUNC and code.co_filename.endswith(_SPIN_FILE):
+                    if t.native_id:
+                        found.append(t.native_id)
+                    break
+                f = f.f_back
+        if found or not fresh or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.01)
 
 
 class ControlClient:
@@ -72,6 +102,8 @@ class ControlClient:
         self._channel: Any = None
         self._stub: Any = None
         self._threads: list[threading.Thread] = []
+        self._own: list[int] = []  # native ids of grpc threads started for this client
+        self._on_own_thread: list[ThreadHandler] = []
         self.agent_pid: int | None = None
         self.connects = 0
 
@@ -90,6 +122,34 @@ class ControlClient:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def own_threads(self) -> list[int]:
+        """Native ids of the threads grpc started for this client (its channel pollers), whose
+        stacks do not say they are diag's."""
+        with self._lock:
+            return list(self._own)
+
+    def watch_own_threads(self, handler: ThreadHandler) -> None:
+        """Calls `handler` with each such thread, those known now and those to come (a new
+        one per connection)."""
+        with self._lock:
+            self._on_own_thread.append(handler)
+            known = list(self._own)
+        for tid in known:
+            handler(tid)
+
+    def _own_threads_started(self, before: set[int | None]) -> None:
+        found = channel_threads_since(before)
+        with self._lock:
+            self._own.extend(found)
+            handlers = list(self._on_own_thread)
+        for tid in found:
+            for handler in handlers:
+                try:
+                    handler(tid)
+                except Exception:
+                    log.exception("diag: recording the control channel's thread failed")
 
     def wait_connected(self, timeout: float) -> bool:
         return self._connected.wait(timeout)
@@ -183,9 +243,11 @@ class ControlClient:
                 self._warned = False
                 backoff = BACKOFF_MIN_S
                 self._outbox.put(("resend", None))
+                before = {t.ident for t in threading.enumerate()}
                 self._call = stub.Subscribe(
                     pb.SubscribeRequest(id=self._rank_id(pb), pid=self.ident.pid)
                 )
+                self._own_threads_started(before)
                 for msg in self._call:
                     self._dispatch(msg)
             except grpc.RpcError as e:

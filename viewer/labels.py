@@ -12,7 +12,7 @@ import enum
 import re
 from dataclasses import dataclass
 
-from diag.viewer.stacks import Frame
+from diag.viewer.stacks import ADDRESS, UNRESOLVED, Frame
 
 
 class FrameKind(enum.StrEnum):
@@ -34,8 +34,6 @@ class FrameInfo:
     native: bool = False
 
 
-UNRESOLVED = "??"  # a native frame the unwinder could not name
-_ADDRESS = re.compile(r"^(0x)?[0-9a-fA-F]{6,}$")
 _TORCH = re.compile(r"torch|nccl|gloo|c10d|libc10", re.IGNORECASE)
 _UNSAFE = re.compile(r"[;\r\n\t]")  # `;` separates frames in folded stacks
 _PKG_ROOTS = ("/site-packages/", "/dist-packages/")
@@ -61,7 +59,7 @@ def short_path(path: str) -> str:
 
 def frame_info(frame: Frame) -> FrameInfo:
     func = frame.func or "?"
-    if frame.native and _ADDRESS.match(func):
+    if frame.native and ADDRESS.match(func):
         func = UNRESOLVED
     where = frame.file or frame.module
     kind = FrameKind.NATIVE if frame.native else FrameKind.PYTHON

@@ -1,8 +1,8 @@
 """`merge_incident`: an incident's per-rank dumps in, flame SVGs, folded stacks and a summary out.
 
 The entry point for `diag merge` and for anything else (the demo) that wants the picture of an
-incident. Reading and writing files happens here; the merging itself lives in tree.py,
-classes.py, layout.py and flame.py, which do no I/O.
+incident. Reading and writing files happens here; the merging itself lives in analysis.py (on
+tree.py, classes.py, layout.py and flame.py), which does no I/O.
 """
 
 from __future__ import annotations
@@ -12,27 +12,27 @@ import logging
 import os
 import re
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from diag.viewer import ranksets
-from diag.viewer.absent import Absent, find_absent, local_world_size, stand_ins
-from diag.viewer.classes import RankClass, Suspect, ViewClasses, equivalence_classes, suspects
-from diag.viewer.flame import FlameHeader, FlameOptions, render_svg
+from diag.viewer.absent import Absent, local_world_size
+from diag.viewer.analysis import About, analyse, draw
+from diag.viewer.classes import RankClass, Suspect
+from diag.viewer.flame import FlameOptions
 from diag.viewer.folded import write_folded
 from diag.viewer.gather import gather
 from diag.viewer.incidents import Incident, IncidentError, find_incidents, pick_incident
-from diag.viewer.sources import DumpFile, default_workers, load_dumps
+from diag.viewer.journals import journal_local_sizes
+from diag.viewer.sources import DumpFile, default_workers
 from diag.viewer.stacks import RankDump
-from diag.viewer.summary import VIEW_TITLES, MergeReport, ViewReport, to_json, to_text
-from diag.viewer.tree import StackTree, View, collect, merged_tree
+from diag.viewer.summary import MergeReport, ViewReport, to_json, to_text
+from diag.viewer.tree import View
 
 log = logging.getLogger(__name__)
 
 SUMMARY_TXT = "summary.txt"
 SUMMARY_JSON = "summary.json"
-HIGHLIGHT_SUSPECTS = 8  # suspects whose frames are kept visible at any rank count
 
 __all__ = ["IncidentError", "MergeResult", "merge_incident"]
 
@@ -121,40 +121,6 @@ def _check(inc: Incident, dumps: list[RankDump], world: int) -> None:
         raise IncidentError(f"rank {bad[0]} is out of range for world size {world}")
 
 
-def load_incident(inc: Incident, workers: int = 1) -> tuple[list[RankDump], int, Counter]:
-    """All dumps of one incident, with their threads, checked to be of one run."""
-    files = incident_files(inc)
-    dumps: list[RankDump] = []
-    formats: Counter = Counter()
-    for f, dump in zip(files, load_dumps(files, workers), strict=True):
-        if dump is not None:
-            dumps.append(dump)
-            formats[f.format.value] += 1
-    world = _world(inc, files) if files else 0
-    _check(inc, dumps, world)
-    dumps.sort(key=lambda d: d.rank)
-    return dumps, world, formats
-
-
-JOURNAL_SUFFIX = ".journal.json"
-
-
-def journal_local_sizes(inc: Incident) -> list[int]:
-    """The local world size the journal tails of the incident record (one read per
-    directory: the ranks of one job agree)."""
-    out = []
-    for d in inc.dirs:
-        try:
-            first = next((e for e in os.scandir(d.path) if e.name.endswith(JOURNAL_SUFFIX)), None)
-            if first is None:
-                continue
-            meta = json.loads(Path(first.path).read_bytes()).get("meta") or {}
-            out.append(int(meta.get("local_world_size") or 0))
-        except (OSError, ValueError, TypeError, AttributeError):
-            continue
-    return out
-
-
 def _out_dir(inc: Incident) -> Path:
     if len(inc.dirs) == 1:
         return inc.dirs[0].path
@@ -162,53 +128,10 @@ def _out_dir(inc: Incident) -> Path:
     return root / f"merged-{_safe(inc.incident_id)}"
 
 
-def _header(
-    view: View,
-    inc: Incident,
-    world: int,
-    dumped: int,
-    vc: ViewClasses,
-    sus: tuple[Suspect, ...],
-    absent: Absent,
-) -> FlameHeader:
-    n = dumped.bit_count()
-    title = f"{VIEW_TITLES[view].capitalize()} of {n} rank{'s' if n != 1 else ''}, merged"
-    lines = [
-        " · ".join(
-            x
-            for x in (
-                f"incident {inc.incident_id}",
-                inc.kind,
-                ", ".join(inc.nodes),
-                f"world size {world}",
-                f"missing ranks {ranksets.fold(((1 << world) - 1) & ~dumped)}" if n < world else "",
-                "silent " + ", ".join(x.label for x in absent.nodes) if absent.nodes else "",
-            )
-            if x
-        )
-    ]
-    shown = []
-    for c in vc.classes[:4]:
-        tag = " (suspect)" if c.suspect else ""
-        size = f"{c.size} rank{'s' if c.size != 1 else ''}"
-        shown.append(f"#{c.index}: {size} [{ranksets.fold(c.bits, 6)}]{tag}")
-    more = f" · +{len(vc.classes) - 4} more" if len(vc.classes) > 4 else ""
-    n_classes = f"{len(vc.classes)} class{'es' if len(vc.classes) != 1 else ''}"
-    lines.append(f"{n_classes} of identical stacks: " + " · ".join(shown) + more)
-    warnings = []
-    if sus:
-        top = ", ".join(f"{s.rank} ({s.score:.2f})" for s in sus[:8])
-        extra = f" and {len(sus) - 8} more" if len(sus) > 8 else ""
-        warnings.append(
-            f"suspect ranks (score): {top}{extra} — red frames: only suspects reach them"
-        )
-    return FlameHeader(title=title, lines=tuple(lines), warnings=tuple(warnings))
-
-
 def _local_size(dumps: list[RankDump], inc: Incident, given: int | None) -> int | None:
     if given:
         return given
-    return local_world_size(dumps, journal_local_sizes(inc))
+    return local_world_size(dumps, journal_local_sizes(d.path for d in inc.dirs))
 
 
 def merge_incident(
@@ -239,38 +162,25 @@ def merge_incident(
     t1 = time.perf_counter()
     out = Path(out_dir) if out_dir is not None else _out_dir(inc)
     out.mkdir(parents=True, exist_ok=True)
-    dumped = ranksets.bits_of(d.rank for d in dumps)
-    culprits = tuple(c for c in inc.culprits if 0 <= c < world)
-
     local = _local_size(dumps, inc, local_world_size)
-    absent = find_absent(world, dumps, local, got.with_stacks)
-    # the ranks without a file get stand-ins, so the pictures show them as a tower
-    extra = stand_ins(absent, world)
-    trees: dict[View, StackTree] = {
-        v: merged_tree([*got.collected[v], collect(extra, v)], v, world, dumped) for v in View
-    }
-    view_classes = {v: equivalence_classes(t, absent.bits) for v, t in trees.items()}
-    sus = suspects(list(view_classes.values()), culprits, absent)
-    suspect_bits = ranksets.bits_of(s.rank for s in sus)
-    # Only the best few are widened to stay visible: dozens of widened frames would crowd out
-    # the picture of everybody else; the rest stay red at their true (maybe merged) width.
-    highlight = ranksets.bits_of(s.rank for s in sus[:HIGHLIGHT_SUSPECTS])
+    result = analyse(got, world, inc.culprits, local)
+    dumped, culprits, sus, absent = result.dumped, result.culprits, result.suspects, result.absent
+    about = About(inc.incident_id, inc.kind, tuple(inc.nodes))
     t2 = time.perf_counter()
 
     svgs: dict[View, Path] = {}
     folded: dict[View, Path] = {}
     reports = []
     drawing = 0.0
-    for view, tree in trees.items():
+    for view, tree in result.trees.items():
         folded[view] = out / f"{view.value}_stack.folded"
         svgs[view] = out / f"{view.value}_stack.svg"
         tmp = folded[view].with_name(f".{folded[view].name}.tmp{os.getpid()}")
         with open(tmp, "w") as fh:
             lines = write_folded(tree, fh)
         os.replace(tmp, folded[view])
-        header = _header(view, inc, world, dumped, view_classes[view], sus, absent)
         t = time.perf_counter()
-        svg = render_svg(tree, suspect_bits, header, flame, highlight)
+        svg = draw(view, about, result, flame)
         drawing += time.perf_counter() - t
         _write(svgs[view], svg)
         reports.append(
@@ -278,7 +188,7 @@ def merge_incident(
                 view=view,
                 svg=svgs[view].name,
                 folded=folded[view].name,
-                classes=view_classes[view].classes,
+                classes=result.classes[view].classes,
                 frames=len(tree) - 1,
                 folded_lines=lines,
             )
@@ -324,7 +234,7 @@ def merge_incident(
         world_size=world,
         ranks=ranksets.fold(dumped),
         culprits=culprits,
-        classes={v: vc.classes for v, vc in view_classes.items()},
+        classes={v: vc.classes for v, vc in result.classes.items()},
         suspects=sus,
         absent=absent,
         svgs=svgs,

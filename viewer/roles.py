@@ -9,7 +9,9 @@ mean nothing. Ranks are compared on their training threads; the others are drawn
 role.
 
 The training threads of a rank are the threads inside a collective (a torch.distributed or
-DeepSpeed comm frame); when none is, the main thread. A thread's other role comes from the
+DeepSpeed comm frame) and the one its journal says issued the last op (see journals.py: a
+training loop may run in a worker thread, and be outside any collective when dumped); when none
+is known, the main thread. Threads the journal lists as diag's are diag's, whatever they run. A thread's other role comes from the
 first frame, root first, that belongs to a known helper (`torch/utils/data/` is the data loader,
 `multiprocessing/queues.py` a queue feeder, `logging/handlers.py` or TensorBoard a logger,
 `grpc/` an RPC poller, diag's own packages diag); native threads that run no Python from their
@@ -25,6 +27,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from diag.viewer.journals import JournalThreads
 from diag.viewer.stacks import Frame, RankDump, ThreadStack
 
 
@@ -160,24 +163,30 @@ class ThreadRoles:
 
 class RoleCache:
     """Remembers the role content gives each distinct stack (the dumps share frame tuples), so
-    that thousands of ranks cost a lookup per thread, and the roles of each dump."""
+    that thousands of ranks cost a lookup per thread, and the roles of each dump. `journals`:
+    what the ranks' journal tails say about their threads, by rank."""
 
-    def __init__(self) -> None:
+    def __init__(self, journals: dict[int, JournalThreads] | None = None) -> None:
         self._content: dict[int, tuple[tuple[Frame, ...], Role | None, bool, bool]] = {}
         self._dumps: dict[int, tuple[RankDump, tuple[ThreadRoles, ThreadRoles]]] = {}
+        self.journals = journals or {}
 
     def content(self, frames: tuple[Frame, ...]) -> tuple[Role | None, bool, bool]:
         """(role from the frames, or None; in a collective (running Python); the main thread's
         native start-up frames)."""
-        found = self._content.get(id(frames))
-        if found is None:
-            role = _python_role(frames)
-            if role is None:
-                role = _native_role(frames)
-            coll = in_collective(frames) and runs_python(frames)
-            # keeps `frames` alive, so its id stays unique
-            found = self._content[id(frames)] = (frames, role, coll, _is_main_native(frames))
+        found = self._content.get(id(frames)) or self._remember(frames)
         return found[1], found[2], found[3]
+
+    def _remember(
+        self, frames: tuple[Frame, ...]
+    ) -> tuple[tuple[Frame, ...], Role | None, bool, bool]:
+        role = _python_role(frames)
+        if role is None:
+            role = _native_role(frames)
+        coll = in_collective(frames) and runs_python(frames)
+        # keeps `frames` alive, so its id stays unique
+        found = self._content[id(frames)] = (frames, role, coll, _is_main_native(frames))
+        return found
 
     def of_dump(self, dump: RankDump) -> tuple[ThreadRoles, ThreadRoles]:
         found = self._dumps.get(id(dump))
@@ -189,17 +198,35 @@ class RoleCache:
 def _assign(
     threads: Sequence[ThreadStack],
     cache: RoleCache,
-    is_main: Sequence[bool],
+    pid: int,
+    native: bool,
     known: dict[int, Role] | None = None,
+    journal: JournalThreads | None = None,
 ) -> ThreadRoles:
+    """Roles of one list of threads of a process `pid`: `native` ones (a separate unwinder's,
+    whose main thread shows the interpreter's start-up frames) or Python ones (the main thread
+    by its name). `known`: roles of the Python threads by OS thread id, which the native ones
+    take over. Runs for every thread of every rank: one content lookup per thread."""
+    content, remember = cache._content, cache._remember
     roles: list[Role | None] = []
-    collective: list[bool] = []
+    collective: list[bool] = []  # trains: in a collective, or the journal's issuer
+    is_main: list[bool] = []
     for t in threads:
-        role, coll, _ = cache.content(t.frames)
-        if known is not None and t.os_tid in known:
-            roles.append(known[t.os_tid])
-            collective.append(known[t.os_tid] is Role.TRAINING)
+        frames, os_tid = t.frames, t.os_tid
+        c = content.get(id(frames)) or remember(frames)
+        own = pid > 0 and os_tid == pid
+        is_main.append((own or c[3]) if native else (own or t.name == MAIN_THREAD))
+        if known is not None and os_tid in known:
+            r = known[os_tid]
+            roles.append(r)
+            collective.append(r is Role.TRAINING)
             continue
+        role, coll = c[1], c[2]
+        if journal is not None and os_tid:
+            if os_tid in journal.own:
+                role, coll = Role.DIAG, False
+            elif os_tid == journal.issuer:
+                coll = True
         roles.append(role)
         collective.append(coll)
     training = [i for i, c in enumerate(collective) if c]
@@ -230,21 +257,10 @@ def dump_roles(dump: RankDump, cache: RoleCache | None = None) -> tuple[ThreadRo
 
 
 def _dump_roles(dump: RankDump, cache: RoleCache) -> tuple[ThreadRoles, ThreadRoles]:
-    py = _assign(
-        dump.threads,
-        cache,
-        [t.name == MAIN_THREAD or (dump.pid > 0 and t.os_tid == dump.pid) for t in dump.threads],
-    )
+    journal = cache.journals.get(dump.rank)
+    py = _assign(dump.threads, cache, dump.pid, False, None, journal)
     if not dump.native_threads:
         return py, ThreadRoles(())
     known = {t.os_tid: r for t, r in zip(dump.threads, py.roles, strict=True) if t.os_tid}
-    native = _assign(
-        dump.native_threads,
-        cache,
-        [
-            (dump.pid > 0 and t.os_tid == dump.pid) or cache.content(t.frames)[2]
-            for t in dump.native_threads
-        ],
-        known or None,
-    )
+    native = _assign(dump.native_threads, cache, dump.pid, True, known or None, journal)
     return py, native

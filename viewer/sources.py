@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from diag.viewer.journals import JOURNAL_SUFFIX, tail_name
 from diag.viewer.stacks import STACK_FORMAT, STACK_SUFFIX, FrameInterner, RankDump, pyspy_threads
 from diag.viewer.xpu_stacktrace import StacktraceError, StacktraceReader
 
@@ -38,7 +39,7 @@ T = TypeVar("T")
 
 _NAME = re.compile(r"^(\d+)-(\d+)(\..+)$")
 XPU_SUFFIX = ".stacktrace"
-NOT_DUMPS = (".journal.json",)
+NOT_DUMPS = (JOURNAL_SUFFIX,)
 
 
 class DumpFormat(enum.StrEnum):
@@ -57,6 +58,7 @@ class DumpFile:
     rank: int
     world_size: int
     format: DumpFormat
+    journal: str = ""  # the rank's journal tail beside it (see journals.py), when there is one
 
     @property
     def path(self) -> Path:
@@ -85,12 +87,14 @@ def dump_files(directory: Path) -> list[DumpFile]:
         entries = list(os.scandir(directory))
     except OSError:
         return []
+    tails = {e.name for e in entries if e.name.endswith(JOURNAL_SUFFIX)}
     for entry in entries:
         found = classify(entry.name)
         if found is None or not entry.is_file():
             continue
         rank, world, fmt = found
-        f = DumpFile(directory, entry.name, rank, world, fmt)
+        tail = tail_name(entry.name)
+        f = DumpFile(directory, entry.name, rank, world, fmt, tail if tail in tails else "")
         old = best.get(rank)
         if old is None or _PREFERENCE[fmt] < _PREFERENCE[old.format]:
             best[rank] = f
@@ -169,7 +173,7 @@ PARALLEL_FROM_BYTES = 32 << 20
 
 
 def _load_chunk(files: list[DumpFile]) -> list[RankDump | None]:
-    interner = FrameInterner()
+    interner = FrameInterner(blank_addresses=True)
     reader = StacktraceReader(interner)
     return [load_dump(f, interner, reader) for f in files]
 

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import json
 import operator
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+try:  # a stack's frames as one bytes key: several times cheaper than a tuple of tuples
+    from orjson import dumps as _raw_key
+except ImportError:  # pragma: no cover - orjson is a dependency, but an optional speed-up
+    _raw_key = None
+
 STACK_FORMAT = "diag.stack/1"
 STACK_SUFFIX = ".stack.json"
+UNRESOLVED = "??"  # a native frame the unwinder could not name
+# py-spy names an unresolved native frame by its address, which differs in every process
+ADDRESS = re.compile(r"^(0x)?[0-9a-fA-F]{6,}$")
 
 
 @dataclass(frozen=True)
@@ -29,7 +38,9 @@ class Frame:
         return self.file.rsplit("/", 1)[-1]
 
 
-@dataclass(frozen=True)
+# Not frozen, though nothing changes one: a merge of 16k ranks builds a million of them, and a
+# frozen dataclass's __init__ costs five times more. Hashable by value all the same.
+@dataclass(slots=True, unsafe_hash=True)
 class ThreadStack:
     tid: int  # Python's thread identifier (pthread id)
     os_tid: int
@@ -101,6 +112,7 @@ class RankDump:
 
 
 _FRAME_FIELDS = operator.itemgetter("func", "file", "line", "native", "module")
+_PYSPY_FIELDS = operator.itemgetter("name", "filename", "line", "module")
 
 
 class FrameInterner:
@@ -108,27 +120,39 @@ class FrameInterner:
 
     Stacks of many ranks are mostly identical; sharing makes later grouping by stack cheap
     (identical stacks are the same object) and keeps memory flat in the number of ranks.
+    `blank_addresses`: native frames named by an address (py-spy's unresolved frames) are
+    named `??` instead, as the merged views label them anyway, so that ranks stopped in the same
+    unresolved frames share their stacks (the agent keeps the addresses in its dumps).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, blank_addresses: bool = False) -> None:
+        self.blank_addresses = blank_addresses
         self._frames: dict[tuple, Frame] = {}
         # Keyed by the ids of interned frames: they live as long as this interner, so an id is
         # never reused while the key exists.
         self._stacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
-        # Keyed by the raw field values of a whole stack: a stack seen before costs one lookup.
-        self._raw_stacks: dict[tuple[tuple, ...], tuple[Frame, ...]] = {}
+        # Keyed by the raw content of a whole stack: a stack seen before costs one lookup.
+        self._raw_stacks: dict[object, tuple[Frame, ...]] = {}
 
     def frame(self, func: str, file: str, line: int, native: bool, module: str) -> Frame:
         key = (func, file, line, native, module)
         found = self._frames.get(key)
         if found is None:
+            if native and self.blank_addresses and ADDRESS.match(func):
+                # not kept under the address: every process has its own
+                return self.frame(UNRESOLVED, file, line, native, module)
             found = self._frames[key] = Frame(func, file, line, native, module)
         return found
 
+    def raw_key(self, raw: list[dict], fields: operator.itemgetter) -> object:
+        """The key of a stack as its file gave it: its frames serialized (orjson), else the
+        tuple of their `fields`."""
+        return _raw_key(raw) if _raw_key is not None else tuple(map(fields, raw))
+
     def frames_from_dicts(self, raw: list[dict]) -> tuple[Frame, ...]:
         try:
-            key = tuple(map(_FRAME_FIELDS, raw))
-        except KeyError:  # a dump written before a field existed
+            key = self.raw_key(raw, _FRAME_FIELDS)
+        except (KeyError, TypeError):  # a dump written before a field existed
             return self._frames_from_dicts(raw)
         found = self._raw_stacks.get(key)
         if found is None:
@@ -136,15 +160,38 @@ class FrameInterner:
         return found
 
     def _frames_from_dicts(self, raw: list[dict]) -> tuple[Frame, ...]:
-        cache = self._frames
-        frames = []
-        for f in raw:
-            key = (f["func"], f["file"], f["line"], f.get("native", False), f.get("module", ""))
-            found = cache.get(key)
-            if found is None:
-                found = cache[key] = Frame(*key)
-            frames.append(found)
-        return self._stack(frames)
+        frame = self.frame
+        return self._stack(
+            [
+                frame(f["func"], f["file"], f["line"], f.get("native", False), f.get("module", ""))
+                for f in raw
+            ]
+        )
+
+    def pyspy_frames(self, raw: list[dict]) -> tuple[Frame, ...]:
+        """A thread's frames from `py-spy dump --json` (innermost first), root first."""
+        try:
+            key = self.raw_key(raw, _PYSPY_FIELDS)
+        except (KeyError, TypeError):
+            key = None
+        found = self._raw_stacks.get(key) if key is not None else None
+        if found is None:
+            frames = []
+            for f in reversed(raw):
+                module = f.get("module") or ""
+                frames.append(
+                    self.frame(
+                        str(f.get("name", "?")),
+                        str(f.get("filename", "")),
+                        int(f.get("line") or 0),
+                        bool(module),
+                        module,
+                    )
+                )
+            found = self._stack(frames)
+            if key is not None:
+                self._raw_stacks[key] = found
+        return found
 
     def stack(self, frames: list[Frame]) -> tuple[Frame, ...]:
         """Interns a stack of frames that may not come from this interner."""
@@ -179,24 +226,12 @@ def pyspy_threads(raw: object, interner: FrameInterner | None = None) -> tuple[T
     for t in raw:
         if not isinstance(t, dict):
             raise ValueError("py-spy JSON output must be a list of thread objects")
-        frames = []
-        for f in reversed(t.get("frames") or []):
-            module = f.get("module") or ""
-            frames.append(
-                interner.frame(
-                    str(f.get("name", "?")),
-                    str(f.get("filename", "")),
-                    int(f.get("line") or 0),
-                    bool(module),
-                    module,
-                )
-            )
         threads.append(
             ThreadStack(
                 tid=int(t.get("thread_id") or 0),
                 os_tid=int(t.get("os_thread_id") or 0),
                 name=str(t.get("thread_name") or ""),
-                frames=interner._stack(frames),
+                frames=interner.pyspy_frames(t.get("frames") or []),
                 active=bool(t.get("active", False)),
                 owns_gil=bool(t.get("owns_gil", False)),
             )

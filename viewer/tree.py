@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from diag.viewer import ranksets
 from diag.viewer.labels import (
     ROOT_INFO,
+    UNRESOLVED,
     FrameInfo,
     FrameKind,
     frame_info,
@@ -46,6 +47,19 @@ class View(enum.StrEnum):
 
 
 NO_NATIVE = "no native stack"
+_FRAMES = frozenset({FrameKind.PYTHON, FrameKind.NATIVE, FrameKind.TORCH})
+# The C library and the dynamic loader: where a waiting thread sits, below the call that waits.
+_C_LIBRARY = re.compile(
+    r"@(\S*/)?(libc|libpthread|ld-linux[\w-]*)([.-][\w.]*)?\.so[\d.]*$|@\[vdso\]$"
+)
+
+
+def _settles(info: FrameInfo) -> bool:
+    # unresolved frames, one (`??@lib`) or a run of them (`?? x9@lib`)
+    unresolved = info.text.startswith(UNRESOLVED)
+    return info.native and (unresolved or _C_LIBRARY.search(info.text) is not None)
+
+
 # Errors of ranks that did not answer at all (no dump file), shown as they are: they name the
 # node or rank, which must not be blanked like pids in other errors.
 NO_DUMP = "no dump"
@@ -95,22 +109,19 @@ def error_text(error: str) -> str:
     return "error: " + _VARYING.sub("N", first)[:100]
 
 
-def view_stacks(
+def view_threads(
     dump: RankDump, view: View, cache: RoleCache | None = None
-) -> Iterator[tuple[ThreadStack, bool, Role]]:
-    """The thread stacks of a dump that a view shows, with whether to keep native frames and
-    the thread's role (see roles.py). A thread with nothing left in the view draws nothing."""
+) -> tuple[tuple[ThreadStack, ...], bool, tuple[Role, ...]]:
+    """The threads of a dump that a view shows, whether to keep their native frames, and their
+    roles (see roles.py)."""
     py, nat = dump_roles(dump, cache)
     if view is View.PY:
-        threads, native, roles = dump.threads, False, py.roles
-    elif dump.native_threads:
-        threads, native, roles = dump.native_threads, True, nat.roles
-    elif dump.native or any(f.native for t in dump.threads for f in t.frames):
-        threads, native, roles = dump.threads, True, py.roles
-    else:
-        return
-    for t, role in zip(threads, roles, strict=True):
-        yield t, native, role
+        return dump.threads, False, py.roles
+    if dump.native_threads:
+        return dump.native_threads, True, nat.roles
+    if dump.native or any(f.native for t in dump.threads for f in t.frames):
+        return dump.threads, True, py.roles
+    return (), False, ()
 
 
 def marker(dump: RankDump, view: View, has_stacks: bool) -> str | None:
@@ -177,6 +188,16 @@ class _Builder:
             i = j
         return tuple(out)
 
+    def settled(self, node: int) -> int:
+        """The innermost frame of a native stack above its wait in the C library: the frames
+        where a waiting thread happens to be inside libc (a futex, a poll, a spin on sched_yield,
+        unresolved frames below its last named one) vary with timing, and would set ranks apart
+        that wait in the same place."""
+        info, parent = self.info, self.parent
+        while node > 0 and _settles(info[node]) and info[parent[node]].kind in _FRAMES:
+            node = parent[node]
+        return node
+
     def insert(self, path: Sequence[int]) -> int:
         node = 0
         kids, info, parent, depth = self.kids, self.info, self.parent, self.depth
@@ -216,28 +237,34 @@ def collect(dumps: Sequence[RankDump], view: View, cache: RoleCache | None = Non
     has_py: dict[int, bool] = {}
     labels: dict[str, str] = {}
 
+    training = Role.TRAINING
     for d in dumps:
-        state = d.process_state
+        state, rank = d.process_state, d.rank
         has_stacks = False
-        for thread, native, role in view_stacks(d, view, cache):
+        threads, native, roles = view_threads(d, view, cache)
+        for thread, role in zip(threads, roles, strict=True):
             frames = thread.frames
             if not frames:
                 continue
             fid = id(frames)
-            if fid not in frames_of:
+            py = has_py.get(fid)
+            if py is None:
                 frames_of[fid] = frames
-                has_py[fid] = any(not f.native for f in frames)
-            if not native and not has_py[fid]:
+                py = has_py[fid] = any(not f.native for f in frames)
+            if not (native or py):  # nothing left in the view
                 continue
-            has_stacks = has_stacks or role is Role.TRAINING
-            label = labels.get(thread.name)
+            if role is training:
+                has_stacks = True
+            name = thread.name
+            label = labels.get(name)
             if label is None:
-                label = labels[thread.name] = thread_label(thread.name)
+                label = labels[name] = thread_label(name)
             key = (state, role, label, fid, native)
             found = ranks.get(key)
             if found is None:
-                found = ranks[key] = []
-            found.append(d.rank)
+                ranks[key] = [rank]
+            else:
+                found.append(rank)
         mark = marker(d, view, has_stacks)
         if mark is not None or not has_stacks:
             key = (state, None, mark, 0, False)
@@ -300,6 +327,8 @@ def merged_tree(parts: Sequence[Collected], view: View, world_size: int, present
                 end = node
                 for _ in range(len(path) - stack_len):
                     end = b.parent[end]
+                if native:
+                    end = b.settled(end)
                 for r in ranksets.ranks_of(bits):
                     found = sig.get(r)
                     if found is None:

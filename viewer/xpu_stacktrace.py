@@ -1,25 +1,27 @@
 """Reads xpu_timer's per-rank `.stacktrace` files (a serialized `xpu_timer.server.Stacktrace`)
-with the protobuf runtime, from the module generated from `proto/hosting_service.proto`.
+with the protobuf runtime.
 
 xpu_timer runs py-spy without --native and gdb (pstack) for native stacks, so the Python stacks
 go to `RankDump.threads` and the gdb ones to `RankDump.native_threads`. Both list frames
 innermost first; ours are root first.
 
-Speed: a rank's file holds ~75 threads and ~1,500 frames, and thousands of ranks hold mostly the
+Speed: a rank's file holds ~75 threads and ~1,000 frames, and thousands of ranks hold mostly the
 same stacks. Each thread is therefore looked up by its content before its frames are read: the
-file is parsed with a reading view of the generated messages that leaves out gdb's raw lines
-(`PstackFrame.origin`, which carry addresses that differ in every process), the per-process
-fields of each thread are read and cleared, and the rest, serialized by the runtime, is the key
-under which its frames were converted once. Converting frames one by one in Python is what would
-cost; the runtime's C parser and serializer do the rest.
+file is parsed as a reading view of xpu_timer's messages (`proto/stacktrace_view.proto`, the
+module generated from it) that leaves out gdb's raw lines (`PstackFrame.origin`, which carry
+addresses that differ in every process), the per-process fields of each thread are read and
+cleared, and the rest, serialized by the runtime, is the key under which its frames were
+converted once. Converting frames one by one in Python is what would cost; the runtime's C
+parser and serializer do the rest. (The view is a module of its own, not derived at run time
+from `hosting_service.proto`: that would import protobuf's descriptor module, a fifth of a
+merge's start-up.)
 """
 
 from __future__ import annotations
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
-from diag.proto import hosting_service_pb2
+from diag.proto.stacktrace_view_pb2 import Stacktrace as _Stacktrace
 from diag.viewer.stacks import Frame, FrameInterner, RankDump, ThreadStack, parse_pyspy_json
 
 
@@ -27,33 +29,9 @@ class StacktraceError(ValueError):
     """The bytes are no `Stacktrace` message."""
 
 
-# Fields of the generated messages left out of the reading view.
-_LEFT_OUT = {"PstackFrame": {"origin"}, "Stacktrace": {"device_stacktrace", "device_status"}}
-_VIEW_PACKAGE = "diag.xpu_timer_read"
-
-
-def _reading_view() -> type:
-    """The generated `Stacktrace` without the fields we never read, in a private pool."""
-    fdp = descriptor_pb2.FileDescriptorProto()
-    hosting_service_pb2.DESCRIPTOR.CopyToProto(fdp)
-    source = f".{fdp.package}."
-    fdp.name = "diag/viewer/xpu_stacktrace_view.proto"
-    fdp.package = _VIEW_PACKAGE
-    for m in fdp.message_type:
-        keep = [f for f in m.field if f.name not in _LEFT_OUT.get(m.name, ())]
-        del m.field[:]
-        m.field.extend(keep)
-        for f in (*m.field, *(g for n in m.nested_type for g in n.field)):
-            if f.type_name.startswith(source):
-                f.type_name = f".{_VIEW_PACKAGE}." + f.type_name[len(source) :]
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(fdp)
-    return message_factory.GetMessageClass(
-        pool.FindMessageTypeByName(f"{_VIEW_PACKAGE}.Stacktrace")
-    )
-
-
-_Stacktrace = _reading_view()
+# Fields of a py-spy thread that differ in every process: cleared before the thread's content is
+# looked up.
+_PY_PER_PROCESS = ("pid", "thread_id", "os_thread_id", "active", "owns_gil")
 
 
 def _split_line(file_name: str) -> tuple[str, int]:
@@ -72,32 +50,24 @@ class StacktraceReader:
         self._native: dict[bytes, tuple[Frame, ...]] = {}
 
     def _py_frames(self, t) -> tuple[Frame, ...]:
-        key = t.SerializeToString()
-        found = self._py.get(key)
-        if found is None:
-            frames = []
-            for f in reversed(t.frames):
-                native = f.module not in ("", "unknown")
-                path, line = _split_line(f.file_name)
-                frames.append(
-                    self.interner.frame(f.func_name, path, line, native, f.module if native else "")
-                )
-            found = self._py[key] = self.interner.stack(frames)
-        return found
+        frames = []
+        for f in reversed(t.frames):
+            native = f.module not in ("", "unknown")
+            path, line = _split_line(f.file_name)
+            frames.append(
+                self.interner.frame(f.func_name, path, line, native, f.module if native else "")
+            )
+        return self.interner.stack(frames)
 
     def _native_frames(self, t) -> tuple[Frame, ...]:
-        key = t.SerializeToString()
-        found = self._native.get(key)
-        if found is None:
-            frames = []
-            for f in reversed(t.frames):
-                path, line = _split_line(f.file_name)
-                if path == "??":
-                    path = ""
-                module = path if ".so" in path.rsplit("/", 1)[-1] else ""
-                frames.append(self.interner.frame(f.func_name or "??", path, line, True, module))
-            found = self._native[key] = self.interner.stack(frames)
-        return found
+        frames = []
+        for f in reversed(t.frames):
+            path, line = _split_line(f.file_name)
+            if path == "??":
+                path = ""
+            module = path if ".so" in path.rsplit("/", 1)[-1] else ""
+            frames.append(self.interner.frame(f.func_name or "??", path, line, True, module))
+        return self.interner.stack(frames)
 
     def read(self, data: bytes, rank: int, world_size: int) -> RankDump:
         """One rank's file as a RankDump. Rank and world size come from the file name
@@ -109,18 +79,29 @@ class StacktraceReader:
             # the runtime's message names our private reading view: say it plainly
             raise StacktraceError("not a Stacktrace message, or a truncated one") from e
         st.DiscardUnknownFields()
+        # The loops below run for every thread of every rank: attribute lookups hoisted.
         py: list[ThreadStack] = []
+        seen, clear = self._py, _PY_PER_PROCESS
         for t in st.py_stacktrace:
             tid, os_tid, name = t.thread_id, t.os_thread_id, t.thread_name
             active, owns_gil = t.active, t.owns_gil
-            for field in ("pid", "thread_id", "os_thread_id", "active", "owns_gil"):
+            for field in clear:
                 t.ClearField(field)
-            py.append(ThreadStack(tid, os_tid, name, self._py_frames(t), active, owns_gil))
+            key = t.SerializeToString()
+            frames = seen.get(key)
+            if frames is None:
+                frames = seen[key] = self._py_frames(t)
+            py.append(ThreadStack(tid, os_tid, name, frames, active, owns_gil))
         native: list[ThreadStack] = []
+        seen = self._native
         for t in st.stacktrace:
             lwp = t.pid
             t.ClearField("pid")
-            native.append(ThreadStack(lwp, lwp, t.thread_name, self._native_frames(t)))
+            key = t.SerializeToString()
+            frames = seen.get(key)
+            if frames is None:
+                frames = seen[key] = self._native_frames(t)
+            native.append(ThreadStack(lwp, lwp, t.thread_name, frames))
         errors = [e.strip() for e in (st.pstack_stderr, st.pyspy_stderr) if e.strip()]
         if not py and st.pyspy_stdout:
             # xpu_timer keeps py-spy's raw output when it could not parse it; we may do better.

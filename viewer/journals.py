@@ -1,0 +1,98 @@
+"""What an incident's journal tails say about each rank's threads.
+
+Next to each rank's dump the agent writes `{rank:05d}-{world:05d}.journal.json`: the last records
+of the rank's op journal and the journal's meta. Two facts in it tell threads apart where their
+stacks cannot:
+- the thread that issued the last op is the training thread: a training loop may run in a
+  worker thread, and at the moment of the dump be outside any collective (writing a checkpoint,
+  waiting for data), where the stacks alone would take the main thread for it;
+- the meta lists threads diag runs whose stacks hold no diag frame (the control channel's gRPC
+  poller, which runs grpc's frames only): they are diag's, not the job's RPC.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+JOURNAL_SUFFIX = ".journal.json"
+
+try:  # the viewer works without orjson, slower
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover - orjson is a dependency
+    _loads = json.loads
+
+
+@dataclass(frozen=True)
+class JournalThreads:
+    issuer: int  # native id of the thread that issued the rank's last op; 0: unknown
+    own: frozenset[int]  # native ids of diag's threads whose stacks do not say so
+
+    @property
+    def empty(self) -> bool:
+        return not self.issuer and not self.own
+
+
+def tail_name(dump_name: str) -> str:
+    """The journal tail beside a dump file: `00003-00008.stack.json` ->
+    `00003-00008.journal.json`."""
+    return dump_name.split(".", 1)[0] + JOURNAL_SUFFIX
+
+
+def journal_threads(doc: object) -> JournalThreads | None:
+    """The facts about threads in a journal tail document; None when it holds none (an error
+    document, or a journal from before threads were recorded)."""
+    if not isinstance(doc, dict):
+        return None
+    issuer = 0
+    records = doc.get("records")
+    if isinstance(records, list):
+        best = -1
+        for rec in records:
+            if not isinstance(rec, dict) or rec.get("kind") != "op":
+                continue
+            seq, tid = rec.get("seq"), rec.get("tid")
+            if isinstance(seq, int) and isinstance(tid, int) and tid > 0 and seq > best:
+                best, issuer = seq, tid
+    meta = doc.get("meta")
+    own: frozenset[int] = frozenset()
+    if isinstance(meta, dict) and isinstance(meta.get("own_threads"), list):
+        own = frozenset(t for t in meta["own_threads"] if isinstance(t, int) and t > 0)
+    found = JournalThreads(issuer, own)
+    return None if found.empty else found
+
+
+def read_journal_threads(path: str | os.PathLike[str]) -> JournalThreads | None:
+    """`journal_threads` of a tail file; None when it cannot be read (the merge goes on with the
+    stacks alone)."""
+    try:
+        with open(path, "rb") as fh:
+            doc = _loads(fh.read())
+    except (OSError, ValueError) as e:
+        log.warning(
+            "cannot read journal tail %s: %s; its rank's threads are told by their stacks", path, e
+        )
+        return None
+    return journal_threads(doc)
+
+
+def journal_local_sizes(dirs: Iterable[Path]) -> list[int]:
+    """The local world size the journal tails of each directory record (one read per
+    directory: the ranks of one job agree)."""
+    out = []
+    for d in dirs:
+        try:
+            first = next((e for e in os.scandir(d) if e.name.endswith(JOURNAL_SUFFIX)), None)
+            if first is None:
+                continue
+            meta = _loads(Path(first.path).read_bytes()).get("meta") or {}
+            out.append(int(meta.get("local_world_size") or 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+    return out
