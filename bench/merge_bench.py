@@ -24,6 +24,7 @@ and width (1200 px) as ours.
 
     .venv/bin/python bench/merge_bench.py [--ranks 1024 4096 16384] [--keep DIR]
         [--production 1344 16384] [--formats xpu diag pyspy] [--scenarios odd agree] [--repeat N]
+        [--xpu-timer-src DLROVER_CHECKOUT]   # xpu_timer's own viewer too (bench/xpu_timer_own.py)
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from merge_measure import (
     summarize,
 )
 from merge_production import FORMATS, SCENARIOS, print_rows, scenario_rows
+from xpu_timer_own import XpuTimerSourceError
+from xpu_timer_own import prepare as prepare_own
 
 from diag.viewer.stacks import dump_file_name
 
@@ -188,6 +191,11 @@ def main() -> int:
     parser.add_argument(
         "--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS), help="production"
     )
+    parser.add_argument(
+        "--xpu-timer-src",
+        type=Path,
+        help="a DLRover checkout: also time xpu_timer's own stack viewer (bench/xpu_timer_own.py)",
+    )
     args = parser.parse_args()
     found = find_flamegraph()
     if found is None:
@@ -199,12 +207,19 @@ def main() -> int:
     rows = []
     prod_rows = []
     print(f"load average at the start: {load_average()}", flush=True)
+    own = None
+    if args.xpu_timer_src is not None:
+        try:
+            own = prepare_own(args.xpu_timer_src, root / "xpu-timer-own", perl, fg)
+        except XpuTimerSourceError as e:
+            print(f"merge_bench: {e}", file=sys.stderr)
+            return 2
     try:
         for world in args.production:
             for scenario in args.scenarios:
                 prod_rows += scenario_rows(
                     root, world, scenario, tuple(args.formats), perl, fg, args.repeat,
-                    args.keep is None,
+                    args.keep is None, own,
                 )  # fmt: skip
         for world in args.ranks if args.synthetic else []:
             d, odd = write_incident(root, world)

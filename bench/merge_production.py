@@ -11,7 +11,9 @@ place; the silent ranks and nodes are what to find). Per rank count and scenario
 - xpu_timer's viewer logic (bench/xpu_timer_viewer.py) on the `.stacktrace` files: it stops at
   the corrupt files, as xpu_timer's does, so it is timed on the readable ones (`--skip-bad`);
 - flamegraph.pl on the same stacks as per-rank folded input, one line per thread (the readable
-  ranks' Python view and native view), merged and drawn by Perl: the same for every format.
+  ranks' Python view and native view), merged and drawn by Perl: the same for every format;
+- with `--xpu-timer-src`, xpu_timer's own viewer (bench/xpu_timer_own.py) on the readable
+  `.stacktrace` files too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import incidentgen as gen
 from merge_measure import OURS, Run, flamegraph_pl, load_average, measured, summarize
+from xpu_timer_own import XpuTimerOwn, readable
 
 FORMATS = ("xpu", "diag", "pyspy")
 SCENARIOS = ("odd", "agree")
@@ -60,6 +63,7 @@ class Row:
     flagged: int
     xpu_stops: bool | None  # xpu_timer's logic stops at the corrupt files
     load: str  # load average when the row was done
+    own: Side | None = None  # xpu_timer's own viewer, from a DLRover checkout
 
 
 def check(truth: gen.Truth, info: dict) -> str:
@@ -95,6 +99,7 @@ def scenario_rows(
     fg: Path,
     repeat: int,
     clean: bool,
+    own: XpuTimerOwn | None = None,
 ) -> list[Row]:
     """Every format of one incident shape: ours on each, xpu_timer's logic on `.stacktrace`
     files, flamegraph.pl once on the stacks, interleaved so that all meet the same load."""
@@ -119,6 +124,10 @@ def scenario_rows(
                 stops = True
         ours_runs: list[Run] = []
         xpu_runs: list[Run] = []
+        own_runs: list[Run] = []
+        own_dir = (
+            readable(d, root / f"readable-{world}-{scenario}") if own and fmt == "xpu" else None
+        )
         for _ in range(repeat):
             ours_runs.append(
                 measured([sys.executable, "-c", OURS, str(d), str(truth.local_world_size)])
@@ -126,6 +135,8 @@ def scenario_rows(
             if fmt == "xpu":
                 cmd = [sys.executable, str(VIEWER), str(d), "--skip-bad", "--flamegraph", str(fg)]
                 xpu_runs.append(measured(cmd))
+            if own is not None and own_dir is not None:
+                own_runs.append(measured(own.command(own_dir)))
             if i == 0:
                 fg_runs.append(_both_views(perl, fg, folded))
         info = json.loads(summarize(ours_runs)[3])
@@ -143,10 +154,13 @@ def scenario_rows(
                 flagged=len(info["suspects"]),
                 xpu_stops=stops,
                 load=load_average(),
+                own=Side.of(own_runs) if own_runs else None,
             )
         )
         if clean:
             shutil.rmtree(d)
+            if own_dir is not None:
+                shutil.rmtree(own_dir)
     if clean:
         shutil.rmtree(folded)
     return rows
@@ -176,6 +190,17 @@ def print_rows(rows: list[Row], repeat: int) -> None:
             f"{r.fg.mib:>5.0f} | {xpu_x} {r.fg.cpu / r.ours.cpu:>5.2f} | {r.found:<5} | "
             f"{r.flagged:>4} ({100 * r.flagged / r.world:.2f}%) | {r.load}"
         )
+    owned = [r for r in rows if r.own is not None]
+    if owned:
+        print("xpu_timer's own viewer (stack_viewer.py from the DLRover checkout, on the readable")
+        print(".stacktrace files; flamegraph.pl draws its two views)")
+        print(f"{'ranks':>6} {'scen.':<5} | {'own s':>6} {'cpu':>6} {'MiB':>5} | {'own x':>5}")
+        for r in owned:
+            assert r.own is not None
+            print(
+                f"{r.world:>6} {r.scenario:<5} | {r.own.wall:>6.2f} {r.own.cpu:>6.2f} "
+                f"{r.own.mib:>5.0f} | {r.own.cpu / r.ours.cpu:>5.2f}"
+            )
     for r in rows:
         st = r.stages
         stops = {None: "", True: "; xpu_timer's logic stops at the corrupt files"}.get(
