@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +22,9 @@ from diag.agent.metrics.precheck import DEFAULT_NAME as PRECHECK_FILE
 from diag.agent.metrics.xputimer import PORT_ENV as XPU_TIMER_PORT_ENV
 from diag.agent.metrics.xputimer import XpuTimerIdentity
 from diag.agent.notice import NoticeSettings, Provider
-from diag.agent.options import OPTIONS, REMOVED, Until, check_removed, parse_phases, parse_port
+from diag.agent.options import OPTIONS, REMOVED, Until, check_removed, parse_port
 from diag.agent.options import add_arguments as add_arguments
+from diag.agent.optiontable import Option, read_toml_table
 from diag.agent.taintconfig import TaintSettings
 from diag.agent.timeouts import TimeoutPolicy
 from diag.collector.rundir import default_run_dir, node_name
@@ -57,29 +57,14 @@ class AgentConfig:
 
 def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> AgentConfig:
     file_values: dict[str, Any] = {}
-    if getattr(args, "config", None):
-        file_values = _read_file(args.config)
+    config: Path | None = getattr(args, "config", None)
+    if config:
+        known = [o.name for o in OPTIONS.options] + list(REMOVED)
+        file_values = read_toml_table(
+            config, "agent", known, top_level_default=True, other_tables=("taint",)
+        )
     check_removed(args, env, set(file_values))
-    values: dict[str, Any] = {}
-    for opt in OPTIONS:
-        raw, source = getattr(args, opt.name, None), opt.flag
-        if raw is None and opt.env in env:
-            raw, source = env[opt.env], opt.env
-        if raw is None and opt.name in file_values:
-            raw, source = file_values[opt.name], f"{args.config}: {opt.name}"
-        if raw is None:
-            values[opt.name] = opt.default
-            continue
-        if opt.choices and str(raw) not in opt.choices:
-            raise UsageError(f"{source}: {raw!r} is not one of {', '.join(opt.choices)}")
-        try:
-            values[opt.name] = (
-                parse_phases(",".join(f"{k}={v}" for k, v in raw.items()))
-                if isinstance(raw, dict)
-                else opt.parse(str(raw))
-            )
-        except ValueError as e:
-            raise UsageError(f"{source}: {e}") from e
+    values = OPTIONS.resolve(args, env, file_values, config, from_file=_from_file)
     try:
         timeouts = TimeoutPolicy(
             ceiling=values["hang_timeout"],
@@ -176,19 +161,11 @@ def _xpu_timer_port(env: Mapping[str, str]) -> int:
         raise UsageError(f"{XPU_TIMER_PORT_ENV}: {e}") from e
 
 
-def _read_file(path: Path) -> dict[str, Any]:
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise UsageError(f"--config {path}: no such file") from e
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"--config {path}: not valid TOML: {e}") from e
-    table = raw.get("agent", {k: v for k, v in raw.items() if k != "taint"})
-    known = {o.name for o in OPTIONS} | set(REMOVED)
-    out = {}
-    for key, value in table.items():
-        name = key.replace("-", "_")
-        if name not in known:
-            raise UsageError(f"--config {path}: unknown option {key!r} in [agent]")
-        out[name] = value
-    return out
+def _from_file(opt: Option, raw: Any) -> str:
+    """A TOML value as the text its option parses: `phase_timeout = { eval = 600 }` reads as
+    `eval=600`, a list as comma-separated values."""
+    if isinstance(raw, dict):
+        return ",".join(f"{k}={v}" for k, v in raw.items())
+    if isinstance(raw, list):
+        return ",".join(str(v) for v in raw)
+    return str(raw)
