@@ -22,6 +22,10 @@ DEFAULT_MAX_LATENCY_S = 10.0  # a third of Kubernetes' default 30 s grace; the r
 DEFAULT_MAX_OVERHEAD = 0.01
 STEP_WINDOW = 16  # step times the period is based on (the longest of them)
 COST_WINDOW = 8  # agreement costs kept; their mean is the cost (spikes included: they are paid)
+# The period aims at half the budget: what the agreement's own timing sees is not all it costs
+# (its bookkeeping, and the scheduling of a rank that waits in it on a busy machine): measured
+# on 2 ranks with 5-15 ms steps, the hook took 1.1-1.3% of the time when aiming at the full 1%.
+AIM = 0.5
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ def propose(
     if not cost_s or cost_s <= 0:
         return 1
     typical = typical_step_s if typical_step_s and typical_step_s > 0 else step_s
-    budget = max(1, math.ceil(cost_s / (policy.max_overhead * typical)))
+    budget = max(1, math.ceil(cost_s / (AIM * policy.max_overhead * typical)))
     return min(budget, latency_cap)
 
 
