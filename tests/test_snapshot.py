@@ -160,6 +160,36 @@ def test_rank_slots_skip_pinned_and_reuse(run_dir: Path) -> None:
     assert find_slots(run_dir) == []
 
 
+def test_a_resume_discards_newer_snapshots_so_both_slots_stay_in_turn(run_dir: Path) -> None:
+    """A rank that finished copying step 81 while its peer was killed copying it: the job
+    resumes from 78, the step they share. Left in place, the lone 81 would count as this rank's
+    newest for good, every later save would go into the other slot, and a kill in the middle of
+    one of those copies would leave the rank only the abandoned 81 (seen in the kill bench)."""
+
+    def save(slots: RankSlots, step: int) -> int:
+        got = slots.acquire(1 << 20)
+        assert got is not None
+        index, slot = got
+        files = captured({f"global_step{step}/f.pt": model_states(step)})
+        write_snapshot(slot, step, files, job="j", rank=0, world=1, save_dir=run_dir / "ck")
+        slot.unlock()
+        return index
+
+    slots = RankSlots(run_dir, _owner(), count=2)
+    save(slots, 78)
+    save(slots, 81)
+    assert sorted(slots.complete()) == [78, 81]
+    assert slots.discard_newer(78) == [1]
+    assert sorted(slots.complete()) == [78]
+    # The saves after the resume take turns: the resumed step is kept until a newer one exists.
+    assert [save(slots, step) for step in (79, 80, 81, 82)] == [1, 0, 1, 0]
+    assert sorted(slots.complete()) == [81, 82]
+    # Nothing resumed (no step every rank could load): every snapshot goes.
+    assert sorted(slots.discard_newer(None)) == [0, 1]
+    assert slots.complete() == {}
+    slots.close(remove=True)
+
+
 @pytest.fixture
 def small_tmpfs():
     d = Path(tempfile.mkdtemp(prefix="diag-test-tmpfs-"))

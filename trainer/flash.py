@@ -279,6 +279,12 @@ class FlashCheckpointer:
         return plan.step
 
     def _load(self, plan: ResumePlan) -> None:
+        stale = self._slots.discard_newer(plan.step)
+        if stale:
+            log.info(
+                "diag: snapshots newer than the resumed step %s discarded from slots %s",
+                plan.step, stale,
+            )  # fmt: skip
         if plan.source == Source.NONE or plan.step is None:
             return
         tag = step_tag(plan.step)

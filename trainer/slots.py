@@ -150,6 +150,29 @@ class RankSlots:
                 if pinned == step:
                     del self.pins[index]
 
+    def discard_newer(self, step: int | None) -> list[int]:
+        """Makes the complete snapshots newer than `step` (the step the job resumed from; None:
+        nothing was) torn, so they are written over first: they belong to a timeline the job
+        abandoned (a rank that finished copying a step its peers never completed). Kept, such a
+        snapshot would count as this rank's newest and pin its slot for good, leaving every
+        later save a single slot to go into: a kill in the middle of a copy would then leave
+        this rank nothing it can restore. Returns the slots discarded."""
+        out = []
+        for i, slot in enumerate(self.slots):
+            if slot is None:
+                continue
+            h = slot.header()
+            if not h.complete or (step is not None and h.step <= step):
+                continue
+            if not slot.try_lock_exclusive():
+                continue  # the agent is reading it: left for the next save to take
+            try:
+                slot.begin_write()
+            finally:
+                slot.unlock()
+            out.append(i)
+        return out
+
     def _unmap(self, index: int) -> None:
         if self.on_unmap is not None:
             self.on_unmap(index)
