@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from children import terminate
 from netlab import DIAG, FAST_FLAGS, netns_unavailable
 from vethpair import veth_pair
 
@@ -125,12 +125,7 @@ def test_agent_taints_its_node_from_its_health_monitors(tmp_path: Path) -> None:
             ]
             assert not kube.node(bystander).spec.taints and not kube.events_for(bystander)
         finally:
-            agent.send_signal(signal.SIGTERM)
-            try:
-                agent.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                agent.wait(timeout=10)
+            terminate(agent, timeout=30)
     text = log.read_text(errors="replace")
     assert "Traceback" not in text, text[-4000:]
     # No GPU here: the NVML monitor skipped cleanly and said so.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from children import terminate
 from prometheus_client.parser import text_string_to_metric_families
 
 from diag.agent import exitcodes
@@ -39,13 +39,7 @@ def running(cmd: list[str]) -> Iterator[subprocess.Popen]:
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        terminate(proc, timeout=15)
         if proc.stdout:
             proc.stdout.close()
 

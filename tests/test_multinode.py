@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,8 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from children import stop_jobs_and_agents
 
-from diag.agent.procs import stop_tree
 from diag.viewer.merge import merge_incident
 from tests.kubecluster import cluster
 
@@ -92,18 +91,7 @@ def two_nodes(
                 start_new_session=True))  # fmt: skip
         yield agents, jobs
     finally:
-        for p in jobs:
-            if p.poll() is None:
-                stop_tree(p.pid, grace=5)
-            p.wait(timeout=30)
-        for a in agents:
-            if a.poll() is None:
-                a.send_signal(signal.SIGTERM)
-                try:
-                    a.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    a.kill()
-                    a.wait(timeout=10)
+        stop_jobs_and_agents(jobs, agents)
 
 
 def _verdicts(timeline: Path) -> dict[str, tuple[Path, dict]]:

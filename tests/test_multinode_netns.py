@@ -25,9 +25,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from children import stop_jobs_and_agents
 from netlab import NetLab, netns_unavailable
 
-from diag.agent.procs import stop_tree
 from diag.viewer.merge import merge_incident
 from tests.test_multinode import _taint_plans
 
@@ -124,18 +124,7 @@ def two_nodes(tmp_path: Path, fault_rank: int, hang_floor: str = "3") -> Iterato
         yield c
     finally:
         try:
-            for p in c.jobs:
-                if p.poll() is None:
-                    stop_tree(p.pid, grace=5)
-                p.wait(timeout=30)
-            for a in c.agents:
-                if a.poll() is None:
-                    a.send_signal(signal.SIGTERM)
-                    try:
-                        a.wait(timeout=20)
-                    except subprocess.TimeoutExpired:
-                        a.kill()
-                        a.wait(timeout=10)
+            stop_jobs_and_agents(c.jobs, c.agents)
         finally:
             c.lab.close()
 

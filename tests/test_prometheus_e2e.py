@@ -8,7 +8,6 @@ import io
 import json
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
+from children import terminate
 
 from diag.agent.demo import DemoOptions, DemoResult, run_demo
 from diag.collector.rundir import node_name
@@ -141,12 +141,7 @@ def prometheus(tmp: Path, target_port: int) -> Iterator[str]:
             time.sleep(0.3)
         yield base
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        terminate(proc)
         log.close()
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,13 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
+from children import stop_jobs_and_agents
 
 from diag.agent.actions import IncidentReport
 from diag.agent.evidence import EvidenceResult
 from diag.agent.hang import Verdict, VerdictKind
 from diag.agent.jobverdict import JobVerdictStore, NodeReport, Where
 from diag.agent.nodetaint import NodeTainter
-from diag.agent.procs import stop_tree
 from diag.agent.taintconfig import TaintMode, TaintSettings
 from diag.agent.taintevidence import culprit_history, from_job_verdicts
 from diag.agent.taints import RECORD_ANNOTATION, TAINT_KEY, Signal, TaintPolicy
@@ -193,18 +192,7 @@ def test_agent_on_the_culprit_node_taints_it_from_the_job_verdict(tmp_path: Path
             for a in agents:
                 a.wait(timeout=200)
         finally:
-            for p in jobs:
-                if p.poll() is None:
-                    stop_tree(p.pid, grace=5)
-                p.wait(timeout=30)
-            for a in agents:
-                if a.poll() is None:
-                    a.send_signal(signal.SIGTERM)
-                    try:
-                        a.wait(timeout=20)
-                    except subprocess.TimeoutExpired:
-                        a.kill()
-                        a.wait(timeout=10)
+            stop_jobs_and_agents(jobs, agents)
         logs = "\n".join(
             f"--- {n}\n{(tmp_path / f'agent-{n}.log').read_text(errors='replace')[-3000:]}"
             for n in names
