@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from scratch import private_tmpdir
+
 
 def journal_cost(n: int = 200_000) -> float:
     from diag.collector.journal import JournalWriter
@@ -191,4 +193,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with private_tmpdir():
+        main()

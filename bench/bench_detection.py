@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from scratch import private_tmpdir
+
 from diag.agent.demo import DemoOptions, run_demo
 
 PG_TIMEOUT = 60.0
@@ -120,4 +122,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with private_tmpdir():
+        main()

@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from scratch import private_tmpdir
+
 ROOT = Path(__file__).resolve().parent.parent
 JOB_SCRIPT = ROOT / "tests" / "pod_job.py"
 JOB = "drainbench"
@@ -209,4 +211,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with private_tmpdir():
+        rc = main()
+    sys.exit(rc)

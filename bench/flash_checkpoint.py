@@ -31,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+from scratch import private_tmpdir
+
 JOB = "bench-flash"
 
 
@@ -360,4 +362,6 @@ def report(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with private_tmpdir():
+        rc = main()
+    sys.exit(rc)

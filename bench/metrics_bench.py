@@ -30,6 +30,7 @@ from pathlib import Path
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
+from scratch import private_tmpdir
 
 from diag.agent.procs import stop_tree
 
@@ -254,4 +255,6 @@ def run(args: argparse.Namespace, files: contextlib.ExitStack) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with private_tmpdir():
+        rc = main()
+    raise SystemExit(rc)

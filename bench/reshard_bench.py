@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from scratch import private_tmpdir
+
 # million parameters -> (hidden, layers) of a stack of square Linear layers
 SHAPES = {4: (1024, 4), 16: (2048, 4), 67: (2048, 16)}
 
@@ -157,4 +159,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with private_tmpdir():
+        rc = main()
+    sys.exit(rc)

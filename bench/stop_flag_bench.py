@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from scratch import private_tmpdir
+
 SIZES = {"tiny": 32, "small": 256, "medium": 1024}  # hidden width of a 2-layer MLP
 MODES = ("off", "every step", "adaptive")
 
@@ -218,4 +220,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with private_tmpdir():
+        rc = main()
+    sys.exit(rc)
