@@ -183,9 +183,12 @@ def _start(root: Path, run_dir: Path, name: str, nproc: int, *args: str) -> subp
         "--master-addr", "127.0.0.1", "--master-port", str(_port()), "--max-restarts", "0",
         str(JOB), "--save-dir", str(root / "ckpt"), "--out", str(root / name), *args,
     ]  # fmt: skip
+    # The stop file is touched with ~57 steps of ~0.15 s left: the default 10 s bound on the
+    # stop latency would let a run whose agreements got costly (a busy machine) finish first.
+    env = dict(_env(run_dir), DIAG_STOP_MAX_LATENCY="2")
     with open(root / f"{name}.log", "wb") as log:
         return subprocess.Popen(
-            cmd, env=_env(run_dir), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
 

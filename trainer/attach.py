@@ -33,6 +33,7 @@ from diag.collector.rundir import (
     node_name,
     pid_namespace,
 )
+from diag.trainer.teardown import quiesce_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +242,7 @@ def _identity() -> RankIdentity:
 
 
 def _install_exit_hooks(session: Session) -> None:
+    quiesce_at_exit()  # first: its handler then runs after the others
     atexit.register(session.close, JournalStatus.CLOSED)
     _close_on_destroy(session)
     previous = sys.excepthook

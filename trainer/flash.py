@@ -54,6 +54,7 @@ from diag.trainer.resume import (
     replica_ranks,
 )
 from diag.trainer.slots import RankSlots, SlotOwner
+from diag.trainer.teardown import quiesce_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class FlashCheckpointer:
         self._boundary = int(getattr(engine, "global_steps", 0))
         self._hook_step()
         _watch_failures()
+        quiesce_at_exit()
         atexit.register(self.close)
 
     # -- save ----------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from diag.trainer.drain import (
     stop_flag,
 )
 from diag.trainer.period import AgreementPeriod
-from diag.trainer.teardown import exit_process
+from diag.trainer.teardown import exit_process, quiesce_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class GracefulExit:
 
         if save_dir is None and checkpointer is None:
             raise ValueError("graceful_exit needs a save_dir (or a checkpointer that has one)")
+        quiesce_at_exit()
         self.engine = engine
         self.checkpointer = checkpointer
         self.save_dir = os.path.abspath(os.fspath(save_dir or checkpointer.save_dir))

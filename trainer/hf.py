@@ -47,6 +47,7 @@ from diag.trainer.drain import (
 )
 from diag.trainer.elastic import ElasticConfigError, ElasticPlan, apply_elastic
 from diag.trainer.period import AgreementPeriod
+from diag.trainer.teardown import quiesce_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class GracefulExitCallback(TrainerCallback):
         exit: bool = True,
         exit_code: int | None = None,
     ) -> None:
+        quiesce_at_exit()
         self.flag = flag or stop_flag()
         self.config = DrainConfig.resolve(
             stop_file=stop_file, every=every, max_latency_s=max_latency_s,
@@ -139,6 +141,7 @@ class DeepspeedElasticCallback(TrainerCallback):
                 "deepspeed_elastic needs the TrainingArguments, before the Trainer is built: "
                 "Trainer(..., args=args, callbacks=[deepspeed_elastic(args)])"
             )
+        quiesce_at_exit()
         self.plan = apply_to_arguments(args)
         if trainer is not None:  # built after the Trainer (ms-swift): it cached the batch size
             trainer._train_batch_size = args.train_batch_size

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diag.trainer.teardown import quiesce_at_exit
+
 log = logging.getLogger(__name__)
 
 UNIVERSAL_DIR = Path(".diag", "universal")
@@ -222,6 +224,7 @@ def load(
     so an agent watching them allows for it."""
     from diag.trainer.attach import phase
 
+    quiesce_at_exit()
     with phase("load"):
         return _load(engine, load_dir, tag, timeout_s, workers, load_kwargs)
 
@@ -325,6 +328,7 @@ def install_load_hook() -> None:
     HuggingFace Trainer's resume_from_checkpoint). Idempotent."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
+    quiesce_at_exit()
     with _hook_lock:
         original = DeepSpeedEngine.load_checkpoint
         if getattr(original, "_diag_reshard", False):
