@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from jobrun import free_port
 
 from diag.agent.procs import stop_tree
 
@@ -28,12 +28,6 @@ def wait_for(pred: Callable[[], bool], timeout: float) -> bool:
             return True
         time.sleep(0.1)
     return pred()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -52,7 +46,7 @@ class Workspace:
     def command(self, *args: str) -> list[str]:
         return [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
             "--max-restarts", "0", str(JOB_SCRIPT), "--steps", str(STEPS),
             "--save-dir", str(self.save), *args,
         ]  # fmt: skip

@@ -7,13 +7,13 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from jobrun import free_port
 
 from diag.agent import config as config_mod
 from diag.agent.exitcodes import USAGE, UsageError
@@ -111,19 +111,13 @@ def test_config_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
         config_mod.load(parser.parse_args(["--config", str(cfg)]), env={})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_dump_captures_every_journaled_rank_of_a_stuck_job(tmp_path: Path) -> None:
     run_dir, timeline = tmp_path / "run", tmp_path / "timeline"
     env = dict(os.environ, DIAG_RUN_DIR=str(run_dir), DIAG_JOB="dumptest", OMP_NUM_THREADS="1")
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), "-m", "diag.trainer.demo_job", "--fault", "hang",
+         "--master-port", str(free_port()), "-m", "diag.trainer.demo_job", "--fault", "hang",
          "--fault-rank", "1", "--fault-step", "2", "--steps", "10"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip

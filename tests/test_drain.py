@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
-import socket
 from pathlib import Path
 
 import pytest
+from jobrun import free_port
 
 from diag.trainer.commands import Agreement
 from diag.trainer.drain import (
@@ -156,12 +156,6 @@ def test_stop_file(tmp_path: Path) -> None:
 # -- the agreement over a real gloo group -------------------------------------------------------
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _agree_rank(rank: int, port: int, local: Agreement, q: mp.Queue) -> None:
     import torch.distributed as dist
 
@@ -183,7 +177,7 @@ def test_agreement_takes_any_request_the_largest_code_and_the_smallest_period() 
     ]
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=_agree_rank, args=(r, port, votes[r], q)) for r in range(3)]
     for p in procs:
         p.start()
@@ -213,7 +207,7 @@ def test_save_to_storage_writes_latest_last_and_only_forward(
     from diag.trainer.graceful import save_to_storage
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "RANK": "0",
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
            "LOCAL_RANK": "0", "WORLD_SIZE": "1"}  # fmt: skip
     for k, v in env.items():
         monkeypatch.setenv(k, v)

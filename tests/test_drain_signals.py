@@ -18,7 +18,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from jobrun import free_port
 
 from diag.collector.snapshot import read_latest_step
 
@@ -43,12 +43,6 @@ STOPS = (
     ("SIGUSR2", "rank", ()),
     ("SIGTERM", "group", ("--flash",)),
 )
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(pred, timeout: float) -> bool:  # type: ignore[no-untyped-def]
@@ -69,7 +63,7 @@ class Job:
     def start(self, name: str, *args: str) -> subprocess.Popen:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-addr", "127.0.0.1", "--master-port", str(_port()), "--max-restarts", "0",
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
             str(JOB), "--steps", str(STEPS), "--save-dir", str(self.save),
             "--out", str(self.root / name), "--stop-file", str(self.stop_file), *args,
         ]  # fmt: skip

@@ -21,16 +21,15 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import jobrun
 import pytest
 
-from diag.agent.procs import stop_tree
 from diag.collector.rundir import control_socket_path
 from diag.collector.snapshot import read_latest_step
 
@@ -41,12 +40,6 @@ RTOL = 1e-5
 RUNS = ((4, 3), (2, 6), (3, 9))
 # ranks -> (micro batch, gradient accumulation) for the global batch of 12 (elastic_job.ELASTIC)
 SPLITS = {4: (3, 1), 2: (3, 2), 3: (2, 2)}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(pred, timeout: float) -> bool:  # type: ignore[no-untyped-def]
@@ -73,22 +66,14 @@ def _env(run_dir: Path) -> dict[str, str]:
     return dict(os.environ, DIAG_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1")
 
 
+def _command(root: Path, name: str, nproc: int, *args: str) -> list[str]:
+    return jobrun.command(
+        nproc, JOB, "--save-dir", str(root / "ckpt"), "--out", str(root / name), *args
+    )
+
+
 def _launch(root: Path, run_dir: Path, name: str, nproc: int, *args: str) -> int:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(_port()), "--max-restarts", "0",
-        str(JOB), "--save-dir", str(root / "ckpt"), "--out", str(root / name), *args,
-    ]  # fmt: skip
-    with open(root / f"{name}.log", "wb") as log:
-        proc = subprocess.Popen(
-            cmd, env=_env(run_dir), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            return proc.wait(300)
-        finally:
-            if proc.poll() is None:
-                stop_tree(proc.pid, grace=5)
-                proc.wait(10)
+    return jobrun.run(_command(root, name, nproc, *args), root / f"{name}.log", _env(run_dir))
 
 
 def _log(root: Path, name: str) -> str:
@@ -178,18 +163,10 @@ DRAIN_LAST = 60
 
 
 def _start(root: Path, run_dir: Path, name: str, nproc: int, *args: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(_port()), "--max-restarts", "0",
-        str(JOB), "--save-dir", str(root / "ckpt"), "--out", str(root / name), *args,
-    ]  # fmt: skip
     # The stop file is touched with ~57 steps of ~0.15 s left: the default 10 s bound on the
     # stop latency would let a run whose agreements got costly (a busy machine) finish first.
     env = dict(_env(run_dir), DIAG_STOP_MAX_LATENCY="2")
-    with open(root / f"{name}.log", "wb") as log:
-        return subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    return jobrun.start(_command(root, name, nproc, *args), root / f"{name}.log", env)
 
 
 @pytest.mark.slow
@@ -223,9 +200,7 @@ def test_drained_at_4_then_2_then_resumed_at_3_ranks_keeps_the_batch(ws) -> None
                 stop.touch()
             rc = proc.wait(240)
         finally:
-            if proc.poll() is None:
-                stop_tree(proc.pid, grace=5)
-                proc.wait(10)
+            jobrun.stop(proc)
         out = root / name / "z2"
         start = _json(out / "start.json")
         assert start["step"] == previous and start["global_steps"] == previous, start

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 from children import terminate
+from jobrun import free_port
 from netlab import DIAG, FAST_FLAGS, netns_unavailable
 from vethpair import veth_pair
 
@@ -25,12 +25,6 @@ from diag.agent.taints import CONDITION_TYPE, RECORD_ANNOTATION, TAINT_KEY
 from tests.kubecluster import cluster
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _until(what: str, check: Callable[[], Any], log: Path, timeout: float = 60) -> Any:
@@ -46,7 +40,7 @@ def _until(what: str, check: Callable[[], Any], log: Path, timeout: float = 60) 
 def _precheck(iface: str, report: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
     """One node's precheck of its NIC, compute and devices, as an init container runs it."""
     return subprocess.run(
-        [DIAG, "precheck", "--master-addr", "127.0.0.1", "--master-port", str(_port()),
+        [DIAG, "precheck", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
          "--nnodes", "1", "--node-rank", "0", "--iface", iface, "--report", str(report),
          *FAST_FLAGS],
         capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp)},

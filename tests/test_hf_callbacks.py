@@ -8,17 +8,15 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
+import jobrun
 import pytest
 from transformers import TrainerControl, TrainerState
 
-from diag.agent.procs import stop_tree
 from diag.trainer.drain import StopFlag
 from diag.trainer.hf import GracefulExitCallback, callbacks_map
 
@@ -87,32 +85,9 @@ def test_graceful_exit_saves_then_stops_at_the_same_step() -> None:
 # -- real processes ----------------------------------------------------------------------------
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(tmp: Path, name: str, nproc: int, *args: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(_port()), "--max-restarts", "0",
-        str(JOB), "--out", str(tmp / name), *args,
-    ]  # fmt: skip
-    with open(tmp / f"{name}.log", "wb") as log:
-        return subprocess.Popen(
-            cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 300) -> int:
-    try:
-        return proc.wait(timeout)
-    finally:
-        if proc.poll() is None:
-            stop_tree(proc.pid, grace=5)
-            proc.wait(10)
+    cmd = jobrun.command(nproc, JOB, "--out", str(tmp / name), *args)
+    return jobrun.start(cmd, tmp / f"{name}.log", dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def _log(tmp: Path, name: str) -> str:
@@ -147,7 +122,7 @@ def test_signal_to_one_rank_saves_all_and_a_restart_at_3_ranks_continues(tmp_pat
         assert progress and progress["step"] >= 2, _log(tmp_path, "a")
         os.kill(progress["pid"], signal.SIGUSR1)
     finally:
-        rc = _finish(job)
+        rc = jobrun.finish(job)
     # The drained workers leave with 143: torchrun (no restarts left here) reports a failure
     # instead of a job that ended.
     assert rc != 0 and "exitcode  : 143" in _log(tmp_path, "a"), _log(tmp_path, "a")
@@ -163,7 +138,7 @@ def test_signal_to_one_rank_saves_all_and_a_restart_at_3_ranks_continues(tmp_pat
     # 2. Three ranks resume from it: same global batch, other micro batch; DeepSpeed loads it
     #    through its universal checkpoint (converted by diag on rank 0).
     upto = stopped + 3
-    rc = _finish(_start(tmp_path, "b", 3, "--resume", str(ckpt), "--max-steps", str(upto)))
+    rc = jobrun.finish(_start(tmp_path, "b", 3, "--resume", str(ckpt), "--max-steps", str(upto)))
     assert rc == 0, _log(tmp_path, "b")
     b = json.loads((tmp_path / "b" / "result-0.json").read_text())
     assert (b["world_size"], b["global_step"]) == (3, upto)
@@ -175,7 +150,7 @@ def test_signal_to_one_rank_saves_all_and_a_restart_at_3_ranks_continues(tmp_pat
     assert sorted(resumed) == list(range(stopped + 1, upto + 1))
 
     # 3. The same steps uninterrupted at two ranks: the resumed losses continue them.
-    rc = _finish(_start(tmp_path, "c", 2, "--max-steps", str(upto)))
+    rc = jobrun.finish(_start(tmp_path, "c", 2, "--max-steps", str(upto)))
     assert rc == 0, _log(tmp_path, "c")
     base = _losses(tmp_path / "c" / "loss.jsonl")
     for step, loss in resumed.items():

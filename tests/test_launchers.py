@@ -3,11 +3,11 @@ each one starts a 2-rank job with a hung rank, and the agent names it."""
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
 import pytest
+from jobrun import free_port
 
 from diag.agent.demo import DemoOptions, run_demo
 from diag.collector.meta import read_meta
@@ -15,12 +15,6 @@ from diag.collector.meta import read_meta
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 HERE = Path(__file__).parent
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launchers() -> dict[str, tuple[str, ...]]:
@@ -34,7 +28,7 @@ def _launchers() -> dict[str, tuple[str, ...]]:
             "--num_gpus",
             "2",
             "--master_port",
-            str(_port()),
+            str(free_port()),
             "--module",
         ),
         "dlrover-run": (
@@ -86,7 +80,7 @@ def _drain_command(name: str, tmp_path: Path) -> list[str]:
     job = [str(DRAIN_JOB), "--steps", "150", "--step-sleep", "0.05", "--save-dir",
            str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--stop-file",
            str(tmp_path / "stop")]  # fmt: skip
-    port = str(_port())
+    port = str(free_port())
     return {
         # Static rendezvous keeps the first attempt's gloo addresses in torchrun's store, and the
         # restarted ranks then connect to ports nobody listens on (torch 2.13, gloo): restarts

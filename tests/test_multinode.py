@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,17 +19,12 @@ from pathlib import Path
 
 import pytest
 from children import stop_jobs_and_agents
+from jobrun import free_port
 
 from diag.viewer.merge import merge_incident
 from tests.kubecluster import cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _taint_plans(tmp_path: Path, timeline: Path, culprit: str) -> dict[str, str]:
@@ -62,7 +56,7 @@ def two_nodes(
 ) -> Iterator[tuple[list[subprocess.Popen[bytes]], list[subprocess.Popen[bytes]]]]:
     """Agents and launchers of two "nodes" on this machine; `fault` on rank `fault_rank` at
     step 4. Yields (agents, launchers)."""
-    timeline, port = tmp_path / "timeline", _port()
+    timeline, port = tmp_path / "timeline", free_port()
     agents: list[subprocess.Popen[bytes]] = []
     jobs: list[subprocess.Popen[bytes]] = []
     try:

@@ -25,7 +25,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from jobrun import free_port
 
 from diag.collector.rundir import control_socket_path
 from diag.collector.snapshot import read_latest_step
@@ -44,12 +44,6 @@ JOB_SCRIPT = Path(__file__).with_name("pod_job.py")
 JOB = "podjob"
 GRACE = 30.0  # Kubernetes' default terminationGracePeriodSeconds, given to the agent too
 STEPS = 300
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(pred: Callable[[], bool], timeout: float) -> bool:
@@ -89,7 +83,7 @@ class Pod:
     def start_job(self, *args: str) -> None:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-addr", "127.0.0.1", "--master-port", str(_port()), "--max-restarts", "0",
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
             str(JOB_SCRIPT), "--steps", str(STEPS), "--save-dir", str(self.save),
             "--out", str(self.out), *args,
         ]  # fmt: skip

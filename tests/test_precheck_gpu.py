@@ -3,9 +3,8 @@ Skipped on machines without CUDA devices."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
+from jobrun import free_port
 from netlab import Cluster
 
 from diag.agent import exitcodes
@@ -18,12 +17,6 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 GPU_FLAGS = ["--device", "cuda", "--matmul-size", "4096", "--copy-size", "64MiB"]
 
 
@@ -32,7 +25,7 @@ def test_single_node_gpu_checks(tmp_path):
     count = _gpus()
     if count < 1:
         pytest.skip("no CUDA device")
-    c = Cluster(1, tmp_path, _port())
+    c = Cluster(1, tmp_path, free_port())
     try:
         c.start(0, "--rdzv-timeout", "60", *GPU_FLAGS)
         assert c.wait_all(240) == {0: exitcodes.OK}, c.logs()
@@ -51,7 +44,7 @@ def test_single_node_gpu_checks(tmp_path):
 def test_two_nodes_nccl_pair(tmp_path):
     if _gpus() < 2:
         pytest.skip("needs 2 CUDA devices: NCCL refuses two ranks on one GPU")
-    c = Cluster(2, tmp_path, _port())
+    c = Cluster(2, tmp_path, free_port())
     try:
         c.start(0, "--rdzv-timeout", "60", "--net-device", "0", *GPU_FLAGS)
         c.start(1, "--rdzv-timeout", "60", "--net-device", "1", *GPU_FLAGS)

@@ -3,20 +3,14 @@ a node that never comes, a rendezvous that is not there, and nodes dying mid-run
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
+from jobrun import free_port
 from netlab import Cluster
 from prometheus_client.parser import text_string_to_metric_families
 
 from diag.agent import exitcodes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -26,7 +20,7 @@ def cluster_factory(tmp_path):
     def make(n: int) -> Cluster:
         workdir = tmp_path / f"c{len(made)}"
         workdir.mkdir()
-        c = Cluster(n, workdir, _free_port())
+        c = Cluster(n, workdir, free_port())
         made.append(c)
         return c
 

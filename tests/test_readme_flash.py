@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from flash_launch import wait_for
+from jobrun import free_port
 
 from diag.agent.checkpoint.storage import done_ranks
 from diag.agent.procs import stop_tree
@@ -37,15 +37,9 @@ JOB_SCRIPT = Path(__file__).with_name("readme_flash_job.py")
 def _torchrun(*args: str) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--max-restarts", "0",
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
         str(JOB_SCRIPT), *args,
     ]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from children import stop_jobs_and_agents
+from jobrun import free_port
 
 from diag.agent.actions import IncidentReport
 from diag.agent.evidence import EvidenceResult
@@ -143,19 +143,13 @@ def test_history_counts_each_incident_once(tmp_path: Path) -> None:
     assert culprit_history(timeline, "node-b", since=time.time() + 60) == []
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.k8s
 @pytest.mark.timeout(300)
 def test_agent_on_the_culprit_node_taints_it_from_the_job_verdict(tmp_path: Path) -> None:
     if os.environ.get("KUBECONFIG"):
         pytest.skip("runs against the in-memory API only (the agents' node names are fixed)")
-    timeline, port = tmp_path / "timeline", _port()
+    timeline, port = tmp_path / "timeline", free_port()
     (tmp_path / "kube").mkdir()
     agents: list[subprocess.Popen[bytes]] = []
     jobs: list[subprocess.Popen[bytes]] = []

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from jobrun import free_port
 
 from diag.agent import exitcodes
 from diag.agent.kube import apply_plan, connect
@@ -410,14 +411,6 @@ def test_bad_input_is_a_clear_error(kube, tmp_path):
     assert "Traceback" not in r.stderr and not ours(kube.node(n))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_agent_taints_its_node_after_an_incident(kube, tmp_path):
@@ -432,7 +425,7 @@ def test_agent_taints_its_node_after_an_incident(kube, tmp_path):
                KUBECONFIG=kube.kubeconfig)  # fmt: skip
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), "-m", "diag.trainer.demo_job", "--fault", "hang",
+         "--master-port", str(free_port()), "-m", "diag.trainer.demo_job", "--fault", "hang",
          "--fault-rank", "1", "--fault-step", "3", "--steps", "1000"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip

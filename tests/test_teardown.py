@@ -5,15 +5,13 @@ the interpreter's finalization (diag.trainer.teardown)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import jobrun
 import pytest
-
-from diag.agent.procs import stop_tree
 
 ELASTIC_JOB = Path(__file__).with_name("elastic_job.py")
 
@@ -69,12 +67,6 @@ def test_quiet_window_once_after_later_handlers(tmp_path: Path, with_torch: bool
         assert 0 <= gap < 0.5, gap
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_deepspeed_jobs_that_end_normally_are_not_aborted_at_exit(tmp_path: Path) -> None:
@@ -83,22 +75,11 @@ def test_deepspeed_jobs_that_end_normally_are_not_aborted_at_exit(tmp_path: Path
     env = dict(os.environ, OMP_NUM_THREADS="1", DIAG_RUN_DIR=str(tmp_path / "run"))
     for i in range(8):
         out = tmp_path / f"o{i}"
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-addr", "127.0.0.1", "--master-port", str(_port()), "--max-restarts", "0",
-            str(ELASTIC_JOB), "--zero", "2", "--drain", "--stop-file", str(tmp_path / "never"),
+        cmd = jobrun.command(
+            2, ELASTIC_JOB, "--zero", "2", "--drain", "--stop-file", str(tmp_path / "never"),
             "--steps", "3", "--save-dir", str(tmp_path / "ckpt"), "--out", str(out),
-        ]  # fmt: skip
-        with open(tmp_path / f"{i}.log", "wb") as f:
-            proc = subprocess.Popen(
-                cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            try:
-                rc = proc.wait(120)
-            finally:
-                if proc.poll() is None:
-                    stop_tree(proc.pid, grace=5)
-                    proc.wait(10)
+        )  # fmt: skip
+        rc = jobrun.run(cmd, tmp_path / f"{i}.log", env, timeout=120)
         text = (tmp_path / f"{i}.log").read_text(errors="replace")
         why = [x for x in text.splitlines() if "terminate called" in x or "exitcode" in x]
         assert rc == 0 and not why, f"run {i}: rc {rc}, {why}"

@@ -6,23 +6,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jobrun import free_port
+
 from diag.agent.procs import stop_tree
 
 JOB_SCRIPT = Path(__file__).with_name("wait_job.py")
 JOB = "waits"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -76,7 +71,7 @@ def run(
     ]  # fmt: skip
     job_cmd = [
         py, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-        "127.0.0.1", "--master-port", str(_free_port()), "--max-restarts", "0", str(JOB_SCRIPT),
+        "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", str(JOB_SCRIPT),
         "--scenario", scenario, *job_args,
     ]  # fmt: skip
     with open(root / "agent.log", "wb") as alog, open(root / "job.log", "wb") as jlog:
