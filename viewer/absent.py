@@ -19,6 +19,8 @@ from diag.viewer.tree import NO_DUMP
 
 @dataclass(frozen=True)
 class AbsentNode:
+    """A node none of whose ranks answered."""
+
     index: int  # rank // local world size
     bits: int  # its ranks
 

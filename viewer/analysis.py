@@ -33,6 +33,8 @@ class About:
 
 @dataclass(frozen=True)
 class Analysis:
+    """What the merge concluded: classes, suspects, absent ranks and nodes."""
+
     world: int
     dumped: int  # bitset: ranks with a dump file
     culprits: tuple[int, ...]

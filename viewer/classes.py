@@ -24,6 +24,8 @@ TAIL_FRAMES = 12  # frames of a class's own stack the summary shows
 
 @dataclass(frozen=True)
 class Divergence:
+    """Where a class of ranks parts from another: the thread and the last frame they share."""
+
     reference: int  # the class compared with
     thread: str  # the thread (or state marker) in which they part
     after: str  # the last frame both share ("" when they part at the root)
@@ -34,6 +36,8 @@ class Divergence:
 
 @dataclass(frozen=True)
 class RankClass:
+    """Ranks whose training threads are in the same place."""
+
     index: int  # 1-based, largest first
     bits: int
     size: int
@@ -48,6 +52,8 @@ class RankClass:
 
 @dataclass(frozen=True)
 class ViewClasses:
+    """The classes of ranks of one view, largest first."""
+
     view: View
     classes: tuple[RankClass, ...]
 
@@ -62,6 +68,8 @@ class ViewClasses:
 
 @dataclass(frozen=True)
 class Suspect:
+    """A rank the merge points at, with its score and why."""
+
     rank: int
     score: float
     reasons: tuple[str, ...] = field(default_factory=tuple)

@@ -29,6 +29,8 @@ from diag.viewer.xpu_stacktrace import StacktraceReader
 
 @dataclass
 class Gathered:
+    """What reading hands on: the dumps (threads dropped) and the collected stacks per view."""
+
     dumps: list[RankDump]  # by rank, their threads left out
     formats: Counter  # dump format -> files read
     collected: dict[View, list[Collected]]

@@ -62,6 +62,8 @@ class Verdict:
 
 @dataclass(frozen=True)
 class IncidentDir:
+    """One node's directory of an incident: its verdict, its dumps, what could not be read."""
+
     path: Path
     verdict: Verdict | None
     dumps: tuple[DumpFile, ...]
@@ -70,6 +72,8 @@ class IncidentDir:
 
 @dataclass(frozen=True)
 class Incident:
+    """An incident: the directories, one per node, that share its id."""
+
     incident_id: str
     dirs: tuple[IncidentDir, ...]
     when: datetime = field(default=_EPOCH)

@@ -12,25 +12,23 @@ stacks cannot:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from diag.viewer import fastjson
+
 log = logging.getLogger(__name__)
 
 JOURNAL_SUFFIX = ".journal.json"
 
-try:  # the viewer works without orjson, slower
-    from orjson import loads as _loads
-except ImportError:  # pragma: no cover - orjson is a dependency
-    _loads = json.loads
-
 
 @dataclass(frozen=True)
 class JournalThreads:
+    """What a rank's journal says of its threads: which issued the last op, which are diag's."""
+
     issuer: int  # native id of the thread that issued the rank's last op; 0: unknown
     own: frozenset[int]  # native ids of diag's threads whose stacks do not say so
 
@@ -73,7 +71,7 @@ def read_journal_threads(path: str | os.PathLike[str]) -> JournalThreads | None:
     stacks alone)."""
     try:
         with open(path, "rb") as fh:
-            doc = _loads(fh.read())
+            doc = fastjson.loads(fh.read())
     except (OSError, ValueError) as e:
         log.warning(
             "cannot read journal tail %s: %s; its rank's threads are told by their stacks", path, e
@@ -91,7 +89,7 @@ def journal_local_sizes(dirs: Iterable[Path]) -> list[int]:
             first = next((e for e in os.scandir(d) if e.name.endswith(JOURNAL_SUFFIX)), None)
             if first is None:
                 continue
-            meta = _loads(Path(first.path).read_bytes()).get("meta") or {}
+            meta = fastjson.loads(Path(first.path).read_bytes()).get("meta") or {}
             out.append(int(meta.get("local_world_size") or 0))
         except (OSError, ValueError, TypeError, AttributeError):
             continue

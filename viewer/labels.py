@@ -28,6 +28,8 @@ class FrameKind(enum.StrEnum):
 
 @dataclass(frozen=True)
 class FrameInfo:
+    """How a frame is shown: its label, its cell text and its kind."""
+
     text: str  # the label without rank sets, e.g. `barrier@/x/distributed_c10d.py:4811`
     short: str  # the cell text: the same with a shortened path
     kind: FrameKind

@@ -37,6 +37,8 @@ TRAINING_ROLE = f"Role@{Role.TRAINING.value}"
 
 @dataclass(frozen=True)
 class LayoutOptions:
+    """Sizes and limits of a flame graph's layout."""
+
     width: float = 1180.0  # pixels for the whole tree
     min_width: float = 0.1
     suspect_min_width: float = 8.0
@@ -48,6 +50,8 @@ class LayoutOptions:
 
 @dataclass(frozen=True)
 class Cell:
+    """One drawn cell of a flame graph: a tree node (or several folded) at a row and an x range."""
+
     node: int  # tree node (the innermost of `folded`), or OTHER
     depth: int  # row, 0 for the root
     x: float

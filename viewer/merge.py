@@ -39,6 +39,8 @@ __all__ = ["IncidentError", "MergeResult", "merge_incident"]
 
 @dataclass(frozen=True)
 class MergeResult:
+    """What `merge_incident` wrote and found."""
+
     incident_id: str
     out_dir: Path
     sources: tuple[Path, ...]  # the incident directories merged

@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import operator
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-try:  # a stack's frames as one bytes key: several times cheaper than a tuple of tuples
-    from orjson import dumps as _raw_key
-except ImportError:  # pragma: no cover - orjson is a dependency, but an optional speed-up
-    _raw_key = None
+from diag.viewer import fastjson
 
 STACK_FORMAT = "diag.stack/1"
 STACK_SUFFIX = ".stack.json"
@@ -27,6 +26,8 @@ ADDRESS = re.compile(r"^(0x)?[0-9a-fA-F]{6,}$")
 
 @dataclass(frozen=True)
 class Frame:
+    """One frame of a stack, interned: equal frames are one object."""
+
     func: str
     file: str  # full path for Python frames, the library for native ones
     line: int  # 0 for native frames
@@ -42,6 +43,8 @@ class Frame:
 # frozen dataclass's __init__ costs five times more. Hashable by value all the same.
 @dataclass(slots=True, unsafe_hash=True)
 class ThreadStack:
+    """One thread of a rank's dump: its identity and its frames, root first."""
+
     tid: int  # Python's thread identifier (pthread id)
     os_tid: int
     name: str
@@ -52,6 +55,8 @@ class ThreadStack:
 
 @dataclass(frozen=True)
 class RankDump:
+    """One rank's dump: the process it came from and its threads."""
+
     rank: int
     world_size: int
     pid: int
@@ -127,6 +132,8 @@ class FrameInterner:
 
     def __init__(self, blank_addresses: bool = False) -> None:
         self.blank_addresses = blank_addresses
+        self._keyer: Callable[[Any], bytes] | None = None
+        self._keyer_known = False
         self._frames: dict[tuple, Frame] = {}
         # Keyed by the ids of interned frames: they live as long as this interner, so an id is
         # never reused while the key exists.
@@ -147,7 +154,10 @@ class FrameInterner:
     def raw_key(self, raw: list[dict], fields: operator.itemgetter) -> object:
         """The key of a stack as its file gave it: its frames serialized (orjson), else the
         tuple of their `fields`."""
-        return _raw_key(raw) if _raw_key is not None else tuple(map(fields, raw))
+        if not self._keyer_known:  # orjson is imported at the first JSON stack, not before
+            self._keyer, self._keyer_known = fastjson.stack_keyer(), True
+        keyer = self._keyer
+        return keyer(raw) if keyer is not None else tuple(map(fields, raw))
 
     def frames_from_dicts(self, raw: list[dict]) -> tuple[Frame, ...]:
         try:

@@ -19,6 +19,8 @@ VIEW_TITLES = {View.PY: "Python stacks", View.CPP: "native stacks"}
 
 @dataclass(frozen=True)
 class ViewReport:
+    """One view's output files and what they show."""
+
     view: View
     svg: str  # file names, in the output directory
     folded: str
@@ -29,6 +31,8 @@ class ViewReport:
 
 @dataclass(frozen=True)
 class MergeReport:
+    """The summary of a merge, written as summary.json and shown by the CLI."""
+
     incident_id: str
     kind: str
     nodes: tuple[str, ...]

@@ -68,6 +68,8 @@ _VARYING = re.compile(r"0x[0-9a-fA-F]+|\d{3,}")  # pids, addresses: they differ 
 
 @dataclass(frozen=True)
 class StackTree:
+    """The stacks of every rank of one view merged into one tree, with rank sets per node."""
+
     view: View
     world_size: int
     present: int  # ranks that have a dump in the merge
