@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jobrun import free_port
@@ -71,11 +72,43 @@ def test_schedule_agrees_at_the_same_steps_on_every_rank() -> None:
             every = min(a.proposal(), b.proposal())
             a.agreed(step, every, 0.0009)
             b.agreed(step, every, 0.004)
-    # First boundary, then every step until costs are known, then every 9 (0.9 ms of 20 ms,
-    # aimed at half the 1% budget).
-    assert met[:2] == [1, 2]
-    assert all(y - x == 9 for x, y in itertools.pairwise(met[1:])), met
+    # First boundary, then every step until costs are known, then a period that doubles up to
+    # every 9 (0.9 ms of 20 ms, aimed at half the 1% budget).
+    assert met[:5] == [1, 2, 4, 8, 16]
+    assert all(y - x == 9 for x, y in itertools.pairwise(met[4:])), met
     assert a.latency_bound() == pytest.approx(9 * 0.02)
+
+
+def test_one_mismeasured_step_cannot_stretch_the_period_past_doubling() -> None:
+    # What a resume at 2 ranks with 2 micro-steps per step once did: the first interval timed
+    # was half a step (20 ms), the first agreement waited 0.5 s for a rank still loading. At
+    # the 2 s bound the period would have gone to 100 steps (10 s of 0.1 s steps).
+    p = AgreementPeriod(PeriodPolicy(max_latency_s=2.0))
+    assert p.boundary(13, 0.0)
+    p.agreed(13, p.proposal(), 0.5)
+    assert p.boundary(14, 0.02)
+    assert p.proposal() == 2
+    p.agreed(14, p.proposal(), 0.001)
+    now, step = 0.02, 14
+    while step < 40:  # whole steps of 0.1 s from here: the bound holds (2 s / 0.1 s = 20)
+        step += 1
+        now += 0.1
+        if p.boundary(step, now):
+            assert p.proposal() <= 2 * p.every
+            p.agreed(step, p.proposal(), 0.001)
+    assert p.every <= 20
+    # A fixed period is taken as it is, from the start.
+    assert AgreementPeriod(PeriodPolicy(every=50)).proposal() == 50
+
+
+def test_a_rebase_agrees_at_the_next_boundary_and_times_no_step_across_it() -> None:
+    p = AgreementPeriod(PeriodPolicy())
+    p.boundary(1, 0.0)
+    p.agreed(1, 30, 0.001)  # next at 31
+    p.boundary(2, 0.1)
+    p.rebase()  # a checkpoint of step 500 was loaded
+    assert p.boundary(501, 50.0)  # agrees there, and 49.9 s is no step time
+    assert p.step_seconds == pytest.approx(0.1)
 
 
 def test_step_time_is_the_longest_recent_step() -> None:
@@ -232,3 +265,79 @@ def test_save_to_storage_writes_latest_last_and_only_forward(
         assert not hasattr(engine.checkpoint_engine, "_diag_orig_save")
     finally:
         dist.destroy_process_group()
+
+
+def _resume_rank(port: int, save: str, q: mp.Queue) -> None:
+    """graceful_exit created before the load, as a resuming job does, on a rank of its own (a
+    process of its own: DeepSpeed keeps its groups across process groups)."""
+    import os
+    import time
+
+    import deepspeed
+    import deepspeed.ops
+    import torch
+    import torch.distributed as dist
+
+    from diag.trainer.graceful import graceful_exit
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE="1", DIAG_STOP_FILE="")  # fmt: skip
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+    def engine() -> Any:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        e, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), dist_init_required=False,
+            config={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+                    "optimizer": {"type": "Adam", "params": {"lr": 0.1, "torch_adam": True}}},
+        )  # fmt: skip
+        return e
+
+    def micro_step(e: Any, pause: float) -> None:
+        e.backward(e(torch.ones(1, 4)).sum())
+        time.sleep(pause)
+        e.step()
+
+    try:
+        first = engine()
+        for _ in range(6):
+            micro_step(first, 0)
+        first.save_checkpoint(save)
+        second = engine()
+        drain = graceful_exit(second, save, signals=(), exit=False)
+        second.load_checkpoint(save)
+        loaded = second.global_steps
+        agreed_at: list[int] = []
+        agreed = drain.period.agreed
+
+        def noting(step: int, every: int, cost: float) -> None:
+            agreed_at.append(step)
+            agreed(step, every, cost)
+
+        drain.period.agreed = noting  # type: ignore[method-assign]
+        for _ in range(4):
+            micro_step(second, 0.05)
+        q.put((loaded, agreed_at, drain.period.step_seconds))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_a_resume_is_not_timed_as_a_step(tmp_path: Path) -> None:
+    """The load moves global_steps at the first micro-step: that is no step boundary. The first
+    agreement is at the next real one, and a step is timed whole (two micro-steps)."""
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    p = ctx.Process(target=_resume_rank, args=(free_port(), str(tmp_path / "ckpt"), q))
+    p.start()
+    try:
+        loaded, agreed_at, step_s = q.get(timeout=150)
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    assert loaded == 3
+    assert agreed_at == [4, 5]
+    assert step_s >= 0.09  # two micro-steps of 0.05 s, not one

@@ -198,6 +198,7 @@ def test_drained_at_4_then_2_then_resumed_at_3_ranks_keeps_the_batch(ws) -> None
                     root, name
                 )
                 stop.touch()
+                touched = f"touched the stop file after step {max(_losses(loss_file))}"
             rc = proc.wait(240)
         finally:
             jobrun.stop(proc)
@@ -211,7 +212,10 @@ def test_drained_at_4_then_2_then_resumed_at_3_ranks_keeps_the_batch(ws) -> None
         assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"]) == SPLITS[nproc]
         got = _losses(loss_file)
         if stopping:
-            assert rc != 0, f"a drained run reported success at {nproc} ranks: {_log(root, name)}"
+            assert rc != 0, (
+                f"a drained run reported success at {nproc} ranks ({touched}; logged steps "
+                f"{min(got)}-{max(got)}; stop file left: {stop.exists()}): {_log(root, name)}"
+            )
             assert "exitcode  : 143" in _log(root, name), _log(root, name)
             saved = read_latest_step(save)
             assert saved is not None and saved > max(got) and saved < DRAIN_LAST, (saved, got)

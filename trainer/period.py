@@ -7,6 +7,8 @@ follows the step time: as often as a cost budget allows (the agreement's own mea
 request waits longer than `max_latency_s` for the next agreement (unless one step alone is
 longer). Each rank proposes a period from its own measurements, and the agreement itself takes
 the smallest proposal, so every rank knows the next agreement step without another collective.
+A period at most doubles from one agreement to the next: a mismeasured step (a fraction of one,
+a stall) cannot by itself push the next agreement far past the latency bound.
 
 Pure: steps and times come in, decisions go out.
 """
@@ -26,6 +28,7 @@ COST_WINDOW = 8  # agreement costs kept; their mean is the cost (spikes included
 # (its bookkeeping, and the scheduling of a rank that waits in it on a busy machine): measured
 # on 2 ranks with 5-15 ms steps, the hook took 1.1-1.3% of the time when aiming at the full 1%.
 AIM = 0.5
+GROWTH = 2  # the most a period grows from one agreement to the next
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,18 @@ class AgreementPeriod:
             self.next_at = step  # the first boundary every rank sees: agree there
         return step >= self.next_at
 
+    def rebase(self) -> None:
+        """The step counter moved without a step (a checkpoint was loaded): forget the last
+        boundary's time, and agree at the next boundary, wherever the old schedule was."""
+        self._last = None
+        self.next_at = None
+
     def proposal(self) -> int:
         typical = statistics.median(self._steps) if self._steps else None
-        return propose(self.policy, self.step_seconds, self.cost_seconds, typical)
+        wanted = propose(self.policy, self.step_seconds, self.cost_seconds, typical)
+        if self.policy.every is not None:
+            return wanted
+        return min(wanted, GROWTH * self.every)
 
     def agreed(self, step: int, every: int, cost_s: float) -> None:
         """The agreement at `step` took `cost_s` here and settled on `every`."""
