@@ -63,8 +63,14 @@ def node_name(env: Mapping[str, str] = os.environ) -> str:
     return env.get("DIAG_NODE") or env.get("NODE_NAME") or socket.gethostname()
 
 
+# What dlrover-run's elastic agent gives its workers (the master it reports to, its parallelism
+# config); not any DLROVER_* variable: DLRover's own settings (DLROVER_EVENT_FILE_DIR, ...) may be
+# set for a pod whatever launcher it runs.
+DLROVER_WORKER_ENV = ("DLROVER_MASTER_ADDR", "DLROVER_PARAL_CONFIG_PATH")
+
+
 def launcher_name(env: Mapping[str, str] = os.environ) -> str:
-    if any(k.startswith("DLROVER_") for k in env):
+    if any(k in env for k in DLROVER_WORKER_ENV):
         return "dlrover-run"
     if "TORCHELASTIC_RUN_ID" in env:
         return "torchrun"

@@ -158,3 +158,22 @@ def test_deepspeed_zero_collectives_are_journaled(stage: int, tmp_path: Path) ->
         else:  # gradients are reduced, updated partitions gathered
             assert ops & {OpCode.ALL_REDUCE, OpCode.REDUCE_SCATTER_BASE, OpCode.REDUCE}
             assert ops & {OpCode.ALL_GATHER_BASE, OpCode.ALL_GATHER, OpCode.BROADCAST}
+
+
+@pytest.mark.parametrize(
+    ("env", "launcher"),
+    [
+        # What each launcher's workers were seen to get (dlrover-run: DLRover 0.6.1's elastic agent).
+        ({"TORCHELASTIC_RUN_ID": "x", "DLROVER_MASTER_ADDR": "127.0.0.1:5000"}, "dlrover-run"),
+        ({"TORCHELASTIC_RUN_ID": "x", "DLROVER_PARAL_CONFIG_PATH": "/tmp/p.json"}, "dlrover-run"),
+        ({"TORCHELASTIC_RUN_ID": "x"}, "torchrun"),
+        ({"CROSS_RANK": "0"}, "deepspeed"),
+        # DLRover's own settings in a pod say nothing of the launcher.
+        ({"TORCHELASTIC_RUN_ID": "x", "DLROVER_EVENT_FILE_DIR": "/logs"}, "torchrun"),
+        ({"DLROVER_EVENT_FILE_DIR": "/logs"}, "unknown"),
+    ],
+)
+def test_launcher_name(env: dict[str, str], launcher: str) -> None:
+    from diag.collector.rundir import launcher_name
+
+    assert launcher_name(env) == launcher
