@@ -360,13 +360,8 @@ class FlashCheckpointer:
         gs = int(getattr(self.engine, "global_steps", 0))
         if gs == self._boundary or self._client is None or self._closed or self._owner:
             return
-        stepped = gs == self._boundary + 1
-        self._boundary = gs
-        if not stepped:
-            # A load moved the counter (a resume, at the first micro-step): not a boundary. Timed
-            # as one, half a step would pass for a whole one and stretch the period past the
-            # latency bound.
-            self.period.rebase()
+        previous, self._boundary = self._boundary, gs
+        if not self.period.advanced(previous, gs):
             return
         if not self.period.boundary(gs, time.monotonic()):
             return

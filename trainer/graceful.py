@@ -121,13 +121,8 @@ class GracefulExit:
         gs = int(getattr(self.engine, "global_steps", 0))
         if gs == self._boundary or not self.enabled or self.stopped is not None:
             return
-        stepped = gs == self._boundary + 1
-        self._boundary = gs
-        if not stepped:
-            # A load moved the counter (a resume, at the first micro-step): not a boundary. Timed
-            # as one, half a step would pass for a whole one and stretch the period past the
-            # latency bound.
-            self.period.rebase()
+        previous, self._boundary = self._boundary, gs
+        if not self.period.advanced(previous, gs):
             return
         if not self.period.boundary(gs, time.monotonic()):
             return

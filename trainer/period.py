@@ -91,6 +91,16 @@ class AgreementPeriod:
             self.next_at = step  # the first boundary every rank sees: agree there
         return step >= self.next_at
 
+    def advanced(self, previous: int, step: int) -> bool:
+        """Whether the step counter's move from `previous` to `step` was one step. Any other
+        move is a load (a resume, seen at its first micro-step): no boundary, and the schedule
+        is rebased. Timed as a boundary, half a step would pass for a whole one and stretch the
+        period past the latency bound."""
+        if step == previous + 1:
+            return True
+        self.rebase()
+        return False
+
     def rebase(self) -> None:
         """The step counter moved without a step (a checkpoint was loaded): forget the last
         boundary's time, and agree at the next boundary, wherever the old schedule was."""
