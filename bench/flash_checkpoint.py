@@ -43,6 +43,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--gpu", action="store_true")
     p.add_argument("--disk-dir", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument("--json", type=Path, help="write the measurements here too")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # results dir, torchrun side
     return p.parse_args(argv)
 
@@ -305,6 +306,15 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work / f"sequential{i}", ignore_errors=True)
         med = statistics.median
         report(args, r, med(persist), persisted, med(sequential), sum(per_rank))
+        if args.json is not None:
+            name = ""
+            if args.gpu:
+                import torch
+
+                name = torch.cuda.get_device_name(0)
+            doc = dict(r, device_name=name, persist=persist, persisted_bytes=persisted,
+                       sequential_write=sequential, sequential_bytes=sum(per_rank))  # fmt: skip
+            args.json.write_text(json.dumps(doc, indent=1))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
