@@ -3,10 +3,11 @@
 A start event is recorded on the current stream before the collective is issued (the collective
 cannot begin before the work queued ahead of it). The end is the work's own device completion:
 `Work.is_completed()`, which for NCCL queries the work's end event and never blocks, or an event
-recorded after `Work.wait()` where a wait is seen. The work itself is polled because a sync
-collective's wait may never pass through Python's `Work.wait` (torch 2.11 with NCCL on an H200:
-every op stayed STARTED, the poll list grew without bound and the agent timed the first,
-long-finished collective as the hang). The watcher moves the journal record to STARTED and
+recorded after `Work.wait()` where a wait is seen, or, when the backend returns no work (it
+synchronised the current stream at the C++ level, as `all_reduce(async_op=False)` lets it), an
+event recorded right after the call. Waiting for a Python `Work.wait` alone was not enough: on an
+H200 with torch 2.11 every sync op stayed STARTED, the poll list grew without bound and the agent
+timed the first, long-finished collective as the hang. The watcher moves the journal record to STARTED and
 COMPLETED as the device gets there. A rank whose kernel never finishes keeps a pending record
 forever, which is exactly what the agent looks for.
 """
@@ -64,6 +65,10 @@ class CudaEventTracker:
 
     def track(self, seq: int, work: Any, start: Any) -> None:
         p = _Pending(seq=seq, start=start, work=work)
+        if work is None:
+            # No work: the backend synchronised at the C++ level, so the current stream is
+            # already ordered after the collective and an event here marks its end.
+            p.end = self.record_start()
         with self._lock:
             self._polling.append(p)
             if work is not None:
