@@ -327,3 +327,25 @@ def test_a_bad_agent_uid_is_a_clear_error(raw: str, run_dir: Path, monkeypatch) 
     monkeypatch.setenv("DIAG_AGENT_UID", raw)
     with pytest.raises(PeerConfigError, match="DIAG_AGENT_UID"):
         ControlClient(run_dir, ClientIdentity(JOB, 0, 1, 0, 0, "n", os.getpid()))
+
+
+@needs_root
+@pytest.mark.timeout(60)
+def test_the_agent_replaces_a_socket_served_by_another_user(
+    run_dir: Path, impostor, clients, caplog
+) -> None:
+    """A socket served by `nobody` where the agent's goes: the agent takes the path over (it
+    used to refuse to start, "another agent already serves"), and the ranks find the agent."""
+    fake, socket = impostor(run_dir / "evil")
+    path = control_socket_path(run_dir, JOB)
+    os.rename(socket, path)  # the same listening inode, now at the agent's path
+    manager = CheckpointManager(run_dir, None)
+    server = ControlServer(path, manager).start()
+    try:
+        assert f"served by pid {fake.proc.pid} of uid {NOBODY}" in caplog.text
+        client = clients(run_dir)
+        assert client.wait_connected(20) and client.agent_pid == os.getpid()
+        assert fake.lines == ["ready"]
+    finally:
+        server.stop()
+        manager.close(timeout=10)
