@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from diag.agent.cgroup import read_limits
+from diag.agent.flightrec import FR_DIR, FlightTarget, collect
 from diag.agent.hang import Verdict
 from diag.agent.incident import VERDICT_FILE, VERDICT_FORMAT, IncidentDir, utc_iso
 from diag.agent.machine import machine_snapshot
@@ -35,6 +36,7 @@ from diag.viewer.stacks import RankDump
 log = logging.getLogger(__name__)
 
 JOURNAL_TAIL_SUFFIX = ".journal.json"
+FLIGHT_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,7 @@ def capture(
             if t.journal is not None:
                 name = f"{t.dump.rank:05d}-{t.dump.world_size:05d}{JOURNAL_TAIL_SUFFIX}"
                 incident.write_json(name, journal_tail_document(t.journal, started, journal_tail))
+        doc["flight_recorder"] = _flight_recorders(targets, incident.tmp)
         snap = machine_snapshot({t.dump.rank: t.dump.pid for t in targets}, timeline)
         incident.write_json("machine.json", snap.to_dict())
         for d in dumps:
@@ -286,6 +289,21 @@ def capture(
             doc["evidence"]["native_parallel_measured_reason"] = after.reason
         write_atomic(path / VERDICT_FILE, json.dumps(doc, indent=1).encode())
     return EvidenceResult(path, tuple(dumps), started, on_disk_at, time.monotonic())
+
+
+def _flight_recorders(targets: list[EvidenceTarget], directory: Path) -> dict[str, Any]:
+    """torch's flight recorder of every rank, under flight-recorder/ (see flightrec.py)."""
+    fr = [
+        FlightTarget(t.dump.rank, t.dump.world_size, t.dump.pid, t.journal)
+        for t in targets
+        if t.journal is not None
+    ]
+    dumps = collect(fr, directory, timeout=FLIGHT_TIMEOUT_S)
+    return {
+        "dir": FR_DIR,
+        "ranks": {str(d.rank): {"files": list(d.files), "errors": list(d.errors)} for d in dumps},
+        "seconds": max((d.seconds for d in dumps), default=0.0),
+    }
 
 
 def _evidence_doc(

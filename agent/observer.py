@@ -20,7 +20,7 @@ from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.agent.procs import ProcessWatch, ProcInfo, same_process
 from diag.collector.journal import JournalFormatError, JournalReader, JournalStatus
 from diag.collector.meta import JOURNAL_SUFFIX, JournalMeta, read_meta
-from diag.collector.records import OpState, Record, RecordKind
+from diag.collector.records import OpFlag, OpState, Record, RecordKind
 from diag.collector.rundir import pid_namespace
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class RankTracker:
             t_enqueue=rec.t_enqueue_ns * _NS,
             t_end=rec.t_end_ns * _NS if rec.t_end_ns else None,
             peer=rec.peer,
+            on_device=bool(rec.flags & OpFlag.CUDA),
         )
 
     def poll(self) -> None:

@@ -130,7 +130,8 @@ EOF"
 # 1. The device itself: NVML families, precheck health, matmul vs the published peak, copies.
 step device 90 "$py" bench/gpu_device.py --json "$work/device.json" --matmul-size 8192 --seconds 3
 
-# 2. The quick gpu tests (the hang on the device, NVML, precheck, node health, pinned copies).
+# 2. The quick gpu tests (the hang on the device, named as blocked on the device, with the
+# NCCL flight recorder the agent took; NVML, precheck, node health, pinned copies).
 step tests_gpu 200 "$py" -m pytest -m gpu -q -p no:cacheprovider --timeout 180 \
     --basetemp "$work/pytest" --junitxml "$work/junit-gpu.xml" \
     tests/test_collector_gpu.py tests/test_metrics_gpu.py tests/test_precheck_gpu.py \
@@ -148,8 +149,10 @@ fi
 # 3. attach's overhead on a GPU model, with and without, interleaved in the same processes.
 step attach_overhead 120 "$py" bench/bench_collector.py --gpu --blocks 8 --json "$work/attach.json"
 
-# 4. Flash checkpoint on CUDA: ~3.2 GB of ZeRO-2 state (200 M parameters, fp32 Adam).
-step flash_bench 150 "$py" bench/flash_checkpoint.py --gpu --params-m 200 --repeats 3 \
+# 4. Flash checkpoint on CUDA: ~3.2 GB of ZeRO-2 state (200 M parameters, fp32 Adam), against
+# engine.save_checkpoint and DLRover's flash checkpoint on the same engine (--dlrover: its row
+# says why when DLRover cannot run; its saver and shm are removed after).
+step flash_bench 180 "$py" bench/flash_checkpoint.py --gpu --dlrover --params-m 200 --repeats 3 \
     --json "$work/flash.json"
 
 # 5. Last, while time is left: the DeepSpeed GPU jobs resumed bit for bit from memory.

@@ -2,7 +2,8 @@
 on the device behind a kernel that spins on a host-mapped flag is seen as enqueued but not
 started, the agent files a hang naming the rank with its evidence, and releasing the flag lets
 the collective complete. The same hold feeds PyTorch's NCCL flight recorder, whose dump is
-checked against the journal. Skipped without a GPU."""
+checked against the journal; the agent takes it into the incident (the rank's worker server
+answers while the training thread waits) and `diag merge` shows it. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from diag.agent.incident import VERDICT_FILE
 from diag.collector.journal import JournalReader
 from diag.collector.meta import JOURNAL_SUFFIX, read_meta
 from diag.collector.records import OpCode, OpFlag, OpState, RecordKind
+from diag.viewer.merge import merge_incident
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,6 +95,21 @@ def test_collective_held_on_the_device_is_a_named_hang_then_completes(tmp_path: 
         tail = json.loads((incident / "00000-00001.journal.json").read_text())
         assert tail["records"][-1]["state"] == "enqueued", tail["records"][-1]
         assert list(incident.glob("00000-00001*.stack.json")), sorted(incident.iterdir())
+        # The rank is named: its collective never started on the device, nobody else waits.
+        assert v["culprit"] == 0, v
+        assert v["suspects"][0]["kind"] == "device-not-started", v["suspects"]
+        assert "enqueued on the device but never started" in v["suspects"][0]["reason"]
+        assert "the stream is blocked by earlier work" in v["summary"], v["summary"]
+        # The agent took the rank's NCCL flight recorder while the collective was held.
+        fr_file = incident / "flight-recorder" / "00000-00001.nccl.json"
+        assert fr_file.is_file(), (v.get("flight_recorder"), sorted(incident.iterdir()))
+        taken = json.loads(fr_file.read_text())
+        held_entries = [e for e in taken["entries"] if "all_reduce" in e["profiling_name"]]
+        assert held_entries and held_entries[-1]["state"] != "completed", held_entries[-1:]
+        merged = merge_incident(incident)
+        text = merged.summary_txt.read_text()
+        assert "FLIGHT RECORDER" in text and "[nccl]" in text and "all_reduce" in text, text
+        assert [r.rank for r in merged.report.flight.records] == [0], merged.report.flight
         (ctl / "release").write_text("")
         assert finish(job, 120) == 0, job_log.read_text()[-3000:]
     finally:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from diag.viewer import ranksets
+from diag.viewer import flightrec, ranksets
 from diag.viewer.absent import Absent, local_world_size
 from diag.viewer.analysis import About, analyse, draw
 from diag.viewer.classes import RankClass, Suspect
@@ -216,6 +216,7 @@ def merge_incident(
         views=tuple(reports),
         suspects=sus,
         absent=absent,
+        flight=flightrec.read_incident([d.path for d in inc.dirs], world or flightrec.MAX_RANK),
     )
     summary_txt, summary_json = out / SUMMARY_TXT, out / SUMMARY_JSON
     _write(summary_txt, to_text(report))
