@@ -37,10 +37,13 @@ from diag.agent.notice import Notice, NoticeWatcher, deadline_of
 from diag.agent.observer import Observer
 from diag.agent.options import Until
 from diag.agent.pyspy import can_trace
+from diag.agent.rundircheck import owners_of
+from diag.agent.rundircheck import prepare as prepare_run_dir
 from diag.agent.taintconfig import TaintMode
 from diag.agent.taintevidence import JOB_VERDICTS_DIR
 from diag.collector.meta import safe_job_name
 from diag.collector.rundir import control_socket_path
+from diag.collector.untrusted import Owners
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +52,13 @@ _WARNINGS = frozenset({EventKind.INCIDENT, EventKind.NO_STEPS})
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig) -> None:
+    def __init__(self, cfg: AgentConfig, owners: Owners | None = None) -> None:
         self.cfg = cfg
         self.observer = Observer(
-            cfg.run_dir, cfg.job, warmup_cadence=cfg.policy.timeouts.warmup_cadence
+            cfg.run_dir,
+            cfg.job,
+            warmup_cadence=cfg.policy.timeouts.warmup_cadence,
+            owners=owners if owners is not None else owners_of(cfg.run_dir, cfg.trainer),
         )
         self.executor = Executor(
             self.observer,
@@ -107,7 +113,11 @@ class Agent:
         self.executor.listeners.append(self.tainter.on_incident)
         self.control: ControlServer | None = None
         self._checkpoint_fed = float("-inf")
-        self.drainer = Drainer(self.checkpoints, cfg.drain) if cfg.drain is not None else None
+        self.drainer = (
+            Drainer(self.checkpoints, cfg.drain, prover=self.observer.prover)
+            if cfg.drain is not None
+            else None
+        )
         self.drained: DrainState | None = None
         self._drain_lock = threading.Lock()
         self._drain_request: DrainRequest | None = None
@@ -353,8 +363,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args)
-    _check_dirs(cfg)
-    agent = Agent(cfg)
+    owners = _check_dirs(cfg)
+    agent = Agent(cfg, owners)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         # Only flags here: the main loop logs and acts.
@@ -368,14 +378,9 @@ def run(args: argparse.Namespace) -> int:
     return agent.run()
 
 
-def _check_dirs(cfg: AgentConfig) -> None:
-    try:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise exitcodes.UsageError(
-            f"cannot create the run directory {cfg.run_dir}: {e.strerror}; set --run-dir or "
-            "DIAG_RUN_DIR to a directory shared with the trainer"
-        ) from e
+def _check_dirs(cfg: AgentConfig) -> Owners:
+    """The run directory made (private) or judged: whose files in it the agent believes."""
+    owners = prepare_run_dir(cfg.run_dir, cfg.trainer)
     try:
         cfg.timeline.mkdir(parents=True, exist_ok=True)
         probe = cfg.timeline / ".diag-write-test"
@@ -386,3 +391,4 @@ def _check_dirs(cfg: AgentConfig) -> None:
             f"cannot write incidents to {cfg.timeline}: {e.strerror}; set --timeline or "
             "DIAG_TIMELINE to a writable directory"
         ) from e
+    return owners

@@ -10,18 +10,22 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from diag.agent.cadence import Cadence, fold
 from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.agent.procs import ProcessWatch, ProcInfo, same_process
+from diag.agent.procs import ProcessWatch, ProcInfo
+from diag.agent.rankproof import RankProof, RankProver, claim_of
+from diag.agent.rundircheck import owners_of
 from diag.collector.journal import JournalFormatError, JournalReader, JournalStatus
-from diag.collector.meta import JOURNAL_SUFFIX, JournalMeta, read_meta
+from diag.collector.meta import JOURNAL_SUFFIX, JournalMeta, meta_path_for, read_meta
 from diag.collector.records import OpState, Record, RecordKind
 from diag.collector.rundir import pid_namespace
+from diag.collector.untrusted import Owners, UntrustedInput
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,8 @@ class RankTracker:
     path: Path
     reader: JournalReader
     meta: JournalMeta
+    owners: Owners | None = None
+    proven: bool = False  # its PID was shown to be the journal's writer (rankproof.py)
     next_seq: int = 0
     pending: dict[int, Record] = field(default_factory=dict)
     unsettled: dict[int, int] = field(default_factory=dict)
@@ -61,7 +67,8 @@ class RankTracker:
         g = self.meta.group(index)
         if g is None:
             with contextlib.suppress(OSError, ValueError):  # a group made after our last read
-                self.meta = read_meta(self.path)
+                # Only the groups: who the writer is was proven on the meta first read.
+                self.meta = replace(self.meta, groups=read_meta(self.path, self.owners).groups)
             g = self.meta.group(index)
         return g.name if g is not None else f"#{index}"
 
@@ -148,16 +155,28 @@ class RankTracker:
 class Observer:
     """Owns the journal readers and the process watch of one agent."""
 
-    def __init__(self, run_dir: Path, job: str | None = None, warmup_cadence: float = 30.0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        job: str | None = None,
+        warmup_cadence: float = 30.0,
+        owners: Owners | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.job = job
         self.warmup_cadence = warmup_cadence  # seconds of steady pace (cadence.py)
+        # Whose journals and metas are read, and as whom a rank may run (rundircheck.py).
+        self.owners = owners if owners is not None else owners_of(run_dir)
         self.procs = ProcessWatch()
         self.trackers: dict[Path, RankTracker] = {}
         self._stale: set[tuple[Path, tuple[int, int]]] = set()
+        # Files refused, by what they were when refused: warned about once, not read again
+        # until replaced.
+        self._refused: dict[Path, tuple[int, ...]] = {}
         self._warned_invisible: set[int] = set()
         self._started = time.monotonic()
         self._pid_ns = pid_namespace()
+        self.prover = RankProver(self.owners, self._pid_ns)
         self._ns_shared = False  # seen a trainer PID: we share its PID namespace
         self._unsure: set[Path] = set()  # invisible PIDs of journals that do not name their ns
 
@@ -177,8 +196,9 @@ class Observer:
             # see proves the namespace is shared; from then on a PID we cannot see is gone.
             for path in new:
                 with contextlib.suppress(OSError, ValueError):
-                    meta = read_meta(path)
-                    if meta.pid_ns == 0 and same_process(meta.pid, meta.pid_start_time):
+                    meta = read_meta(path, self.owners)
+                    journal = _file_id(path)
+                    if meta.pid_ns == 0 and journal is not None and self._proves(meta, journal):
                         self._ns_shared = True
                         break
         for path in new:
@@ -186,22 +206,47 @@ class Observer:
         if self._ns_shared and self._unsure:
             self._judge_unsure()
 
+    def _refuse(self, path: Path, ident: tuple[int, ...], problem: str) -> None:
+        """One warning per refused file (not one per poll); it is not read again until it
+        changes."""
+        self._refused[path] = ident
+        log.warning("ignoring %s", problem)
+
+    def _proves(self, meta: JournalMeta, journal: tuple[int, int]) -> RankProof:
+        claim = claim_of(meta.pid, meta.pid_start_time, (journal,), meta.pid_ns)
+        return self.prover.check(claim)
+
+    def proof(self, t: RankTracker) -> RankProof:
+        """Whether the tracker's PID is, now, its rank's process: asked before acting on it."""
+        if not t.proven:
+            return RankProof(False, f"PID {t.meta.pid} was never shown to be rank {t.rank}")
+        return self._proves(t.meta, t.reader.inode)
+
     def _open(self, path: Path) -> None:
+        ident = _ident(path, changes=False)
+        if ident is None or self._refused.get(path) == ident:
+            return
         try:
-            reader = JournalReader(path)
+            reader = JournalReader(path, owners=self.owners)
         except JournalFormatError as e:
-            key = (path, (0, 0))
-            if key not in self._stale:
-                log.warning("ignoring %s", e)
-                self._stale.add(key)
+            self._refuse(path, ident, str(e))
             return
         key = (path, reader.inode)
         if key in self._stale:
             reader.close()
             return
+        meta_path = meta_path_for(path)
+        meta_ident = _ident(meta_path, changes=True)
+        if meta_ident is None or self._refused.get(meta_path) == meta_ident:
+            reader.close()  # no meta yet (the writer makes it after the journal), or a bad one
+            return
         try:
-            meta = read_meta(path)
-        except (OSError, ValueError) as e:
+            meta = read_meta(path, self.owners)
+        except UntrustedInput as e:
+            reader.close()
+            self._refuse(meta_path, meta_ident, f"{e} (the journal {path.name} is not read)")
+            return
+        except OSError as e:
             log.debug("journal %s has no readable meta yet (%s)", path, e)
             reader.close()
             return
@@ -209,7 +254,25 @@ class Observer:
             reader.close()
             self._stale.add(key)
             return
-        info = self.procs.watch(meta.pid, meta.pid_start_time)
+        proven = False
+        if not meta.pid_ns or meta.pid_ns == self._pid_ns:
+            proof = self._proves(meta, reader.inode)
+            if not proof and proof.exists:
+                # A live process that is not the writer: the meta lies (or names a process
+                # that took the PID over). Not a rank: never watched, dumped or signalled.
+                reader.close()
+                self._refuse(
+                    meta_path, meta_ident,
+                    f"{meta_path}: the process it names is not the writer of {path.name} "
+                    f"({proof.reason}); its journal is not watched",
+                )  # fmt: skip
+                return
+            proven = proof.ok
+        info = (
+            self.procs.watch(meta.pid, meta.pid_start_time)
+            if proven
+            else self.procs.unseen(meta.pid)
+        )
         gone = False
         if not info.visible:
             status = reader.state().status
@@ -240,7 +303,9 @@ class Observer:
                     meta.rank,
                     meta.pid,
                 )
-        tracker = RankTracker(path=path, reader=reader, meta=meta)
+        tracker = RankTracker(
+            path=path, reader=reader, meta=meta, owners=self.owners, proven=proven
+        )
         tracker.last_activity = reader.header.created_mono_ns * _NS
         self.trackers[path] = tracker
         log.info("watching rank %d (pid %d) via %s", meta.rank, meta.pid, path.name)
@@ -286,6 +351,7 @@ class Observer:
     def _drop(self, path: Path) -> None:
         t = self.trackers.pop(path)
         self.procs.forget(t.meta.pid)
+        self.prover.forget(t.meta.pid)
         t.reader.close()
 
     def current(self) -> list[RankTracker]:
@@ -392,3 +458,19 @@ class Observer:
         for path in list(self.trackers):
             self._drop(path)
         self.procs.close()
+
+
+def _ident(path: Path, *, changes: bool) -> tuple[int, ...] | None:
+    """What a file is, to tell whether it was replaced (`changes`: or rewritten, or chowned)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if changes:
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+    return (st.st_dev, st.st_ino)
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    ident = _ident(path, changes=False)
+    return (ident[0], ident[1]) if ident is not None else None
