@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import logging
 import os
+import stat
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -461,14 +462,15 @@ class Observer:
 
 
 def _ident(path: Path, *, changes: bool) -> tuple[int, ...] | None:
-    """What a file is, to tell whether it was replaced (`changes`: or rewritten, or chowned)."""
+    """What a file is, to tell whether it was replaced or given to another owner (`changes`: or
+    rewritten at all; a journal is rewritten all the time, a meta only replaced)."""
     try:
         st = os.lstat(path)
     except OSError:
         return None
     if changes:
         return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
-    return (st.st_dev, st.st_ino)
+    return (st.st_dev, st.st_ino, st.st_uid, stat.S_IFMT(st.st_mode))
 
 
 def _file_id(path: Path) -> tuple[int, int] | None:
