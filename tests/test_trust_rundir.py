@@ -5,6 +5,7 @@ process a meta points at unless it is the journal's writer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -94,13 +95,15 @@ def victim() -> Iterator[subprocess.Popen]:
         p.wait(timeout=30)
 
 
-def _agent(run_dir: Path, timeline: Path, *extra: str) -> subprocess.Popen:
+def _agent(
+    run_dir: Path, timeline: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     return subprocess.Popen(
         [*DIAG, "agent", "--run-dir", str(run_dir), "--timeline", str(timeline),
          "--interval", "0.1", "--hang-floor", "0.5", "--hang-timeout", "1",
          "--warmup-timeout", "1", "--control", "false", "--drain", "false",
          "--persist-on-incident", "false", "--pyspy-timeout", "5", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
 
 
@@ -184,14 +187,13 @@ def test_planted_symlink_at_the_journal_temp_name_truncates_nothing(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     path = journal_path(run_dir, "job", 0)
-    import diag.collector.journal as journal_mod
-
-    monkeypatch.setattr(journal_mod.secrets, "token_hex", lambda n=None: "guessed")
+    # The temp name is random; were it guessed, the planted link is still not opened.
+    monkeypatch.setattr("secrets.token_hex", lambda n=None: "guessed")
     for name in (f".{path.name}.{os.getpid()}.tmp", f".{path.name}.{os.getpid()}.guessed.tmp"):
         (run_dir / name).symlink_to(victim_file)
-    with pytest.raises(FileExistsError):
-        JournalWriter(path, rank=0, world_size=1, local_rank=0)
-    assert victim_file.read_text() == "keep me"
+    with contextlib.suppress(FileExistsError):
+        JournalWriter(path, rank=0, world_size=1, local_rank=0).close()
+    assert victim_file.read_bytes() == b"keep me"
 
 
 def test_meta_writer_follows_no_symlink(tmp_path: Path) -> None:
@@ -200,7 +202,7 @@ def test_meta_writer_follows_no_symlink(tmp_path: Path) -> None:
     journal = journal_path(tmp_path, "job", 0)
     meta_path_for(journal).symlink_to(victim_file)
     write_meta(journal, _meta(os.getpid(), 0.0))
-    assert victim_file.read_text() == "keep me"
+    assert victim_file.read_bytes() == b"keep me"
     assert stat.S_ISREG(os.lstat(meta_path_for(journal)).st_mode)
 
 
@@ -421,7 +423,8 @@ def test_forged_meta_naming_a_root_process_is_not_a_rank(
     _as_nobody(forge)
     meta = meta_path_for(journal_path(run_dir, "job", 0))
     assert os.stat(meta).st_uid == NOBODY
-    agent = _agent(run_dir, timeline, "--on-hang", "stop", "--trainer-uid", str(NOBODY))
+    env = dict(os.environ, DIAG_TRAINER_UID=str(NOBODY))
+    agent = _agent(run_dir, timeline, "--on-hang", "stop", env=env)
     try:
         time.sleep(4.0)  # four times the hang limit
         assert agent.poll() is None, agent.communicate()[0]
