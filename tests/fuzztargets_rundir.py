@@ -4,6 +4,7 @@ read by the JournalReader and turned into the evidence's journal tail."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -60,9 +61,12 @@ def _parse_meta(path: Path) -> object:
     journal = journal_path(path.parent, _JOB, 0)
     owners = Owners.this_process()
     obs = Observer(path.parent, owners=owners)
+    quiet = logging.getLogger("diag.agent.observer")  # one warning per refused meta: 100,000s
+    quiet.disabled = True
     try:
         obs.observe(time.monotonic())  # the agent's read path: refused metas are only warned of
     finally:
+        quiet.disabled = False
         obs.close()
     return read_meta(journal, owners)
 
