@@ -438,3 +438,26 @@ def test_forged_meta_naming_a_root_process_is_not_a_rank(
     dumped = [p for p in timeline.rglob("*") if p.is_file()] if timeline.exists() else []
     assert not any("secret_payroll_job" in p.read_text(errors="replace") for p in dumped)
     assert not any(p.name == "verdict.json" for p in dumped), dumped
+
+
+def test_drain_stops_only_processes_shown_to_be_ranks(
+    tmp_path: Path, victim: subprocess.Popen
+) -> None:
+    """A control session (or a slot header) naming a PID is a claim too: the drain's stop
+    signals only a process that maps its rank's journal or slot."""
+    from diag.agent.checkpoint.manager import CheckpointManager
+    from diag.agent.checkpoint.sessions import RankKey
+    from diag.agent.drain import DrainSettings
+    from diag.agent.drainer import Drainer
+
+    w = _journal(tmp_path, 0)  # mapped by this process: rank 0 is us
+    manager = CheckpointManager(tmp_path, None)
+    try:
+        me = psutil.Process()
+        manager.sessions.register(RankKey("job", 0), me.pid, start_time=me.create_time())
+        other = psutil.Process(victim.pid)
+        manager.sessions.register(RankKey("job", 1), victim.pid, start_time=other.create_time())
+        pids = Drainer(manager, DrainSettings())._pids("job", (0, 1))
+        assert pids == {0: me.pid}, w.path
+    finally:
+        manager.close(timeout=10)
