@@ -123,10 +123,14 @@ def test_the_pod(rendered):
     assert labels.items() <= pod["metadata"]["labels"].items()
     ports = {p["name"] for p in sidecar["ports"]}
     assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
-    # Both containers see the journals at the same path.
+    # Both containers see the journals at the same path: a directory inside a shared volume,
+    # not the volume's root, which the kubelet makes 0777 (the agent refuses such a run dir).
     run_dir = env["DIAG_RUN_DIR"]["value"]
     for c in (sidecar, *spec["containers"]):
-        assert run_dir in {m["mountPath"] for m in c["volumeMounts"]}
+        assert {e["name"]: e for e in c["env"]}["DIAG_RUN_DIR"]["value"] == run_dir
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert run_dir not in mounts
+        assert any(run_dir.startswith(m.rstrip("/") + "/") for m in mounts)
 
 
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"

@@ -144,9 +144,17 @@ class ControlService(pb_grpc.ControlServicer):
 
 class ControlServer:
     def __init__(
-        self, path: Path, manager: CheckpointManager, *, owners: Owners | None = None
+        self,
+        path: Path,
+        manager: CheckpointManager,
+        *,
+        owners: Owners | None = None,
+        client_uid: int | None = None,
     ) -> None:
         self.path = path
+        # The ranks' user, when it is not ours: the socket is given to it (still 0600), so a
+        # root agent's ranks can connect and nobody else can.
+        self.client_uid = client_uid
         self.manager = manager
         # The users whose agent may already serve this path: root, this process's user and the
         # run directory's owner unless told (the ranks' users, once the agent is given them).
@@ -187,6 +195,8 @@ class ControlServer:
             if server.add_insecure_port(f"unix:{bound}") == 0:
                 raise UsageError(f"cannot serve the control channel on {self.path}")
             os.chmod(bound, 0o600)
+            if self.client_uid is not None and self.client_uid != os.geteuid():
+                os.chown(bound, self.client_uid, -1)
             os.replace(bound, self.path)
         finally:
             shutil.rmtree(private, ignore_errors=True)
