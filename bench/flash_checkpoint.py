@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -53,6 +52,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="also DLRover's flash checkpoint on the same engine (default: with --gpu)",
     )
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # results dir, torchrun side
+    p.add_argument("--dlrover-saver", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -192,31 +192,34 @@ def dlrover_flash(engine, out: Path, timed, repeats: int) -> dict:  # type: igno
         dist.all_reduce(t)
         return int(t.item()) == 0
 
-    error, ck, saver = "", None, None
+    error, ck = "", None
     try:
         from dlrover.trainer.torch.flash_checkpoint import deepspeed as dl_ds
+        from dlrover.trainer.torch.flash_checkpoint import engine as dl_engine
         from dlrover.trainer.torch.flash_checkpoint.checkpointer import StorageType
 
         _accept_extra_kwargs(dl_ds.AsyncCheckpointAgent)
+        _bound_setup_wait(dl_engine)
+        # The driver hosts DLRover's saver, as dlrover-run's agent does for its workers, which
+        # it marks with this role so that they do not fork a saver of their own.
+        os.environ["ROLE_NAME"] = "dlrover-trainer"
         ck = dl_ds.DeepSpeedCheckpointer(engine, str(out / "dlrover"))
-        proc = getattr(ck._async_save_engine, "saver_proc", None)
-        saver = getattr(proc, "pid", None)
-    except Exception as e:  # not installed, or this DLRover and DeepSpeed disagree
+    except Exception as e:  # not installed, no saver, or this DLRover and DeepSpeed disagree
         error = f"{type(e).__name__}: {e}"
     if not agree(not error):
-        return {"error": error or "another rank could not start it", "saver_pid": saver}
+        return {"error": error or "another rank could not start it"}
 
     def save(tag: str) -> None:
         ck.save_checkpoint(str(out / "dlrover"), tag, storage_type=StorageType.MEMORY)
 
-    got: dict = {"saver_pid": saver}
+    got: dict = {}
     try:
         got["first_save"] = timed(lambda: save("dl0"))
         got["memory_save"] = [timed(lambda i=i: save(f"dl{i}")) for i in range(1, 1 + repeats)]
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
     if not agree(not error):
-        return {"error": error or "another rank failed", "saver_pid": saver}
+        return {"error": error or "another rank failed"}
     with contextlib.suppress(Exception):
         ck._async_save_engine.close()
     return got
@@ -233,15 +236,62 @@ def _accept_extra_kwargs(agent_cls) -> None:  # type: ignore[no-untyped-def]
     agent_cls._bench_patched = True
 
 
-def dlrover_cleanup(run_id: str, saver_pid: int | None) -> None:
-    """What DLRover leaves: its saver process (it outlives ranks that end with os._exit) and
-    its shared memory, named after the torchrun run id we gave."""
-    if saver_pid:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(saver_pid, signal.SIGKILL)
-    for p in Path("/dev/shm").glob(f"{run_id}*"):
+SETUP_WAIT_S = 15.0
+
+
+def _bound_setup_wait(engine_module) -> None:  # type: ignore[no-untyped-def]
+    """DLRover waits 60 s for each of its saver's sockets; a saver that is not there should
+    cost the bench seconds."""
+    wait = engine_module.wait_socket_server
+    if getattr(wait, "_bench_bounded", False):
+        return
+
+    def bounded(server, timeout=SETUP_WAIT_S):  # type: ignore[no-untyped-def]
+        return wait(server, timeout=min(timeout, SETUP_WAIT_S))
+
+    bounded._bench_bounded = True  # type: ignore[attr-defined]
+    engine_module.wait_socket_server = bounded
+
+
+def dlrover_saver() -> int:
+    """DLRover's checkpoint saver, hosted the way dlrover-run's elastic agent hosts it: a process
+    of its own (not forked from a rank) that serves the ranks' sockets and shared memory, named
+    after TORCHELASTIC_RUN_ID. It lives until the driver ends it."""
+    from dlrover.python.elastic_agent.torch.ckpt_saver import AsyncCheckpointSaver
+
+    AsyncCheckpointSaver.start_async_saving_ckpt()
+    parent = os.getppid()
+    while os.getppid() == parent:  # the driver gone (killed itself): nothing left to serve
+        time.sleep(0.5)
+    return 0
+
+
+def start_dlrover_saver(run_id: str, env: dict[str, str]) -> subprocess.Popen | None:
+    try:
+        import dlrover  # noqa: F401
+    except ImportError:
+        return None  # the ranks say so in the table
+    return subprocess.Popen(
+        [sys.executable, __file__, "--dlrover-saver"], env=dict(env, TORCHELASTIC_RUN_ID=run_id)
+    )
+
+
+def dlrover_cleanup(run_id: str, saver: subprocess.Popen | None) -> None:
+    """What DLRover leaves: its saver process, its shared memory and its sockets, all named
+    after the torchrun run id we gave."""
+    if saver is not None:
+        saver.kill()
+        saver.wait()
+    for p in Path("/dev/shm").glob(f"{run_id}_*"):
         with contextlib.suppress(OSError):
             p.unlink()
+    try:
+        from dlrover.python.common.multi_process import SOCKET_TMP_DIR
+    except ImportError:
+        return
+    shutil.rmtree(Path(SOCKET_TMP_DIR, run_id), ignore_errors=True)
+    with contextlib.suppress(OSError):  # only when no other job's sockets are left in it
+        os.rmdir(SOCKET_TMP_DIR)
 
 
 def memcpy_baselines(engine, out: Path, timed, pin: bool, repeats: int):  # type: ignore[no-untyped-def]
@@ -345,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         from diag.trainer import exit_process
 
         exit_process(worker(args))
+    if args.dlrover_saver:
+        return dlrover_saver()
     if args.gpu:
         import torch
 
@@ -356,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         args.dlrover = args.gpu
     run_id = f"bench-flash-{os.getpid()}"
     r: dict = {}
+    saver = None
     work = Path(tempfile.mkdtemp(prefix="bench-flash-", dir=args.disk_dir))
     run_dir = Path(tempfile.mkdtemp(prefix="bench-flash-run-", dir="/dev/shm"))
     try:
@@ -368,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
             str(args.repeats), "--disk-dir", str(args.disk_dir), *(["--gpu"] if args.gpu else []),
             "--dlrover" if args.dlrover else "--no-dlrover",
         ]  # fmt: skip
+        if args.dlrover:
+            saver = start_dlrover_saver(run_id, env)
         subprocess.run(cmd, env=env, check=True)
         r = json.loads((work / "ranks.json").read_text())
         per_rank = r["copied_bytes_per_rank"]
@@ -396,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(doc, indent=1))
     finally:
         if args.dlrover:
-            dlrover_cleanup(run_id, (r.get("dlrover") or {}).get("saver_pid"))
+            dlrover_cleanup(run_id, saver)
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return 0
