@@ -8,8 +8,28 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TextIO
 
 from diag.agent import exitcodes
+from diag.collector.untrusted import printable
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class PrintableFormatter(logging.Formatter):
+    """Log lines carry names from input (frames, ops, phases, hosts, files): their terminal
+    escapes and control characters go, and a newline in them cannot forge another line. A
+    traceback keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return printable(super().formatMessage(record), keep_newlines=False)
+
+
+def configure_logging(verbose: int, stream: TextIO | None = None) -> None:
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(PrintableFormatter(LOG_FORMAT))
+    logging.basicConfig(level=logging.WARNING - 10 * min(verbose + 1, 2), handlers=[handler])
+
 
 # name -> (module, one-line help). A module provides `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -74,14 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     module.add_arguments(parser)
     args = parser.parse_args(rest)
-    logging.basicConfig(
-        level=logging.WARNING - 10 * min(args.verbose + 1, 2),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.verbose)
     try:
         return int(module.run(args))
     except exitcodes.UsageError as e:
-        print(f"diag {name}: error: {e}", file=sys.stderr)
+        print(f"diag {name}: error: {printable(str(e), keep_newlines=False)}", file=sys.stderr)
         return exitcodes.USAGE
     except KeyboardInterrupt:
         return exitcodes.INTERRUPTED
