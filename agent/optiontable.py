@@ -122,12 +122,14 @@ class OptionTable:
         values: dict[str, Any] = {}
         for opt in self.options:
             flag = self.flag(opt)
-            raw, source = getattr(args, self.dest(opt), None), f"{flag} (flag)"
+            raw, source, origin = getattr(args, self.dest(opt), None), flag, "given as a flag"
             if raw is None and self.env(opt) in env:
-                raw, source = env[self.env(opt)], f"{self.env(opt)} (environment, for {flag})"
+                raw, source = env[self.env(opt)], self.env(opt)
+                origin = f"environment variable for {flag}"
             if raw is None and opt.name in file_values:
                 raw = file_values[opt.name]
-                source = f"{file}: [{self.toml_table}] {opt.name} (config file, for {flag})"
+                source = f"{file}: [{self.toml_table}] {opt.name}"
+                origin = f"config file key for {flag}"
                 raw = from_file(opt, raw) if from_file is not None else _joined(raw)
             if raw is None:
                 values[opt.name] = opt.default
@@ -137,25 +139,27 @@ class OptionTable:
             try:
                 value = opt.parse(str(raw))
             except (ValueError, OverflowError) as e:
-                raise UsageError(f"{source}: {e}{self._allowed(opt)}") from e
-            values[opt.name] = self._checked(opt, value, raw, source)
+                raise UsageError(f"{source}: {e} ({origin}{self._allowed(opt)})") from e
+            problem = self._problem(opt, value, raw)
+            if problem is not None:
+                raise UsageError(f"{source}: {problem} ({origin}{self._allowed(opt)})")
+            values[opt.name] = value
         return values
 
     def _allowed(self, opt: Option) -> str:
         bounds = self.bounds_of(opt)
         return f"; allowed: {bounds.describe()}" if bounds is not None else ""
 
-    def _checked(self, opt: Option, value: Any, raw: Any, source: str) -> Any:
+    def _problem(self, opt: Option, value: Any, raw: Any) -> str | None:
         """NaN and infinity are never an option's value; numbers stay within their bounds."""
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return value
-        bounds = self.bounds_of(opt)
-        allowed = self._allowed(opt)
+            return None
         if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"{source}: {raw!r} is not a finite number{allowed}")
+            return f"{raw!r} is not a finite number"
+        bounds = self.bounds_of(opt)
         if bounds is not None and not bounds.allows(value):
-            raise UsageError(f"{source}: {raw!r} is out of range{allowed}")
-        return value
+            return f"{raw!r} is out of range"
+        return None
 
 
 def _joined(raw: Any) -> Any:
@@ -196,7 +200,8 @@ def read_toml(path: Path) -> dict[str, Any]:
     try:
         data = read_bounded(path, max_bytes=CONFIG_MAX_BYTES)
     except UntrustedInput as e:
-        raise UsageError(f"--config {e}") from None
+        problem = "no such file" if e.problem == "does not exist" else e.problem
+        raise UsageError(f"--config {path}: {problem}") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

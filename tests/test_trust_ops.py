@@ -79,19 +79,19 @@ def test_nonfinite_and_out_of_range_options_are_usage_errors(
     env: dict[str, str] = {}
     if source == "flag":
         argv = [f"{flag}={value}"]
-        where = f"{flag} (flag)"
+        where = (f"{flag}: ", "(given as a flag; allowed: ")
     elif source == "env":
         env = {"DIAG_" + name.upper(): value}
-        where = f"DIAG_{name.upper()} (environment, for {flag})"
+        where = (f"DIAG_{name.upper()}: ", f"(environment variable for {flag}; allowed: ")
     else:
         cfg = tmp_path / "agent.toml"
         cfg.write_text(f'[agent]\n{name} = "{value}"\n')
         argv = ["--config", str(cfg)]
-        where = f"[agent] {name} (config file, for {flag})"
+        where = (f"{cfg}: [agent] {name}: ", f"(config file key for {flag}; allowed: ")
     with pytest.raises(UsageError) as e:
         load(argv, env)
     message = str(e.value)
-    assert where in message and allowed in message, message
+    assert message.startswith(where[0]) and f"{where[1]}{allowed})" in message, message
     assert "\n" not in message
 
 
@@ -99,10 +99,10 @@ def test_nonfinite_and_out_of_range_options_are_usage_errors(
 def test_toml_native_nan_and_inf_are_refused(tmp_path: Path, toml_value: str) -> None:
     cfg = tmp_path / "agent.toml"
     cfg.write_text(f"[agent]\nhang_factor = {toml_value}\n[taint]\nhealth_interval = 5\n")
-    with pytest.raises(UsageError, match=r"hang_factor .*allowed: \[1, 1000\]"):
+    with pytest.raises(UsageError, match=r"hang_factor: .*allowed: \[1, 1000\]"):
         load(["--config", str(cfg)])
     cfg.write_text(f"[taint]\nhealth_interval = {toml_value}\n")
-    with pytest.raises(UsageError, match=r"health_interval .*--taint-health-interval"):
+    with pytest.raises(UsageError, match=r"health_interval: .*for --taint-health-interval"):
         load(["--config", str(cfg)])
 
 
@@ -131,7 +131,7 @@ def test_interval_nan_exits_2_without_a_traceback(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == exitcodes.USAGE, r.stderr
     assert "Traceback" not in r.stderr
-    assert "--interval (flag)" in r.stderr and "(0, 600]" in r.stderr
+    assert "--interval: " in r.stderr and "(given as a flag; allowed: (0, 600])" in r.stderr
 
 
 # -- the config file ---------------------------------------------------------------------------
