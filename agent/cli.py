@@ -7,6 +7,7 @@ import argparse
 import importlib
 import logging
 import sys
+import typing
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -58,6 +59,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line, like every other usage error; `--help` has the full usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(
+            exitcodes.USAGE,
+            f"{self.prog}: error: {printable(message, keep_newlines=False)} "
+            f"(see {self.prog} --help)\n",
+        )
+
+
 def _top_help() -> str:
     width = max(len(n) for n in SUBCOMMANDS)
     lines = [f"  {n:<{width}}  {h}" for n, (_, h) in SUBCOMMANDS.items()]
@@ -86,14 +98,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exitcodes.USAGE
     module_name, help_text = SUBCOMMANDS[name]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(
-        prog=f"diag {name}", description=help_text[0].upper() + help_text[1:] + "."
-    )
+    parser = _Parser(prog=f"diag {name}", description=help_text[0].upper() + help_text[1:] + ".")
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)"
     )
     module.add_arguments(parser)
-    args = parser.parse_args(rest)
+    try:
+        args = parser.parse_args(rest)
+    except SystemExit as e:  # argparse has printed the usage error (2) or the help (0)
+        return e.code if isinstance(e.code, int) else exitcodes.USAGE
     configure_logging(args.verbose)
     try:
         return int(module.run(args))

@@ -269,19 +269,20 @@ def size(text: str) -> int:
 
 
 def bounded_type(
-    lo: float, hi: float, parse: Callable[[str], float] = finite
+    lo: float, hi: float, parse: Callable[[str], float] = finite, *, lo_open: bool = False
 ) -> Callable[[str], Any]:
     """An argparse type: a finite number in [lo, hi] (nan, inf and the rest exit 2, naming
     the flag and the range)."""
 
-    allowed = Bounds(lo, hi).describe()
+    bounds = Bounds(lo, hi, lo_open=lo_open)
+    allowed = bounds.describe()
 
     def check(text: str) -> float:
         try:
             value = parse(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"{e}; allowed: {allowed}") from None
-        if not lo <= value <= hi:
+        if not bounds.allows(value):
             raise argparse.ArgumentTypeError(f"{text!r} is out of range; allowed: {allowed}")
         return value
 

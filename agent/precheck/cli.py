@@ -98,16 +98,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("thresholds")
     g.add_argument(
         "--straggler-ratio",
-        type=_in(0, 1),
+        type=_in(0, 1, lo_open=True),
         default=0.5,
         help="a node whose best busbw is below this x the median is a straggler (0.5)",
     )
     g.add_argument("--min-busbw", help="busbw floor for every link, e.g. 10GB/s or 100Mbit")
-    g.add_argument("--compute-ratio", type=_in(0, 1), default=0.5, help="vs median matmul (0.5)")
-    g.add_argument("--copy-ratio", type=_in(0, 1), default=0.5, help="vs median copy (0.5)")
+    g.add_argument(
+        "--compute-ratio", type=_in(0, 1, lo_open=True), default=0.5, help="vs median matmul (0.5)"
+    )
+    g.add_argument(
+        "--copy-ratio", type=_in(0, 1, lo_open=True), default=0.5, help="vs median copy (0.5)"
+    )
     g.add_argument("--min-copy-bw", help="intra-node copy floor, e.g. 100GB/s")
     g.add_argument(
-        "--max-gpu-memory-used", type=_in(0, 1), default=0.3, help="fraction in use before (0.3)"
+        "--max-gpu-memory-used",
+        type=_in(0, 1, lo_open=True),
+        default=0.3,
+        help="fraction in use before (0.3)",
     )
     g.add_argument("--max-gpu-temp", type=_in(0, 200), default=85.0, help="degrees C (85)")
 
