@@ -33,7 +33,7 @@ from diag.agent import config, exitcodes
 from diag.agent.cli import configure_logging
 from diag.agent.exitcodes import UsageError
 from diag.agent.metrics.server import MetricsServer
-from diag.agent.prune import prune_incidents
+from diag.agent.prune import prune_incidents, prune_job_verdicts
 from diag.agent.retention import Entry, Retention, to_remove
 from diag.agent.taintledger import HISTORY, TaintLedger
 from diag.agent.taintmodel import Action, Reason, TaintPlan, TaintRecord
@@ -359,6 +359,15 @@ def test_prune_removes_old_incidents_keeps_newest_in_progress_and_foreign(tmp_pa
     assert newest.is_dir() and current.is_dir() and in_progress.is_dir() and foreign.is_dir()
     assert link.is_symlink() and (outside / "keep" / "verdict.json").is_file()
     assert not any(p.exists() for p in old)
+
+
+def test_prune_job_verdicts_spares_young_ones(tmp_path: Path) -> None:
+    jobs = tmp_path / ".jobs" / "train"
+    old = [make_incident(jobs, f"c10d-{i}", 20 + i) for i in range(3)]
+    young = [make_incident(jobs, f"c10d-young-{i}", 0.001 * i) for i in range(3)]
+    removed = prune_job_verdicts(tmp_path, Retention(count=1), time.time())
+    assert sorted(removed) == sorted(f"train/{d.name}" for d in old)
+    assert all(d.is_dir() for d in young)
 
 
 def test_prune_by_bytes_keeps_the_newest_that_fit(tmp_path: Path) -> None:
