@@ -156,12 +156,15 @@ class MetricsServer:
                 if self._stop.is_set():
                     return
                 raise
-            for key, _ in events:
-                if key.fileobj is self._listener:
-                    self._accept()
-                elif key.fileobj is not self._wake_r:
-                    self._read(key.fileobj)  # type: ignore[arg-type]
-            self._expire(time.monotonic())
+            try:
+                for key, _ in events:
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is not self._wake_r:
+                        self._read(key.fileobj)  # type: ignore[arg-type]
+                self._expire(time.monotonic())
+            except Exception:  # a bug must not end the endpoint for the agent's lifetime
+                log.exception("metrics server: handling a connection failed")
 
     def _accept(self) -> None:
         while True:
