@@ -7,9 +7,30 @@ import argparse
 import importlib
 import logging
 import sys
+import typing
 from collections.abc import Sequence
+from typing import TextIO
 
 from diag.agent import exitcodes
+from diag.collector.untrusted import printable
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class PrintableFormatter(logging.Formatter):
+    """Log lines carry names from input (frames, ops, phases, hosts, files): their terminal
+    escapes and control characters go, and a newline in them cannot forge another line. A
+    traceback keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return printable(super().formatMessage(record), keep_newlines=False)
+
+
+def configure_logging(verbose: int, stream: TextIO | None = None) -> None:
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(PrintableFormatter(LOG_FORMAT))
+    logging.basicConfig(level=logging.WARNING - 10 * min(verbose + 1, 2), handlers=[handler])
+
 
 # name -> (module, one-line help). A module provides `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -36,6 +57,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "run a local CPU DeepSpeed job with an injected fault under a real agent",
     ),
 }
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line, like every other usage error; `--help` has the full usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(
+            exitcodes.USAGE,
+            f"{self.prog}: error: {printable(message, keep_newlines=False)} "
+            f"(see {self.prog} --help)\n",
+        )
 
 
 def _top_help() -> str:
@@ -66,22 +98,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exitcodes.USAGE
     module_name, help_text = SUBCOMMANDS[name]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(
-        prog=f"diag {name}", description=help_text[0].upper() + help_text[1:] + "."
-    )
+    parser = _Parser(prog=f"diag {name}", description=help_text[0].upper() + help_text[1:] + ".")
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)"
     )
     module.add_arguments(parser)
-    args = parser.parse_args(rest)
-    logging.basicConfig(
-        level=logging.WARNING - 10 * min(args.verbose + 1, 2),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    try:
+        args = parser.parse_args(rest)
+    except SystemExit as e:  # argparse has printed the usage error (2) or the help (0)
+        return e.code if isinstance(e.code, int) else exitcodes.USAGE
+    configure_logging(args.verbose)
     try:
         return int(module.run(args))
     except exitcodes.UsageError as e:
-        print(f"diag {name}: error: {e}", file=sys.stderr)
+        print(f"diag {name}: error: {printable(str(e), keep_newlines=False)}", file=sys.stderr)
         return exitcodes.USAGE
     except KeyboardInterrupt:
         return exitcodes.INTERRUPTED

@@ -25,6 +25,7 @@ from diag.agent.notice import NoticeSettings, Provider
 from diag.agent.options import OPTIONS, REMOVED, Until, check_removed, parse_port
 from diag.agent.options import add_arguments as add_arguments
 from diag.agent.optiontable import Option, read_toml_table
+from diag.agent.retention import DEFAULT_INCIDENT_RETENTION, Retention
 from diag.agent.rundircheck import TrainerUsers
 from diag.agent.taintconfig import TaintSettings
 from diag.agent.timeouts import TimeoutPolicy
@@ -55,6 +56,7 @@ class AgentConfig:
     drain: DrainSettings | None = field(default_factory=DrainSettings)  # None: stop on SIGTERM
     notice: NoticeSettings | None = None  # the early preemption notice watcher; None: off
     trainer: TrainerUsers = field(default_factory=TrainerUsers)  # --trainer-uid / --trainer-gid
+    retention: Retention = DEFAULT_INCIDENT_RETENTION  # of the incident directories it writes
 
 
 def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> AgentConfig:
@@ -119,6 +121,11 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         drain=_drain_settings(values) if values["drain"] else None,
         notice=_notice_settings(values),
         trainer=TrainerUsers(values["trainer_uid"], values["trainer_gid"]),
+        retention=Retention(
+            count=values["keep_incidents"],
+            max_age=values["keep_incident_days"] * 86400.0,
+            max_bytes=values["keep_incident_bytes"],
+        ),
         taint=taintconfig.load(
             args, job=values["job"], env=env, config=getattr(args, "config", None)
         ),

@@ -37,6 +37,7 @@ from diag.agent.nodeview import view_document
 from diag.agent.notice import Notice, NoticeWatcher, deadline_of
 from diag.agent.observer import Observer
 from diag.agent.options import Until
+from diag.agent.prune import prune_incidents, prune_job_verdicts
 from diag.agent.pyspy import can_trace
 from diag.agent.rundircheck import owners_of
 from diag.agent.rundircheck import prepare as prepare_run_dir
@@ -91,6 +92,7 @@ class Agent:
         if cfg.policy.persist_on_incident:
             self.executor.persist_hooks.append(self.persist_on_incident)
         self.executor.listeners.append(self.dump_fallback)
+        self.executor.listeners.append(self.prune_timeline)
         self.job_verdicts = JobVerdictStore(cfg.timeline / JOB_VERDICTS_DIR)
         self.job_link = JobLink(self.job_verdicts, cfg.node)
         self._views: dict[str, dict[str, Any]] = {}  # incident id -> our ranks at its verdict
@@ -162,6 +164,14 @@ class Agent:
         the verdict (in a thread)."""
         view = self._views.pop(report.verdict.incident_id, None)
         self.job_link.on_disk(report, view)
+
+    def prune_timeline(self, report: IncidentReport | None = None) -> None:
+        """Retention of the incident directories (at start-up and after each incident); the
+        incident just written is kept whatever the limits."""
+        current = [report.evidence.path.name] if report and report.evidence else []
+        now = time.time()
+        prune_incidents(self.cfg.timeline, self.cfg.retention, now, protected=current)
+        prune_job_verdicts(self.cfg.timeline, self.cfg.retention, now)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -262,6 +272,7 @@ class Agent:
             log.warning(
                 "no ptrace permission: stack dumps will fail; run as root or add SYS_PTRACE"
             )
+        self.prune_timeline()
         server = self._serve_metrics()
         if self.health is not None:
             self.health.start(self.tainter.plan_health)

@@ -17,6 +17,7 @@ from diag.agent.observer import Observer
 from diag.agent.options import DEFAULT_TIMELINE
 from diag.agent.pyspy import DumpTarget, can_trace
 from diag.collector.rundir import default_run_dir, node_name
+from diag.collector.untrusted import printable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise exitcodes.UsageError(f"cannot write to {timeline}: {e.strerror}") from e
     failed = [d for d in result.dumps if d.error]
-    print(f"{result.path}  ({len(result.dumps)} ranks, {result.total_seconds:.2f} s)")
-    for d in failed:
-        print(f"  rank {d.rank} (pid {d.pid}): {d.error}")
+    print(printable(f"{result.path}  ({len(result.dumps)} ranks, {result.total_seconds:.2f} s)"))
+    for d in failed:  # py-spy's error text comes from the process: no terminal escapes
+        print(printable(f"  rank {d.rank} (pid {d.pid}): {d.error}", keep_newlines=False))
     return exitcodes.OK if len(failed) < len(result.dumps) else exitcodes.FAILURE

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diag.collector.untrusted import MIB, read_json, write_file_nofollow
+
+VERDICT_MAX_BYTES = 4 * MIB
 VERDICT_FORMAT = "diag.verdict/1"
 VERDICT_FILE = "verdict.json"
 
@@ -58,13 +61,13 @@ def retag(incident: Path, incident_id: str, note: str) -> None:
     """Moves a finished incident directory into another incident (its verdict's id, which
     `diag merge` groups by), keeping the id it had and saying why."""
     path = incident / VERDICT_FILE
-    doc = json.loads(path.read_text())
+    doc = read_json(path, max_bytes=VERDICT_MAX_BYTES)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: not a verdict (a JSON object expected)")
     doc.setdefault("own_incident_id", doc.get("incident_id"))
     doc["incident_id"] = incident_id
     doc["summary"] = f"{doc.get('summary', '')} ({note})"
-    tmp = incident / f".{VERDICT_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
+    write_file_nofollow(path, json.dumps(doc, indent=1).encode())
 
 
 @dataclass
@@ -88,13 +91,11 @@ class IncidentDir:
         return cls(final=final, tmp=tmp)
 
     def write_json(self, name: str, doc: Any) -> Path:
-        path = self.tmp / name
-        path.write_text(json.dumps(doc, indent=1, default=_jsonable))
-        return path
+        return self.write_text(name, json.dumps(doc, indent=1, default=_jsonable))
 
     def write_text(self, name: str, text: str) -> Path:
         path = self.tmp / name
-        path.write_text(text)
+        write_file_nofollow(path, text.encode())  # never through a planted symlink
         return path
 
     def commit(self) -> Path:

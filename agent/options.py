@@ -18,13 +18,16 @@ from diag.agent.metrics.precheck import DEFAULT_NAME as PRECHECK_FILE
 from diag.agent.metrics.xputimer import PORT_ENV as XPU_TIMER_PORT_ENV
 from diag.agent.notice import Provider
 from diag.agent.optiontable import (
+    Bounds,
     Option,
     OptionTable,
     boolean,
     count,
     non_negative,
     positive,
+    size,
 )
+from diag.agent.retention import DEFAULT_INCIDENT_RETENTION
 
 DEFAULT_TIMELINE = "/root/timeline"  # where xpu_timer writes, so DLRover users find it there
 
@@ -41,7 +44,10 @@ def parse_phases(text: str) -> dict[str, float]:
         name, sep, seconds = part.partition("=")
         if not sep or not name:
             raise ValueError(f"expected NAME=SECONDS, got {part!r}")
-        out[name.strip()] = positive(seconds)
+        value = positive(seconds)
+        if value > 7 * 86400:
+            raise ValueError(f"{name.strip()}={seconds}: at most a week (604800 s)")
+        out[name.strip()] = value
     return out
 
 
@@ -225,8 +231,56 @@ OPTIONS = OptionTable(
             "preempted)",
         ),
         Option("notice_interval", positive, 5.0, "seconds between polls of the metadata URL"),
+        Option(
+            "keep_incidents",
+            count,
+            DEFAULT_INCIDENT_RETENTION.count,
+            "incident directories kept in the timeline, newest first (0: no count limit); the "
+            "newest and the one being written are always kept",
+        ),
+        Option(
+            "keep_incident_days",
+            non_negative,
+            DEFAULT_INCIDENT_RETENTION.max_age / 86400,
+            "incident directories older than this many days are removed (0: no age limit)",
+        ),
+        Option(
+            "keep_incident_bytes",
+            size,
+            DEFAULT_INCIDENT_RETENTION.max_bytes,
+            "incident directories are removed, oldest first, beyond this total size, e.g. 2GiB "
+            "(0: no size limit)",
+        ),
     )
 )
+
+_DAY = 86400.0
+_WEEK = 7 * _DAY
+# The allowed range of each numeric option: nan, inf and values outside exit 2 (see optiontable).
+BOUNDS = {
+    "hang_timeout": Bounds(0, _WEEK, lo_open=True),
+    "hang_floor": Bounds(0, _WEEK, lo_open=True),
+    "hang_factor": Bounds(1, 1000),
+    "warmup_steps": Bounds(0, 1_000_000),
+    "warmup_timeout": Bounds(0, _WEEK, lo_open=True),
+    "warmup_cadence": Bounds(0, _DAY),
+    "default_phase_timeout": Bounds(0, _WEEK, lo_open=True),
+    "stop_grace": Bounds(0, 3600, lo_open=True),
+    "interval": Bounds(0, 600, lo_open=True),
+    "pyspy_timeout": Bounds(0, 3600, lo_open=True),
+    "dump_parallel": Bounds(0, 1024),
+    "metrics_port": Bounds(0, 65535),
+    "keep_last": Bounds(0, 1_000_000),
+    "snapshot_linger": Bounds(0, _WEEK, lo_open=True),
+    "persist_workers": Bounds(0, 256),
+    "termination_grace": Bounds(0, _DAY, lo_open=True),
+    "drain_margin": Bounds(0, 3600),
+    "notice_interval": Bounds(0, 3600, lo_open=True),
+    "keep_incidents": Bounds(0, 1_000_000),
+    "keep_incident_days": Bounds(0, 36500),
+    "keep_incident_bytes": Bounds(0, 1 << 50),
+}
+OPTIONS = OPTIONS.with_bounds(BOUNDS)
 
 _BOARD_GONE = (
     "the peer board is gone; a rank on another node is named by the job verdict, from the views "

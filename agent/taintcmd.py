@@ -15,6 +15,7 @@ from diag.agent import exitcodes, gpuhealth, taintconfig, taintevidence
 from diag.agent.exitcodes import UsageError
 from diag.agent.kube import KubeError
 from diag.agent.options import DEFAULT_TIMELINE
+from diag.agent.optiontable import bounded_type
 from diag.agent.taintflow import TaintOutcome, taint
 from diag.agent.taintledger import LedgerBusy
 from diag.agent.taints import Evidence, Signal
@@ -48,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gpu-watch",
-        type=float,
+        type=bounded_type(0, 3600),
         default=0.0,
         metavar="SECONDS",
         help="listen this long for XID events (NVML reports XIDs as they happen, not those "

@@ -18,6 +18,7 @@ from typing import Any
 
 from diag.agent.nodehealth import HealthSettings
 from diag.agent.optiontable import (
+    Bounds,
     Option,
     OptionTable,
     boolean,
@@ -26,6 +27,7 @@ from diag.agent.optiontable import (
     positive,
     read_toml_table,
 )
+from diag.agent.retention import DEFAULT_HISTORY_RETENTION, Retention
 from diag.agent.taintmodel import APPLICATION_XIDS, HARDWARE_XIDS, TaintPolicy
 
 
@@ -44,6 +46,7 @@ class TaintSettings:
     kubeconfig: str | None = None  # None: $KUBECONFIG, else the in-cluster service account
     ledger_timeout: float = 30.0
     health: HealthSettings = field(default_factory=HealthSettings)
+    history: Retention = DEFAULT_HISTORY_RETENTION  # of the job's taint history in the ledger
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -133,9 +136,37 @@ OPTIONS = OptionTable(
             "seconds between looks at the node's health",
             agent_only=True,
         ),
+        Option(
+            "keep_history",
+            count,
+            DEFAULT_HISTORY_RETENTION.count,
+            "lines of the job's taint history kept (0: no count limit; never fewer than "
+            "--taint-rate-count)",
+        ),
+        Option(
+            "history_days",
+            non_negative,
+            DEFAULT_HISTORY_RETENTION.max_age / 86400,
+            "days the job's taint history keeps a line (0: no age limit; never less than "
+            "--taint-rate-window)",
+        ),
     ),
     prefix="taint_",
     toml_table="taint",
+).with_bounds(
+    {
+        "culprit_threshold": Bounds(0, 1_000_000),
+        "culprit_window": Bounds(0, 365 * 86400),
+        "expiry": Bounds(0, 365 * 86400),
+        "job_cap": Bounds(0, 1_000_000),
+        "rate_count": Bounds(0, 1_000_000),
+        "rate_window": Bounds(0, 365 * 86400),
+        "retries": Bounds(0, 1000),
+        "nic_grace": Bounds(0, 86400),
+        "health_interval": Bounds(0, 3600, lo_open=True),
+        "keep_history": Bounds(0, 1_000_000),
+        "history_days": Bounds(0, 36500),
+    }
 )
 
 
@@ -188,4 +219,15 @@ def load(
             gpu=values["gpu_watch"],
             interval=values["health_interval"],
         ),
+        history=_history(values),
+    )
+
+
+def _history(values: dict[str, Any]) -> Retention:
+    """The history's retention, never shorter than the rate limit that reads it."""
+    keep, days = values["keep_history"], values["history_days"]
+    return Retention(
+        count=max(keep, values["rate_count"]) if keep else 0,
+        max_age=max(days * 86400.0, values["rate_window"]) if days else 0.0,
+        max_bytes=DEFAULT_HISTORY_RETENTION.max_bytes,
     )

@@ -51,7 +51,9 @@ def taint(
     clock: Callable[[], float] = time.time,
 ) -> TaintOutcome:
     api = api if api is not None else connect(settings.kubeconfig)
-    ledger = TaintLedger(timeline, settings.policy.job, settings.ledger_timeout)
+    ledger = TaintLedger(
+        timeline, settings.policy.job, settings.ledger_timeout, history=settings.history
+    )
 
     def decide_with(budget: JobBudget) -> Callable[[NodeView], TaintPlan]:
         return lambda view: plan_taint(view, evidence, settings.policy, budget, clock())
@@ -90,7 +92,7 @@ def untaint(
     job = state.view.record.job if state.view.record is not None else settings.policy.job
     if dry_run:
         return TaintOutcome(plan_untaint(state.view, clock(), why), dry_run=True)
-    ledger = TaintLedger(timeline, job, settings.ledger_timeout)
+    ledger = TaintLedger(timeline, job, settings.ledger_timeout, history=settings.history)
     with ledger.locked():
         result = apply_plan(
             api,
@@ -123,7 +125,7 @@ def expire(
         return TaintOutcome(decide(read_node(api, node).view), dry_run=True)
     state = read_node(api, node)
     job = state.view.record.job if state.view.record is not None else settings.policy.job
-    ledger = TaintLedger(timeline, job, settings.ledger_timeout)
+    ledger = TaintLedger(timeline, job, settings.ledger_timeout, history=settings.history)
     with ledger.locked():
         result = apply_plan(
             api, node, decide, event_namespace=settings.event_namespace, retries=settings.retries

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from diag.agent import exitcodes
 from diag.agent.exitcodes import UsageError
+from diag.agent.optiontable import bounded_type as _in
+from diag.agent.optiontable import integer
 from diag.agent.precheck.config import (
     DevicePairs,
     LocalCheck,
@@ -21,8 +23,11 @@ from diag.agent.precheck.config import (
 )
 from diag.agent.precheck.grading import Thresholds
 from diag.agent.precheck.units import parse_rate, parse_size
+from diag.collector.untrusted import printable
 
 log = logging.getLogger(__name__)
+
+_WEEK = 7 * 86400.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,15 +61,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated subset of device,compute,intra,inter (default: all)",
     )
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    g.add_argument("--net-device", type=int, default=0, help="local GPU for inter-node tests")
+    g.add_argument(
+        "--net-device", type=_in(0, 1024, integer), default=0, help="local GPU for inter-node tests"
+    )
     g.add_argument("--msg-size", help="allreduce size per pair (default 8MiB on CPU, 64MiB GPU)")
-    g.add_argument("--pair-seconds", type=float, default=1.0, help="timed budget per pair (1.0)")
-    g.add_argument("--warmup-iters", type=int, default=1, help="untimed allreduces first (1)")
-    g.add_argument("--max-iters", type=int, default=50, help="timed allreduces at most (50)")
-    g.add_argument("--max-rounds", type=int, default=5, help="inter-node pairing rounds (5)")
-    g.add_argument("--matmul-size", type=int, help="matmul edge (default 512 CPU, 8192 GPU)")
-    g.add_argument("--compute-seconds", type=float, default=1.0, help="matmul budget (1.0)")
-    g.add_argument("--compute-threads", type=int, default=1, help="CPU matmul threads (1)")
+    g.add_argument(
+        "--pair-seconds", type=_in(0, 3600), default=1.0, help="timed budget per pair (1.0)"
+    )
+    g.add_argument(
+        "--warmup-iters",
+        type=_in(0, 1_000_000, integer),
+        default=1,
+        help="untimed allreduces first (1)",
+    )
+    g.add_argument(
+        "--max-iters",
+        type=_in(0, 1_000_000, integer),
+        default=50,
+        help="timed allreduces at most (50)",
+    )
+    g.add_argument(
+        "--max-rounds", type=_in(0, 1000, integer), default=5, help="inter-node pairing rounds (5)"
+    )
+    g.add_argument(
+        "--matmul-size", type=_in(0, 65536, integer), help="matmul edge (default 512 CPU, 8192 GPU)"
+    )
+    g.add_argument("--compute-seconds", type=_in(0, 3600), default=1.0, help="matmul budget (1.0)")
+    g.add_argument(
+        "--compute-threads", type=_in(0, 1024, integer), default=1, help="CPU matmul threads (1)"
+    )
     g.add_argument("--copy-size", default="256MiB", help="intra-node copy size (256MiB)")
     g.add_argument(
         "--device-pairs", default="ring", help="intra-node pairs: ring, all, or e.g. 0-1,2-3"
@@ -73,26 +98,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("thresholds")
     g.add_argument(
         "--straggler-ratio",
-        type=float,
+        type=_in(0, 1, lo_open=True),
         default=0.5,
         help="a node whose best busbw is below this x the median is a straggler (0.5)",
     )
     g.add_argument("--min-busbw", help="busbw floor for every link, e.g. 10GB/s or 100Mbit")
-    g.add_argument("--compute-ratio", type=float, default=0.5, help="vs median matmul (0.5)")
-    g.add_argument("--copy-ratio", type=float, default=0.5, help="vs median copy (0.5)")
+    g.add_argument(
+        "--compute-ratio", type=_in(0, 1, lo_open=True), default=0.5, help="vs median matmul (0.5)"
+    )
+    g.add_argument(
+        "--copy-ratio", type=_in(0, 1, lo_open=True), default=0.5, help="vs median copy (0.5)"
+    )
     g.add_argument("--min-copy-bw", help="intra-node copy floor, e.g. 100GB/s")
     g.add_argument(
-        "--max-gpu-memory-used", type=float, default=0.3, help="fraction in use before (0.3)"
+        "--max-gpu-memory-used",
+        type=_in(0, 1, lo_open=True),
+        default=0.3,
+        help="fraction in use before (0.3)",
     )
-    g.add_argument("--max-gpu-temp", type=float, default=85.0, help="degrees C (85)")
+    g.add_argument("--max-gpu-temp", type=_in(0, 200), default=85.0, help="degrees C (85)")
 
     g = p.add_argument_group("timeouts (seconds)")
-    g.add_argument("--rdzv-timeout", type=float, default=300.0, help="for all nodes to join")
-    g.add_argument("--connect-timeout", type=float, default=30.0, help="pair connect (30)")
-    g.add_argument("--collective-timeout", type=float, default=30.0, help="per allreduce (30)")
-    g.add_argument("--local-timeout", type=float, default=300.0, help="local checks (300)")
-    g.add_argument("--lost-after", type=float, default=10.0, help="silent node is gone (10)")
-    g.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval (1)")
+    g.add_argument(
+        "--rdzv-timeout", type=_in(0, _WEEK), default=300.0, help="for all nodes to join"
+    )
+    g.add_argument("--connect-timeout", type=_in(0, _WEEK), default=30.0, help="pair connect (30)")
+    g.add_argument(
+        "--collective-timeout", type=_in(0, _WEEK), default=30.0, help="per allreduce (30)"
+    )
+    g.add_argument("--local-timeout", type=_in(0, _WEEK), default=300.0, help="local checks (300)")
+    g.add_argument(
+        "--lost-after", type=_in(0, _WEEK), default=10.0, help="silent node is gone (10)"
+    )
+    g.add_argument("--heartbeat", type=_in(0, 3600), default=1.0, help="heartbeat interval (1)")
 
 
 def _from_env(value: object, env: str, what: str) -> str:
@@ -226,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        print(render(report))
+        print(printable(render(report)))  # host names come from the other nodes
     sys.stdout.flush()
     try:
         if args.report is not None:
