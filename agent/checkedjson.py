@@ -52,6 +52,9 @@ class Fields:
         return self.d.get(key) is not None
 
     def int(self, key: str, lo: int, hi: int, default: Any = _MISSING) -> int:
+        v = self.d.get(key, default)
+        if type(v) is int and lo <= v <= hi:  # the common case, first
+            return v
         v = self._get(key, default)
         if isinstance(v, bool) or not isinstance(v, int):
             raise self.fail(key, f"must be an integer, got {type(v).__name__}")
@@ -65,6 +68,9 @@ class Fields:
     def float(
         self, key: str, default: Any = _MISSING, lo: float = -math.inf, hi: float = math.inf
     ) -> float:
+        v = self.d.get(key, default)
+        if type(v) is float and lo <= v <= hi and math.isfinite(v):
+            return v
         v = self._get(key, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise self.fail(key, f"must be a number, got {type(v).__name__}")
@@ -77,7 +83,12 @@ class Fields:
         return f
 
     def opt_float(self, key: str, lo: float = -math.inf, hi: float = math.inf) -> float | None:
-        return None if self.d.get(key) is None else self.float(key, lo=lo, hi=hi)
+        v = self.d.get(key)
+        if v is None:
+            return None
+        if type(v) is float and lo <= v <= hi and math.isfinite(v):
+            return v
+        return self.float(key, lo=lo, hi=hi)
 
     def bool(self, key: str, default: Any = _MISSING) -> bool:
         v = self._get(key, default)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from diag.agent import exitcodes
@@ -29,9 +30,11 @@ from diag.agent.precheck.evidence import (
     nic_state,
 )
 from diag.agent.precheck.grading import Thresholds, grade_pairs
-from diag.collector.untrusted import UntrustedInput
+from diag.collector.untrusted import MIB, UntrustedInput, read_json
 
 REPORT_VERSION = 1
+# What `--report` writes: 12 KiB a node of 8 GPUs in a real run, 190 MiB for 16,000 nodes.
+MAX_REPORT_BYTES = 512 * MIB
 
 
 class Outcome(enum.StrEnum):
@@ -153,6 +156,12 @@ class PrecheckReport:
             settings=_settings(f.opt_obj("settings")),
             version=version,
         )
+
+
+def read_report(path: Path) -> PrecheckReport:
+    """The report file at `path` (a regular file under the cap, not through a symlink),
+    checked; raises UntrustedInput naming it."""
+    return PrecheckReport.from_dict(read_json(path, max_bytes=MAX_REPORT_BYTES), str(path))
 
 
 def _pair(p: object, source: str, where: str, hi: int) -> tuple[int, int]:
