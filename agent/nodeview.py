@@ -105,11 +105,17 @@ def view_document(obs: Observation, node: str, wall: float) -> dict[str, Any]:
     }
 
 
+def _one_of(f: Fields, key: str, allowed: frozenset[str]) -> None:
+    v = f.d.get(key)
+    if not isinstance(v, str) or v not in allowed:
+        raise f.fail(key, f"is not one of {', '.join(sorted(allowed))}")
+
+
 def _check_op(f: Fields) -> None:
     f.str("group")
     f.int("seq", 0, 2**63)
-    if f.d.get("op") not in _OPS or f.d.get("state") not in _STATES:
-        raise f.fail("op", "is not an op and state diag knows")
+    _one_of(f, "op", _OPS)
+    _one_of(f, "state", _STATES)
     f.int("nbytes", 0, 2**63)
     f.int("peer", -1, MAX_RANKS - 1, -1)
     f.float("age")
@@ -150,8 +156,7 @@ def check_view(doc: object, source: str) -> dict[str, Any]:
         r.int("rank", 0, MAX_RANKS - 1)
         r.int("local_rank", -1, MAX_NODE_RANKS, -1)
         r.int("pid", 0, 2**31, 0)
-        if r.d.get("liveness") not in _LIVENESS:
-            raise r.fail("liveness", f"is not one of {', '.join(sorted(_LIVENESS))}")
+        _one_of(r, "liveness", _LIVENESS)
         r.float("last_activity_age")
         r.opt_float("exited_age")
         r.int("step", -1, 2**63, 0)

@@ -96,7 +96,12 @@ def parse_aws(status: int, body: bytes) -> Notice | None:
         stamp = doc["time"]
     except (ValueError, KeyError, TypeError, RecursionError):
         raise NoticeFormatError(f"not an instance-action document: {body[:200]!r}") from None
-    if action not in AWS_ACTIONS or not isinstance(stamp, str) or len(stamp) > 64:
+    if (
+        not isinstance(action, str)
+        or action not in AWS_ACTIONS
+        or not isinstance(stamp, str)
+        or len(stamp) > 64
+    ):
         raise NoticeFormatError(f"not an instance-action document: {body[:200]!r}")
     return Notice(
         Provider.AWS, action, _parse_time(stamp), printable(body[:1024].decode(errors="replace"))
