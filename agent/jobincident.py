@@ -14,10 +14,14 @@ incident whose claim is older than the node's ranks belongs to an earlier run.
 from __future__ import annotations
 
 import enum
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
+
+from diag.agent.nodeview import MAX_RANKS
+from diag.collector.untrusted import printable
 
 JOB_VERDICT_FORMAT = "diag.job-verdict/1"
 DEATH = "rank_exited"  # the decision core's kind for a rank that died
@@ -69,8 +73,12 @@ _NAME = re.compile(r"^r(x|\d+)\.([LR])\.([A-Za-z0-9_.-]+)~([A-Za-z0-9_.@-]*)$")
 
 
 def parse_name(name: str) -> ReportName | None:
+    """What a file name in the reports directory says; None when it is not a report's name
+    (or names a rank no job has, or an evidence directory that is not a plain name)."""
     m = _NAME.match(name)
-    if m is None:
+    if m is None or m.group(4) in ("", ".", ".."):
+        return None
+    if m.group(1) != "x" and (len(m.group(1)) > 7 or int(m.group(1)) >= MAX_RANKS):
         return None
     rank = None if m.group(1) == "x" else int(m.group(1))
     return ReportName(
@@ -117,14 +125,19 @@ class Claim:
 
     @classmethod
     def parse(cls, text: str) -> Claim | None:
+        """None for what is not a claim: one from an older agent (the node name only), a torn
+        one, or one with a rank or time out of bounds."""
         parts = text.split()
-        if len(parts) != 4 or parts[1] not in ("L", "R"):
-            return None  # a claim from an older agent (the node name only), or torn
+        if len(parts) != 4 or parts[1] not in ("L", "R") or len(parts[0]) > 256:
+            return None
         try:
             rank = None if parts[2] == "x" else int(parts[2])
-            return cls(parts[0], Where(parts[1]), rank, float(parts[3]))
+            wall = float(parts[3])
         except ValueError:
             return None
+        if (rank is not None and not 0 <= rank < MAX_RANKS) or not math.isfinite(wall):
+            return None
+        return cls(printable(parts[0]), Where(parts[1]), rank, wall)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from diag.agent.jobincident import (
 )
 from diag.agent.jobverdict import JobVerdict, JobVerdictStore
 from diag.agent.observation import Observation
+from diag.collector.untrusted import UntrustedInput
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class JobLink:
         mine = mine_of(verdict, obs, now_wall)
         try:
             target = look(self.store, job, mine, self.window, settled=False)
-        except OSError as e:
+        except (OSError, UntrustedInput) as e:
             log.error("cannot list the job's incidents under %s: %s", self.store.root, e)
             target = choose(mine, [], self.window)
         self._open[target.incident_id] = _Open(mine, target, job, threading.Event())
@@ -160,7 +161,7 @@ class JobLink:
         time.sleep(max(0.0, o.mine.decided_wall + self.store.settle - time.time()))
         try:
             target = look(self.store, job, o.mine, self.window, settled=True)
-        except OSError as e:
+        except (OSError, UntrustedInput) as e:
             log.error("cannot look for the job verdict under %s: %s", self.store.root, e)
             return
         if target.incident_id != o.target.incident_id:
@@ -187,7 +188,7 @@ class JobLink:
         """True when this node claimed the incident (and so assembles its verdict)."""
         try:
             return self.store.file(job, incident_id, node_report)
-        except OSError as e:
+        except (OSError, UntrustedInput) as e:
             log.error("could not file the report for the job verdict under %s: %s",
                       self.store.root, e)  # fmt: skip
             return False
@@ -203,5 +204,5 @@ class JobLink:
 
         try:
             self.store.wait_and_conclude(job, incident_id, first_seen, announce)
-        except OSError as e:
+        except (OSError, UntrustedInput) as e:
             log.error("could not write the job verdict under %s: %s", self.store.root, e)

@@ -25,13 +25,23 @@ import json
 import logging
 import os
 import re
-import threading
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from diag.agent.incident import find_dirs, incident_key
+from diag.agent.jobfiles import (
+    MAX_CLAIM_BYTES,
+    MAX_VERDICT_BYTES,
+    IOCount,
+    beneath,
+    exists,
+    read_report,
+    verdict_bytes,
+    verdict_from,
+)
 from diag.agent.jobincident import (
     DEATH,
     JOB_VERDICT_FORMAT,
@@ -50,7 +60,14 @@ from diag.agent.jobincident import (
     ready,
 )
 from diag.agent.nodeview import analyse, fold_rank_lists
-from diag.collector.meta import safe_job_name, write_atomic
+from diag.collector.meta import safe_job_name
+from diag.collector.untrusted import (
+    UntrustedInput,
+    create_new,
+    parse_json,
+    read_bounded,
+    write_replace,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,35 +93,13 @@ def _from_views(reports: list[NodeReport], now_wall: float) -> tuple[int, str, s
     return a.culprit, a.node, f"from the views of {len(views)} nodes: {fold_rank_lists(a.reason)}"
 
 
-def _verdict_bytes(verdict: JobVerdict) -> bytes:
-    doc = {"format": JOB_VERDICT_FORMAT, **asdict(verdict)}
-    if verdict.first_hand is not None:
-        doc["first_hand"]["where"] = verdict.first_hand.where.value
-    return json.dumps(doc, indent=1).encode()
-
-
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.~-]+", "_", name)[:100] or "node"
 
 
-class IOCount:
-    """File operations on the shared volume, by kind (what a network filesystem charges)."""
-
-    def __init__(self) -> None:
-        self.writes = 0  # files created or replaced, directories made
-        self.reads = 0  # files read
-        self.listings = 0  # directories listed
-        self.stats = 0  # existence and time checks
-        self.bytes_written = 0
-        self.bytes_read = 0  # file contents, and the names a listing returns
-
-    def add(self, other: IOCount) -> None:
-        for k, v in vars(other).items():
-            setattr(self, k, getattr(self, k) + v)
-
-
 class JobVerdictStore:
-    """The file adapter: `<root>/<job>/<incident id>/` on the shared timeline volume."""
+    """The file adapter: `<root>/<job>/<incident id>/` on the shared timeline volume. Every
+    file is opened beneath a descriptor of its directory, without following a symlink."""
 
     def __init__(
         self, root: Path, *, settle: float = 10.0, poll: float = 0.5, cascade: float = 1.0
@@ -125,31 +120,45 @@ class JobVerdictStore:
     def incident_dir(self, job: str, incident_id: str) -> Path:
         return self.job_dir(job) / _safe(incident_id)
 
+    @contextlib.contextmanager
+    def _at(self, job: str, *parts: str, create: bool = False) -> Iterator[int]:
+        """A descriptor of `<root>/<job>/<parts...>` (the root is the agent's own option)."""
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            names = [safe_job_name(job or "job"), *parts]
+            with beneath(root, self.root, names, create) as d:
+                yield d
+        finally:
+            os.close(root)
+
     def file(self, job: str, incident_id: str, report: NodeReport) -> bool:
         """Files this node's report; True when this node holds the claim (and so assembles)."""
-        d = self.incident_dir(job, incident_id)
-        (d / REPORTS_DIR).mkdir(parents=True, exist_ok=True)
         data = json.dumps({**asdict(report), "where": report.where.value}).encode()
-        write_atomic(d / REPORTS_DIR / report.name(), data)
-        self.io.writes += 1
-        self.io.bytes_written += len(data)
-        try:
-            fd = os.open(d / CLAIM_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            if report.where == Where.LOCAL and report.culprit is not None:
-                self._mark(d)
-            return False
+        with self._at(job, _safe(incident_id), create=True) as d:
+            where = self.incident_dir(job, incident_id)
+            with beneath(d, where, [REPORTS_DIR], create=True) as reports:
+                write_replace(reports, report.name(), data)
+            self.io.writes += 1
+            self.io.bytes_written += len(data)
+            try:
+                fd = create_new(CLAIM_FILE, dir_fd=d, mode=0o644)
+            except FileExistsError:
+                if report.where == Where.LOCAL and report.culprit is not None:
+                    self._mark(d)
+                return False
         claim = Claim(report.node, report.where, report.culprit, report.first_sign_wall)
         with os.fdopen(fd, "w") as f:
             f.write(claim.text())
         self.io.writes += 1
         return True
 
-    def _mark(self, d: Path) -> None:
+    def _mark(self, d: int) -> None:
         """A first-hand report under another node's claim: one stat tells the claimant (and
         the nodes about to file their views) instead of a listing of every report."""
         try:
-            os.close(os.open(d / FIRST_HAND_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            os.close(create_new(FIRST_HAND_FILE, dir_fd=d, mode=0o644))
             self.io.writes += 1
         except FileExistsError:
             pass
@@ -158,74 +167,112 @@ class JobVerdictStore:
         """The job's incidents of `attempt`: one listing of the job's directory, a time check
         of each one's claim, and a read of the claims made since `since_wall` (the others are
         an earlier run's: their time is all that matters)."""
-        d = self.job_dir(job)
         self.io.listings += 1
+        out = []
         try:
-            entries = os.listdir(d)
+            with self._at(job) as jd:
+                entries = os.listdir(jd)
+                self.io.bytes_read += sum(len(e) for e in entries)
+                for e in entries:
+                    if e.startswith(".") or attempt_of(e) != attempt:
+                        continue
+                    claimed, claim = self._claim(jd, self.job_dir(job) / e, since_wall)
+                    if claimed is not None:
+                        out.append(Known(e, claimed, claim))
         except FileNotFoundError:
             return []
-        self.io.bytes_read += sum(len(e) for e in entries)
-        out = []
-        for e in entries:
-            if e.startswith(".") or attempt_of(e) != attempt:
-                continue
-            claimed, claim = self._claim(d / e, since_wall)
-            if claimed is not None:
-                out.append(Known(e, claimed, claim))
         return out
 
-    def _claim(self, d: Path, since_wall: float) -> tuple[float | None, Claim | None]:
+    def _claim(self, jd: int, d: Path, since_wall: float) -> tuple[float | None, Claim | None]:
         self.io.stats += 1
         try:
-            t = (d / CLAIM_FILE).stat().st_mtime
+            with beneath(jd, d.parent, [d.name]) as fd:
+                try:
+                    t = os.stat(CLAIM_FILE, dir_fd=fd, follow_symlinks=False).st_mtime
+                except FileNotFoundError:
+                    self.io.stats += 1  # made a moment ago, its claim not yet written
+                    return os.fstat(fd).st_mtime, None
+                if not fresh(t, since_wall):
+                    return t, None
+                return t, self._read_claim(fd, d)
         except FileNotFoundError:
-            try:  # made a moment ago, its claim not yet written
-                self.io.stats += 1
-                return d.stat().st_mtime, None
-            except FileNotFoundError:
-                return None, None
-        if not fresh(t, since_wall):
-            return t, None
+            return None, None
+        except UntrustedInput as e:
+            log.warning("ignoring the incident %s", e)
+            return None, None
+
+    def _read_claim(self, d: int, where: Path) -> Claim | None:
         try:
-            raw = (d / CLAIM_FILE).read_bytes()
-        except FileNotFoundError:
-            return t, None
+            raw = read_bounded(CLAIM_FILE, max_bytes=MAX_CLAIM_BYTES, dir_fd=d)
+        except UntrustedInput as e:
+            log.warning("ignoring the claim %s: %s", where / CLAIM_FILE, e.problem)
+            return None
         self.io.reads += 1
         self.io.bytes_read += len(raw)
-        return t, Claim.parse(raw.decode(errors="replace"))
+        return Claim.parse(raw.decode(errors="replace"))
 
     def settled(self, k: Known, job: str) -> Known:
         """`k` with whether its verdict is in place and whether a first-hand report came."""
-        d = self.incident_dir(job, k.incident_id)
         self.io.stats += 2
-        return replace(
-            k, verdict=(d / JOB_VERDICT_FILE).exists(), marked=(d / FIRST_HAND_FILE).exists()
-        )
+        try:
+            with self._at(job, _safe(k.incident_id)) as d:
+                return replace(
+                    k, verdict=exists(d, JOB_VERDICT_FILE), marked=exists(d, FIRST_HAND_FILE)
+                )
+        except FileNotFoundError:
+            return k
 
     def first_hand_marked(self, job: str, incident_id: str) -> bool:
         self.io.stats += 1
-        return (self.incident_dir(job, incident_id) / FIRST_HAND_FILE).exists()
+        try:
+            with self._at(job, _safe(incident_id)) as d:
+                return exists(d, FIRST_HAND_FILE)
+        except FileNotFoundError:
+            return False
 
     def names(self, job: str, incident_id: str) -> list[ReportName]:
-        d = self.incident_dir(job, incident_id) / REPORTS_DIR
         self.io.listings += 1
         try:
-            entries = os.listdir(d)
+            with self._at(job, _safe(incident_id), REPORTS_DIR) as d:
+                entries = os.listdir(d)
         except FileNotFoundError:
             return []
         self.io.bytes_read += sum(len(e) for e in entries)  # the names are the listing's payload
-        return [n for n in map(parse_name, entries) if n is not None]
+        out = [n for n in map(parse_name, entries) if n is not None]
+        odd = sum(not e.startswith(".") for e in entries) - len(out)
+        if odd:
+            log.warning("ignoring %d files in %s whose names are not reports' names", odd,
+                        self.incident_dir(job, incident_id) / REPORTS_DIR)  # fmt: skip
+        return out
 
-    def _read(self, path: Path) -> NodeReport | None:
+    def _read(self, d: int, n: ReportName, where: Path) -> NodeReport | None:
+        """A node's report, or None (with a warning naming it) when it is not one: a bad
+        report leaves that node out, as a missing one does."""
         try:
-            raw = path.read_bytes()
-            doc = json.loads(raw)
-            self.io.reads += 1
-            self.io.bytes_read += len(raw)
-            return NodeReport(**{**doc, "where": Where(doc["where"])})
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            log.warning("ignoring the unreadable report %s: %s", path, e)
+            r, size = read_report(d, n, where / n.file, self.timeline)
+        except UntrustedInput as e:
+            log.warning("ignoring the report %s: %s", where / n.file, e.problem)
             return None
+        self.io.reads += 1
+        self.io.bytes_read += size
+        return r
+
+    def _read_all(
+        self, job: str, incident_id: str, names: list[ReportName]
+    ) -> dict[str, NodeReport]:
+        where = self.incident_dir(job, incident_id) / REPORTS_DIR
+        out: dict[str, NodeReport] = {}
+        if not names:
+            return out
+        try:
+            with self._at(job, _safe(incident_id), REPORTS_DIR) as d:
+                for n in names:
+                    r = self._read(d, n, where)
+                    if r is not None:
+                        out[n.file] = r
+        except FileNotFoundError:
+            pass
+        return out
 
     def evidence_glob(self, job: str, incident_id: str) -> str:
         """Where every node's incident directory of this incident is: the agents name them
@@ -253,14 +300,10 @@ class JobVerdictStore:
             force or ready(names, first_seen, now_wall, self.settle, cascade=cascade)
         ):
             return None
-        d = self.incident_dir(job, incident_id)
         first_hand = any(n.where == Where.LOCAL and n.culprit is not None for n in names)
-        read: dict[str, NodeReport] = {}
-        for n in names:
-            if n.where == Where.LOCAL or not first_hand:
-                r = self._read(d / REPORTS_DIR / n.file)
-                if r is not None:
-                    read[n.file] = r
+        read = self._read_all(
+            job, incident_id, [n for n in names if n.where == Where.LOCAL or not first_hand]
+        )
         pick = pick_culprit(names, read)
         if not first_hand:
             pick = _from_views(list(read.values()), now_wall) or pick
@@ -273,17 +316,27 @@ class JobVerdictStore:
             incident_id, job, names, read, evidence, now_wall, pick,
             evidence_glob=self.evidence_glob(job, incident_id),
         )  # fmt: skip
-        if self.publish(d, verdict):
+        if self.publish(self.incident_dir(job, incident_id), verdict):
             return verdict
-        return self.load(job, incident_id)
+        try:
+            return self.load(job, incident_id)
+        except UntrustedInput as e:
+            log.warning("ignoring the job verdict %s", e)
+            return None
 
     def publish(self, d: Path, verdict: JobVerdict) -> bool:
-        """True when this verdict is the one in place."""
-        data = _verdict_bytes(verdict)
-        tmp = d / f".{JOB_VERDICT_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
-        tmp.write_bytes(data)
+        """True when this verdict is the one in place (`d`: its incident directory)."""
+        with self._at(d.parent.name, d.name) as fd:
+            return self._publish(fd, verdict)
+
+    def _publish(self, d: int, verdict: JobVerdict) -> bool:
+        data = verdict_bytes(verdict)
+        tmp = f".{JOB_VERDICT_FILE}.{secrets.token_hex(8)}.tmp"
+        with os.fdopen(create_new(tmp, dir_fd=d, mode=0o644), "wb") as f:
+            f.write(data)
         try:
-            os.link(tmp, d / JOB_VERDICT_FILE)
+            # link(2) neither follows nor replaces what is at the name: one verdict stands.
+            os.link(tmp, JOB_VERDICT_FILE, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
             self.io.writes += 1
             self.io.bytes_written += len(data)
             return True
@@ -291,31 +344,26 @@ class JobVerdictStore:
             return False  # another agent concluded first: theirs stands
         finally:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=d)
 
     def load(self, job: str, incident_id: str) -> JobVerdict | None:
+        """The verdict in place, None when there is none; raises UntrustedInput naming the
+        file when what is there is not a verdict."""
         path = self.incident_dir(job, incident_id) / JOB_VERDICT_FILE
         try:
-            raw = path.read_bytes()
+            with self._at(job, _safe(incident_id)) as d:
+                if not exists(d, JOB_VERDICT_FILE):
+                    return None
+                raw = read_bounded(JOB_VERDICT_FILE, max_bytes=MAX_VERDICT_BYTES, dir_fd=d)
         except FileNotFoundError:
             return None
+        except UntrustedInput as e:
+            raise UntrustedInput(path, e.problem) from None
         self.io.reads += 1
         self.io.bytes_read += len(raw)
-        doc = json.loads(raw)
-        fh = doc.get("first_hand")
-        return JobVerdict(
-            incident_id=doc["incident_id"],
-            job=doc["job"],
-            culprit=doc["culprit"],
-            culprit_node=doc["culprit_node"],
-            basis=doc["basis"],
-            nodes=tuple(doc["nodes"]),
-            evidence=tuple(doc["evidence"]),
-            first_hand=NodeReport(**{**fh, "where": Where(fh["where"])}) if fh else None,
-            decided_wall=doc["decided_wall"],
-            evidence_glob=doc.get("evidence_glob", ""),
-            reports=int(doc.get("reports", len(doc["nodes"]))),
-        )
+        v = verdict_from(parse_json(path, raw), str(path), self.timeline)
+        # Where the nodes' directories are is this node's business, not the file's.
+        return replace(v, evidence_glob=self.evidence_glob(v.job, v.incident_id))
 
     def wait_and_conclude(
         self,
@@ -351,12 +399,12 @@ class JobVerdictStore:
 
     def _claimed_first_hand(self, job: str, incident_id: str) -> bool:
         try:
-            raw = (self.incident_dir(job, incident_id) / CLAIM_FILE).read_bytes()
+            with self._at(job, _safe(incident_id)) as d:
+                if not exists(d, CLAIM_FILE):
+                    return False
+                claim = self._read_claim(d, self.incident_dir(job, incident_id))
         except FileNotFoundError:
             return False
-        self.io.reads += 1
-        self.io.bytes_read += len(raw)
-        claim = Claim.parse(raw.decode(errors="replace"))
         return claim is not None and claim.where == Where.LOCAL
 
     def add_late_reports(self, job: str, incident_id: str, v: JobVerdict) -> JobVerdict:
@@ -366,14 +414,15 @@ class JobVerdictStore:
         if not late and count == v.reports:
             return v
         evidence = dict(zip(v.nodes, v.evidence, strict=False))
-        d = self.incident_dir(job, incident_id)
+        read = self._read_all(job, incident_id, late)  # a name may cut a long directory name
         for n in late:
-            r = self._read(d / REPORTS_DIR / n.file)  # its name may cut a long directory name
+            r = read.get(n.file)
             evidence[n.node] = r.evidence if r else str(self.timeline / n.evidence_name)
         nodes = tuple(sorted(evidence))
         full = replace(v, nodes=nodes, evidence=tuple(evidence[n] for n in nodes), reports=count)
-        data = _verdict_bytes(full)
-        write_atomic(d / JOB_VERDICT_FILE, data)
+        data = verdict_bytes(full)
+        with self._at(job, _safe(incident_id)) as d:
+            write_replace(d, JOB_VERDICT_FILE, data)
         self.io.writes += 1
         self.io.bytes_written += len(data)
         return full

@@ -15,12 +15,25 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from diag.agent.checkedjson import NAME, Fields
 from diag.agent.culprit import SuspectKind, find_suspects
 from diag.agent.deadlock import NO_ONE_STANDS_OUT
 from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.collector.records import OpCode, OpState
 
 VIEW_FORMAT = "diag.view/1"
+# Bounds on a view from another node: a job of 16,000 nodes has 128,000 ranks; a node, 8-16.
+MAX_RANKS = 1 << 20  # world size, and so every rank number
+MAX_NODE_RANKS = 4096  # ranks in one view
+MAX_GROUPS = 4096  # process groups in one view
+MAX_OPS = 4096  # ops of one rank in one list
+# Group members expanded from spans, in one view and over all views of an analysis: each rank
+# is in a handful of groups (world, data-, tensor-, pipeline-parallel), so this is many times a
+# 128,000-rank job's; a view that claims more is left out rather than expanded.
+MAX_MEMBERS = 1 << 22
+_OPS = frozenset(OpCode.__members__)
+_STATES = frozenset(OpState.__members__)
+_LIVENESS = frozenset(x.value for x in Liveness)
 
 
 def _op_doc(op: OpView, now: float) -> dict[str, Any]:
@@ -92,16 +105,84 @@ def view_document(obs: Observation, node: str, wall: float) -> dict[str, Any]:
     }
 
 
+def _one_of(f: Fields, key: str, allowed: frozenset[str]) -> None:
+    v = f.d.get(key)
+    if not isinstance(v, str) or v not in allowed:
+        raise f.fail(key, f"is not one of {', '.join(sorted(allowed))}")
+
+
+def _check_op(f: Fields) -> None:
+    f.str("group")
+    f.int("seq", 0, 2**63)
+    _one_of(f, "op", _OPS)
+    _one_of(f, "state", _STATES)
+    f.int("nbytes", 0, 2**63)
+    f.int("peer", -1, MAX_RANKS - 1, -1)
+    f.float("age")
+    f.opt_float("end_age")
+
+
+def check_view(doc: object, source: str) -> dict[str, Any]:
+    """`doc` when it is a view whose every field `snapshots_from` and `groups_from` read has our
+    type and bounds; raises UntrustedInput naming `source` and the field otherwise."""
+    f = Fields(doc, source, "view")
+    if f.d.get("format") != VIEW_FORMAT:
+        raise f.fail("format", f"is not {VIEW_FORMAT}")
+    f.str("node")
+    f.str("job", "")
+    f.int("attempt", 0, 2**31, 0)
+    f.float("written_wall")
+    f.int("world_size", 0, MAX_RANKS, 0)
+    groups = f.obj("groups") if "groups" in f.d else None
+    members = 0
+    if groups is not None:
+        if len(groups.d) > MAX_GROUPS:
+            raise f.fail("groups", f"has {len(groups.d)} groups, over the limit of {MAX_GROUPS}")
+        for name in groups.d:
+            if len(name) > NAME:
+                raise groups.fail(name[:40], "is not a group's name")
+            for i, span in enumerate(groups.list(name, MAX_RANKS)):
+                if (
+                    not isinstance(span, list)
+                    or len(span) != 2
+                    or any(isinstance(x, bool) or not isinstance(x, int) for x in span)
+                    or not 0 <= span[0] <= span[1] < MAX_RANKS
+                ):
+                    raise groups.fail(f"{name}[{i}]", f"is not a span of ranks below {MAX_RANKS}")
+                members += span[1] - span[0] + 1
+    if members > MAX_MEMBERS:
+        raise f.fail("groups", f"name {members} members, over the limit of {MAX_MEMBERS}")
+    for r in f.objs("ranks", MAX_NODE_RANKS):
+        r.int("rank", 0, MAX_RANKS - 1)
+        r.int("local_rank", -1, MAX_NODE_RANKS, -1)
+        r.int("pid", 0, 2**31, 0)
+        _one_of(r, "liveness", _LIVENESS)
+        r.float("last_activity_age")
+        r.opt_float("exited_age")
+        r.int("step", -1, 2**63, 0)
+        r.str("phase", "")
+        r.str("proc_state", "")
+        r.float("cpu_busy", 0.0)
+        for key in ("pending", "last_ops", "p2p"):
+            for op in r.objs(key, MAX_OPS):
+                _check_op(op)
+    return f.d
+
+
 def groups_from(
-    doc: dict[str, Any], known: frozenset[str] = frozenset()
+    doc: dict[str, Any], known: frozenset[str] = frozenset(), budget: int = MAX_MEMBERS
 ) -> dict[str, tuple[int, ...]]:
     """The process groups a view knows (but those in `known`), name -> global ranks of the
-    members. A group's name is the same on every node, so each is expanded once."""
-    return {
-        str(name): tuple(r for first, last in spans for r in range(int(first), int(last) + 1))
-        for name, spans in doc.get("groups", {}).items()
+    members. A group's name is the same on every node, so each is expanded once. Raises
+    ValueError rather than expand more than `budget` members."""
+    spans = {
+        str(name): [(int(a), int(b)) for a, b in s]
+        for name, s in doc.get("groups", {}).items()
         if str(name) not in known
     }
+    if sum(b - a + 1 for s in spans.values() for a, b in s) > budget:
+        raise ValueError(f"its groups name over {budget} members")
+    return {name: tuple(r for a, b in s for r in range(a, b + 1)) for name, s in spans.items()}
 
 
 def snapshots_from(doc: dict[str, Any], now: float, wall: float) -> list[RankSnapshot]:
@@ -186,19 +267,22 @@ def analyse(views: list[dict[str, Any]], now_wall: float) -> Attribution:
     attempt = max((int(d.get("attempt", 0)) for d in docs), default=0)
     ranks: dict[int, RankSnapshot] = {}
     groups: dict[str, tuple[int, ...]] = {}
+    members = 0
     world = 0
     for d in docs:
         if int(d.get("attempt", 0)) != attempt:
             continue
         try:
             snaps = snapshots_from(d, now_wall, now_wall)
-            groups.update(groups_from(d, frozenset(groups)))
-        except (ValueError, KeyError, TypeError):
-            continue
+            more = groups_from(d, frozenset(groups), MAX_MEMBERS - members)
+        except (ValueError, KeyError, TypeError, OverflowError):
+            continue  # not a view (read back checked, so only one made here by hand)
+        members += sum(len(m) for m in more)
+        groups.update(more)
         for s in snaps:
             ranks.setdefault(s.rank, s)
             world = max(world, s.rank + 1)
-        world = max(world, int(d.get("world_size", 0)))
+        world = max(world, min(MAX_RANKS, int(d.get("world_size", 0))))
     if not ranks:
         return Attribution(None, "", "no node filed a readable view of its ranks")
     obs = Observation(

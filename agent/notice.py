@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import calendar
 import enum
+import http.client
 import json
 import logging
+import re
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+from diag.collector.untrusted import printable
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,10 @@ AWS_TOKEN_PATH = "/latest/api/token"
 AWS_TOKEN_TTL_S = 21600
 GCE_NOTICE_S = 30.0  # a preempted GCE instance gets 30 s before it is stopped
 HTTP_TIMEOUT_S = 2.0
+# The answers are a few dozen bytes; whatever answers at the URL gets no more than this read.
+MAX_BODY_BYTES = 64 * 1024
+AWS_ACTIONS = frozenset({"terminate", "stop", "hibernate"})
+_TOKEN = re.compile(r"^[A-Za-z0-9+/=_.-]{1,1024}$")  # goes into a header: no CR/LF, no spaces
 
 
 class Provider(enum.Enum):
@@ -83,11 +92,36 @@ def parse_aws(status: int, body: bytes) -> Notice | None:
         raise NoticeFormatError(f"HTTP {status}")
     try:
         doc = json.loads(body)
-        action = str(doc["action"])
-        stamp = str(doc["time"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise NoticeFormatError(f"not an instance-action document: {body[:200]!r}") from e
-    return Notice(Provider.AWS, action, _parse_time(stamp), body.decode(errors="replace"))
+        action = doc["action"]
+        stamp = doc["time"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise NoticeFormatError(f"not an instance-action document: {body[:200]!r}") from None
+    if (
+        not isinstance(action, str)
+        or action not in AWS_ACTIONS
+        or not isinstance(stamp, str)
+        or len(stamp) > 64
+    ):
+        raise NoticeFormatError(f"not an instance-action document: {body[:200]!r}")
+    return Notice(
+        Provider.AWS, action, _parse_time(stamp), printable(body[:1024].decode(errors="replace"))
+    )
+
+
+def read_body(resp: Any) -> bytes:
+    """At most MAX_BODY_BYTES of an answer; a longer one is not a metadata server's."""
+    body = resp.read(MAX_BODY_BYTES + 1)
+    if len(body) > MAX_BODY_BYTES:
+        raise NoticeFormatError(f"an answer of over {MAX_BODY_BYTES} bytes")
+    return body
+
+
+def parse_token(body: bytes) -> str:
+    """An IMDSv2 token: it is sent back in a header, so only token characters pass."""
+    text = body.decode("ascii", errors="replace").strip()
+    if _TOKEN.match(text) is None:
+        raise NoticeFormatError(f"not a metadata token: {body[:80]!r}")
+    return text
 
 
 def parse_gce(status: int, body: bytes) -> Notice | None:
@@ -157,7 +191,7 @@ class NoticeWatcher:
             try:
                 notice = self.poll_once()
                 self._failures = 0
-            except (OSError, NoticeFormatError) as e:
+            except (OSError, NoticeFormatError, http.client.HTTPException) as e:
                 self._failures += 1
                 # Once, then every 60 polls: a metadata server that is not there (not on that
                 # cloud, blocked by a network policy) must not flood the log.
@@ -186,9 +220,9 @@ class NoticeWatcher:
         req = urllib.request.Request(self.settings.url, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as resp:
-                return resp.status, resp.read()
+                return resp.status, read_body(resp)
         except urllib.error.HTTPError as e:
-            return e.code, e.read()
+            return e.code, read_body(e)
 
     def _aws_token(self) -> str | None:
         """An IMDSv2 session token (None where the server has no token endpoint: IMDSv1)."""
@@ -204,7 +238,7 @@ class NoticeWatcher:
         )
         try:
             with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as resp:
-                self._token = resp.read().decode().strip()
+                self._token = parse_token(read_body(resp))
             self._token_until = now + AWS_TOKEN_TTL_S / 2
         except urllib.error.HTTPError:
             self._token = None  # no token endpoint: ask again now and then

@@ -13,36 +13,43 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+from diag.agent.checkedjson import NAME, Fields
 from diag.agent.exitcodes import UsageError
 from diag.agent.incident import VERDICT_FILE, incident_id_of
+from diag.agent.jobfiles import SUMMARY
 from diag.agent.jobverdict import JobVerdict, JobVerdictStore
+from diag.agent.nodeview import MAX_RANKS
 from diag.agent.precheck.evidence import DeviceHealth, NicState, Severity
-from diag.agent.precheck.report import PrecheckReport
+from diag.agent.precheck.report import read_report
 from diag.agent.taints import Evidence, Signal
+from diag.collector.untrusted import MIB, UntrustedInput, read_json
 
 log = logging.getLogger(__name__)
 
 JOB_VERDICTS_DIR = ".jobs"  # under the timeline: the agent's JobVerdictStore (daemon.py)
+MAX_VERDICT_BYTES = 16 * MIB  # an incident's verdict.json: a few KiB
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def from_precheck_report(path: Path, node: str, flag: str = "--precheck-report") -> list[Evidence]:
     """This node's part of a precheck report: the copy a node writes has `reported_by` = its
     rank; the node's entry is also found by host name when the report came from elsewhere.
     Raises UsageError, naming `flag`, on a file that is missing or not a report."""
+    if not os.path.lexists(path):
+        raise UsageError(f"{flag} {path}: no such file")
     try:
-        report = PrecheckReport.from_dict(json.loads(path.read_text()))
-    except FileNotFoundError as e:
-        raise UsageError(f"{flag} {path}: no such file") from e
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        report = read_report(path)
+    except UntrustedInput as e:
         raise UsageError(
-            f"{flag} {path}: not a diag precheck report ({e}); pass the file "
+            f"{flag} {path}: not a diag precheck report ({e.problem}); pass the file "
             "`diag precheck --report` wrote"
-        ) from e
+        ) from None
     entry = next((n for n in report.nodes if n.host == node), None) or report.node(
         report.reported_by
     )
@@ -107,49 +114,88 @@ def probe_nics(ifaces: Sequence[str], now: float) -> list[Evidence]:
     return from_nics(states, now)
 
 
+@contextlib.contextmanager
+def _dirs(base: Path, pattern: str = "") -> Iterator[Iterator[tuple[str, int]]]:
+    """(name, descriptor) of each directory in `base` but hidden ones, opened without
+    following a symlink (one planted in the timeline leads nowhere)."""
+    try:
+        base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield iter(())
+        return
+
+    def each() -> Iterator[tuple[str, int]]:
+        for name in sorted(os.listdir(base_fd)):
+            if name.startswith("."):
+                continue
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=base_fd)
+            except OSError:
+                continue  # a file, a symlink, or gone
+            try:
+                yield name, fd
+            finally:
+                os.close(fd)
+
+    try:
+        yield each()
+    finally:
+        os.close(base_fd)
+
+
+def _verdict_doc(fd: int, path: Path, since: float) -> tuple[float, Fields] | None:
+    """An incident's verdict.json made since `since`, or None (a bad one with a warning)."""
+    try:
+        mtime = os.stat(VERDICT_FILE, dir_fd=fd, follow_symlinks=False).st_mtime
+    except OSError:
+        return None
+    if mtime < since:
+        return None
+    try:
+        return mtime, Fields(
+            read_json(VERDICT_FILE, max_bytes=MAX_VERDICT_BYTES, dir_fd=fd), str(path)
+        )
+    except UntrustedInput as e:
+        log.warning("skipping %s: %s", path, e.problem)
+        return None
+
+
 def from_timeline(timeline: Path, node: str, since: float) -> list[Evidence]:
     """One CULPRIT per incident (by id) since `since` whose verdict, written on `node`, blames
     one of `node`'s own ranks."""
     out: dict[str, Evidence] = {}
-    if not timeline.is_dir():
-        return []
-    for path in timeline.glob(f"*/{VERDICT_FILE}"):
-        if path.parent.name.startswith("."):
-            continue
-        try:
-            mtime = path.stat().st_mtime
-            if mtime < since:
+    with _dirs(timeline) as dirs:
+        for name, fd in dirs:
+            path = timeline / name / VERDICT_FILE
+            found = _verdict_doc(fd, path, since)
+            if found is None:
                 continue
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            log.debug("skipping %s: %s", path, e)
-            continue
-        if not isinstance(doc, dict) or doc.get("culprit") is None:
-            continue
-        if not _culprit_here(doc, path.parent, node):
-            continue
-        incident = str(doc.get("incident_id") or path.parent.name)
-        if incident in out:
-            continue
-        out[incident] = Evidence(
-            Signal.CULPRIT,
-            mtime,
-            f"rank {doc['culprit']}: {str(doc.get('summary', ''))[:200]}",
-            incident_id=incident,
-            incident_path=str(path.parent),
-        )
+            mtime, doc = found
+            try:
+                if doc.d.get("culprit") is None or doc.d.get("node") != node:
+                    continue
+                rank = doc.int("culprit", 0, MAX_RANKS - 1)
+                incident = doc.str("incident_id", "") or name
+                summary = doc.str("summary", "", SUMMARY)
+            except UntrustedInput as e:
+                log.warning("skipping %s: %s", path, e.problem)
+                continue
+            if incident in out or not _dumped(fd, rank):
+                continue
+            out[incident] = Evidence(
+                Signal.CULPRIT,
+                mtime,
+                f"rank {rank}: {summary[:200]}",
+                incident_id=incident[:NAME],
+                incident_path=str(path.parent),
+            )
     return sorted(out.values(), key=lambda e: e.at)
 
 
-def _culprit_here(doc: dict, incident_dir: Path, node: str) -> bool:
-    """The verdict was written on `node` and the rank it blames is one it dumped (runs there)."""
-    if doc.get("node") != node:
-        return False
-    try:
-        rank = int(doc["culprit"])
-    except (TypeError, ValueError):
-        return False
-    return any(incident_dir.glob(f"{rank:05d}-*.stack.json"))
+def _dumped(fd: int, rank: int) -> bool:
+    """The rank the verdict blames has its stack dump in the directory (it runs here)."""
+    prefix = f"{rank:05d}-"
+    return any(n.startswith(prefix) and n.endswith(".stack.json") for n in os.listdir(fd))
 
 
 def from_job_verdict(
@@ -175,23 +221,23 @@ def from_job_verdicts(timeline: Path, node: str, since: float) -> list[Evidence]
     root = timeline / JOB_VERDICTS_DIR
     store = JobVerdictStore(root)
     out = []
-    for incident_dir in sorted(root.glob("*/*")):
-        job, incident = incident_dir.parent.name, incident_dir.name
-        if job.startswith(".") or incident.startswith("."):
-            continue
-        try:
-            at = incident_dir.stat().st_mtime
-            if at < since:
-                continue
-            verdict = store.load(job, incident)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.debug("skipping the job verdict in %s: %s", incident_dir, e)
-            continue
-        if verdict is None:
-            continue
-        ev = from_job_verdict(verdict, job, node, at, str(incident_dir))
-        if ev is not None:
-            out.append(ev)
+    with _dirs(root) as jobs:
+        for job, _ in jobs:
+            with _dirs(root / job) as incidents:
+                for incident, fd in incidents:
+                    at = os.fstat(fd).st_mtime
+                    if at < since:
+                        continue
+                    try:
+                        verdict = store.load(job, incident)
+                    except (OSError, UntrustedInput) as e:
+                        log.warning("skipping the job verdict in %s: %s", root / job / incident, e)
+                        continue
+                    if verdict is None:
+                        continue
+                    ev = from_job_verdict(verdict, job, node, at, str(root / job / incident))
+                    if ev is not None:
+                        out.append(ev)
     return out
 
 

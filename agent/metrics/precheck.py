@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
+from diag.agent.precheck.metrics import read_textfile
+from diag.collector.untrusted import UntrustedInput
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +42,7 @@ class PrecheckFileCollector(Collector):
 
     def _parse(self) -> list[Metric]:
         try:
-            text = self.path.read_text()
-            return [m for m in text_string_to_metric_families(text) if m.name.startswith(PREFIX)]
-        except (OSError, ValueError, UnicodeDecodeError) as e:
-            log.warning("ignoring the precheck metrics in %s: %s", self.path, e)
+            return read_textfile(self.path)
+        except UntrustedInput as e:
+            log.warning("ignoring the precheck metrics: %s", e)
             return []

@@ -23,7 +23,7 @@ from diag.agent.precheck.config import (
 )
 from diag.agent.precheck.grading import Thresholds
 from diag.agent.precheck.units import parse_rate, parse_size
-from diag.collector.untrusted import printable
+from diag.collector.untrusted import UntrustedInput, printable, write_file_nofollow
 
 log = logging.getLogger(__name__)
 
@@ -269,14 +269,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.report is not None:
             args.report.parent.mkdir(parents=True, exist_ok=True)
-            tmp = args.report.with_name(args.report.name + ".tmp")
-            tmp.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-            tmp.replace(args.report)
+            data = (json.dumps(report.to_dict(), indent=2) + "\n").encode()
+            write_file_nofollow(args.report, data, mode=0o644)
         if args.metrics_file is not None:
             from diag.agent.precheck.metrics import write_textfile
 
             write_textfile(report, args.metrics_file)
-    except OSError as e:
+    except (OSError, UntrustedInput) as e:
         log.error("could not write the report: %s", e)
         return exitcodes.PRECHECK_ERROR
     if session.stuck:

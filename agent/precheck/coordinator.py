@@ -8,6 +8,7 @@ dead node never holds up the others. Decisions are made by the pure `rounds` and
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from diag.agent.checkedjson import Fields
 from diag.agent.precheck import keys
 from diag.agent.precheck.classify import Observations, classify
 from diag.agent.precheck.config import LocalCheck, PrecheckConfig
@@ -22,10 +24,12 @@ from diag.agent.precheck.evidence import LocalEvidence, PairResult, PairSide, me
 from diag.agent.precheck.liveness import BeatTracker, PhaseDeadline, round_limit_s
 from diag.agent.precheck.report import PrecheckReport, build_report
 from diag.agent.precheck.rounds import plan_round
+from diag.collector.untrusted import MIB, UntrustedInput, parse_json
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1
+MAX_VALUE_BYTES = 16 * MIB  # what a node posts: its local evidence is about 12 KiB
 
 
 class Coordinator:
@@ -52,7 +56,10 @@ class Coordinator:
         return bool(self.store.check([key]))
 
     def _get_json(self, key: str) -> Any:
-        return json.loads(self.store.get(key))
+        raw = self.store.get(key)
+        if len(raw) > MAX_VALUE_BYTES:
+            raise UntrustedInput(f"store key {key}", f"is {len(raw)} bytes, over the limit")
+        return parse_json(f"store key {key}", raw)
 
     def _publish(self, key: str, value: Any) -> None:
         self.store.set(key, json.dumps(value))
@@ -69,7 +76,13 @@ class Coordinator:
         while len(self.joined) < n and self.clock() < deadline:
             for node in range(n):
                 if node not in self.joined and self._has(keys.join(node)):
-                    self.joined[node] = self._get_json(keys.join(node))
+                    try:
+                        self.joined[node] = _join(self._get_json(keys.join(node)), node)
+                    except UntrustedInput as e:
+                        self.lost[node] = f"sent an unreadable join: {e}"
+                        self.joined[node] = {}
+                        log.warning("node %d: %s", node, self.lost[node])
+                        continue
                     log.info("node %d joined from %s", node, self.joined[node].get("addr"))
             self._watch_beats(self.joined)
             if len(self.joined) < n:
@@ -78,15 +91,25 @@ class Coordinator:
     def _alive(self) -> list[int]:
         return sorted(n for n in self.joined if n not in self.lost)
 
-    def _collect(self, phase: PhaseDeadline, expected: dict[int, str]) -> dict[int, Any]:
+    def _collect(
+        self,
+        phase: PhaseDeadline,
+        expected: dict[int, str],
+        parse: Callable[[Any, str, int], Any] = lambda d, source, node: d,
+    ) -> dict[int, Any]:
         """Wait for `expected` (node -> key) until all arrive, their node goes silent, or the
-        phase deadline passes. Nodes that miss it are marked lost, with the reason."""
+        phase deadline passes. Nodes that miss it, or send what `parse` refuses, are marked
+        lost, with the reason."""
         got: dict[int, Any] = {}
         deadline = self.clock() + phase.limit_s
         while True:
             for node, key in expected.items():
                 if node not in got and node not in self.lost and self._has(key):
-                    got[node] = self._get_json(key)
+                    try:
+                        got[node] = parse(self._get_json(key), f"store key {key}", node)
+                    except UntrustedInput as e:
+                        self.lost[node] = f"sent an unreadable result: {e}"
+                        log.warning("node %d: %s", node, self.lost[node])
             self._watch_beats(self._alive())
             for node in self.beats.stale(self.clock()):
                 if node in expected and node not in got and node not in self.lost:
@@ -110,8 +133,9 @@ class Coordinator:
         local_raw = self._collect(
             PhaseDeadline("the local checks", t.local_s + 5.0),
             {n: keys.local(n) for n in self._alive()},
+            _local,
         )
-        local = {n: LocalEvidence.from_dict(d) for n, d in local_raw.items()}
+        local = dict(local_raw)
         history: list[PairResult] = []
         rounds: list[list[tuple[int, int]]] = []
         m = cfg.measure
@@ -126,8 +150,10 @@ class Coordinator:
             log.info("round %d: %s", r, " ".join(f"{a}-{b}" for a, b in pairs))
             self._publish(keys.plan(r), {"pairs": pairs})
             expected = {n: keys.pair(r, n) for p in pairs for n in p}
-            sides_raw = self._collect(PhaseDeadline(f"pair round {r}", limit), expected)
-            sides = [PairSide.from_dict(d) for d in sides_raw.values()]
+            sides_raw = self._collect(
+                PhaseDeadline(f"pair round {r}", limit), expected, functools.partial(_side, r)
+            )
+            sides = list(sides_raw.values())
             history.extend(merge_sides(r, a, b, sides) for a, b in pairs)
             rounds.append(pairs)
             r += 1
@@ -182,3 +208,22 @@ class Coordinator:
     def join(self, timeout: float) -> None:
         if self.thread is not None:
             self.thread.join(timeout)
+
+
+def _join(doc: Any, node: int) -> dict[str, Any]:
+    f = Fields(doc, f"node {node}'s join")
+    return {"host": f.str("host", ""), "addr": f.str("addr", ""), "pid": f.int("pid", 0, 2**31, 0)}
+
+
+def _local(doc: Any, source: str, node: int) -> LocalEvidence:
+    local = LocalEvidence.from_dict(doc, source)
+    if local.node != node:
+        raise UntrustedInput(source, f"is node {local.node}'s evidence, not node {node}'s")
+    return local
+
+
+def _side(round_: int, doc: Any, source: str, node: int) -> PairSide:
+    side = PairSide.from_dict(doc, source)
+    if (side.round, side.node) != (round_, node):
+        raise UntrustedInput(source, f"is round {side.round} of node {side.node}")
+    return side

@@ -11,6 +11,14 @@ import enum
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from diag.agent.checkedjson import TEXT, Fields
+
+# Bounds on what another node sends: far above a real node (8-16 GPUs, a few NICs) and a real
+# job (16,000 nodes), low enough that a hostile document cannot make us build millions of items.
+MAX_NODES = 1 << 17
+MAX_DEVICES = 1024
+MAX_ITEMS = 4096  # compute results, copies, links, findings, notes of one node
+
 
 class Check(enum.StrEnum):
     """Which check a finding comes from (kept in the report so that tainting can tell them apart)."""
@@ -90,22 +98,68 @@ class LocalEvidence:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LocalEvidence:
-        nic = d.get("nic")
-        return cls(
-            node=int(d["node"]),
-            host=str(d.get("host", "")),
-            accelerator=str(d.get("accelerator", "cpu")),
-            devices=tuple(
-                DeviceHealth(**{**x, "xid_errors": tuple(x.get("xid_errors", ()))})
-                for x in d.get("devices", ())
-            ),
-            compute=tuple(ComputeResult(**x) for x in d.get("compute", ())),
-            copies=tuple(CopyResult(**x) for x in d.get("copies", ())),
-            nic=NicState(**nic) if nic else None,
-            notes=tuple(d.get("notes", ())),
-            error=d.get("error"),
-        )
+    def from_dict(cls, d: object, source: str = "local evidence") -> LocalEvidence:
+        """Checked: raises UntrustedInput naming `source` and the field on a bad document."""
+        return local_evidence(Fields(d, source))
+
+
+def device_health(f: Fields) -> DeviceHealth:
+    return DeviceHealth(
+        index=f.int("index", 0, MAX_DEVICES),
+        name=f.str("name", ""),
+        memory_used_fraction=f.opt_float("memory_used_fraction", 0.0, 1e3),
+        ecc_uncorrected=f.opt_int("ecc_uncorrected", 0, 2**63),
+        xid_errors=f.ints("xid_errors", 0, 2**31, MAX_ITEMS),
+        remap_failed=f.opt_bool("remap_failed"),
+        temperature_c=f.opt_float("temperature_c", -300.0, 1e4),
+        error=f.opt_str("error", TEXT),
+    )
+
+
+def compute_result(f: Fields) -> ComputeResult:
+    return ComputeResult(
+        device=f.str("device"),
+        flops=f.opt_float("flops", 0.0),
+        matmul_size=f.int("matmul_size", 0, 1 << 31, 0),
+        dtype=f.str("dtype", ""),
+        threads=f.int("threads", 0, 1 << 20, 0),
+        error=f.opt_str("error", TEXT),
+    )
+
+
+def copy_result(f: Fields) -> CopyResult:
+    return CopyResult(
+        src=f.int("src", 0, MAX_DEVICES),
+        dst=f.int("dst", 0, MAX_DEVICES),
+        bytes_per_s=f.opt_float("bytes_per_s", 0.0),
+        error=f.opt_str("error", TEXT),
+    )
+
+
+def nic_state(f: Fields) -> NicState:
+    return NicState(
+        iface=f.opt_str("iface"),
+        addr=f.opt_str("addr"),
+        operstate=f.opt_str("operstate"),
+        carrier=f.opt_bool("carrier"),
+        speed_mbps=f.opt_int("speed_mbps", -1, 1 << 40),
+        error=f.opt_str("error", TEXT),
+    )
+
+
+def local_evidence(f: Fields) -> LocalEvidence:
+    nic = f.opt_obj("nic")
+    return LocalEvidence(
+        node=f.int("node", 0, MAX_NODES),
+        host=f.str("host", ""),
+        accelerator=f.str("accelerator", "cpu"),
+        devices=tuple(device_health(x) for x in f.objs("devices", MAX_DEVICES)),
+        compute=tuple(compute_result(x) for x in f.objs("compute", MAX_ITEMS)),
+        copies=tuple(copy_result(x) for x in f.objs("copies", MAX_ITEMS)),
+        nic=nic_state(nic) if nic is not None else None,
+        notes=f.strs("notes", MAX_ITEMS),
+        error=f.opt_str("error", TEXT),
+    )
 
 
 @dataclass(frozen=True)
@@ -125,8 +179,19 @@ class PairSide:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> PairSide:
-        return cls(**d)
+    def from_dict(cls, d: object, source: str = "pair result") -> PairSide:
+        """Checked: raises UntrustedInput naming `source` and the field on a bad document."""
+        f = Fields(d, source)
+        return cls(
+            round=f.int("round", 0, MAX_ITEMS),
+            node=f.int("node", 0, MAX_NODES),
+            peer=f.int("peer", 0, MAX_NODES),
+            busbw=f.opt_float("busbw", 0.0),
+            iters=f.int("iters", 0, 1 << 40, 0),
+            seconds=f.float("seconds", 0.0, 0.0),
+            msg_bytes=f.int("msg_bytes", 0, 1 << 48, 0),
+            error=f.opt_str("error", TEXT),
+        )
 
 
 @dataclass(frozen=True)

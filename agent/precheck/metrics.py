@@ -6,16 +6,23 @@ node writes the job-wide view; the `node` label names the node a sample is about
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, write_to_textfile
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from diag.agent.precheck.evidence import Severity
 from diag.agent.precheck.report import PrecheckReport
+from diag.collector.untrusted import MIB, UntrustedInput, read_bounded, write_file_nofollow
+
+# The textfile of a 16,000-node job of 8 GPUs a node is about 90 MiB.
+MAX_TEXTFILE_BYTES = 256 * MIB
+MAX_LABEL = 256
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,36 @@ def registry_for(report: PrecheckReport) -> CollectorRegistry:
 
 
 def write_textfile(report: PrecheckReport, path: Path) -> None:
-    """Write the node-exporter textfile format atomically (temp file + rename)."""
+    """Write the node-exporter textfile format atomically (temp file + rename), without
+    following a symlink planted at the name or at the temp name."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_to_textfile(str(path), registry_for(report))
+    write_file_nofollow(path, generate_latest(registry_for(report)), mode=0o644)
+
+
+_KNOWN = {f.name: f for f in FAMILIES}
+
+
+def read_textfile(path: Path) -> list[Metric]:
+    """The families of a textfile `write_textfile` wrote, read back: a regular file under the
+    cap, not through a symlink, holding only our families with their labels and finite values.
+    Raises UntrustedInput naming the file."""
+    raw = read_bounded(path, max_bytes=MAX_TEXTFILE_BYTES)
+    try:
+        families = list(text_string_to_metric_families(raw.decode()))
+    except (ValueError, IndexError, KeyError, TypeError) as e:  # the parser's ways to fail
+        raise UntrustedInput(path, f"is not a Prometheus textfile: {e}") from None
+    out = []
+    for m in families:
+        fam = _KNOWN.get(m.name)
+        if fam is None:
+            if m.name.startswith("diag_precheck_"):
+                raise UntrustedInput(path, f"has {m.name[:80]!r}, not a precheck family")
+            continue  # another writer's families in a shared textfile: not ours to export
+        labels = set(fam.labels)
+        for s in m.samples:
+            if s.name != fam.name or set(s.labels) != labels or m.type not in ("gauge", "unknown"):
+                raise UntrustedInput(path, f"has a {s.name[:80]} sample unlike {fam.name}'s")
+            if not math.isfinite(s.value) or any(len(v) > MAX_LABEL for v in s.labels.values()):
+                raise UntrustedInput(path, f"has a {s.name} sample out of bounds")
+        out.append(m)
+    return out

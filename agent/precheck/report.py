@@ -9,11 +9,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from diag.agent import exitcodes
+from diag.agent.checkedjson import NAME, TEXT, Fields
 from diag.agent.precheck.classify import Assessment, Observations, classify
 from diag.agent.precheck.evidence import (
+    MAX_ITEMS,
+    MAX_NODES,
     Check,
     ComputeResult,
     CopyResult,
@@ -22,10 +26,15 @@ from diag.agent.precheck.evidence import (
     LocalEvidence,
     NicState,
     Severity,
+    local_evidence,
+    nic_state,
 )
 from diag.agent.precheck.grading import Thresholds, grade_pairs
+from diag.collector.untrusted import MIB, UntrustedInput, read_json
 
 REPORT_VERSION = 1
+# What `--report` writes: 12 KiB a node of 8 GPUs in a real run, 190 MiB for 16,000 nodes.
+MAX_REPORT_BYTES = 512 * MIB
 
 
 class Outcome(enum.StrEnum):
@@ -113,63 +122,115 @@ class PrecheckReport:
         return replace(self, reported_by=rank, wall_seconds=wall_seconds)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PrecheckReport:
-        version = int(d.get("version", 0))
+    def from_dict(cls, d: object, source: str = "precheck report") -> PrecheckReport:
+        """Checked against our types and bounds: raises UntrustedInput naming `source` and the
+        field (a report is read back from a file or from the coordinator's store)."""
+        f = Fields(d, source)
+        version = f.int("version", 0, 1 << 31, 0)
         if version != REPORT_VERSION:
-            raise ValueError(f"precheck report version {version}, expected {REPORT_VERSION}")
+            raise UntrustedInput(
+                source, f"precheck report version {version}, expected {REPORT_VERSION}"
+            )
+        nnodes = f.int("nnodes", 0, MAX_NODES)
+        node_hi = max(0, nnodes - 1)  # node ranks are bounded by the job's node count
+        rounds = []
+        for i, r in enumerate(f.list("rounds", MAX_ITEMS)):
+            pairs = Fields({"r": r}, source, f"rounds[{i}]").list("r", MAX_NODES)
+            rounds.append(tuple(_pair(p, source, f"rounds[{i}]", node_hi) for p in pairs))
         return cls(
-            job=str(d["job"]),
-            nnodes=int(d["nnodes"]),
-            reported_by=int(d["reported_by"]),
-            outcome=Outcome(d["outcome"]),
-            faulty=tuple(int(n) for n in d.get("faulty", ())),
-            stragglers=tuple(int(n) for n in d.get("stragglers", ())),
-            suspects=tuple(int(n) for n in d.get("suspects", ())),
-            error=d.get("error"),
-            started_at=float(d.get("started_at", 0.0)),
-            wall_seconds=float(d.get("wall_seconds", 0.0)),
-            median_busbw_bytes_per_s=d.get("median_busbw_bytes_per_s"),
-            median_compute_flops=d.get("median_compute_flops"),
-            median_copy_bytes_per_s=d.get("median_copy_bytes_per_s"),
-            rounds=tuple(tuple((int(a), int(b)) for a, b in r) for r in d.get("rounds", ())),
-            nodes=tuple(_node_from_dict(n) for n in d.get("nodes", ())),
-            settings=dict(d.get("settings", {})),
+            job=f.str("job"),
+            nnodes=nnodes,
+            reported_by=f.int("reported_by", 0, node_hi),
+            outcome=f.enum("outcome", Outcome),
+            faulty=f.ints("faulty", 0, node_hi, MAX_NODES),
+            stragglers=f.ints("stragglers", 0, node_hi, MAX_NODES),
+            suspects=f.ints("suspects", 0, node_hi, MAX_NODES),
+            error=f.opt_str("error", TEXT),
+            started_at=f.float("started_at", 0.0),
+            wall_seconds=f.float("wall_seconds", 0.0),
+            median_busbw_bytes_per_s=f.opt_float("median_busbw_bytes_per_s", 0.0),
+            median_compute_flops=f.opt_float("median_compute_flops", 0.0),
+            median_copy_bytes_per_s=f.opt_float("median_copy_bytes_per_s", 0.0),
+            rounds=tuple(rounds),
+            nodes=tuple(_node(n, node_hi) for n in f.objs("nodes", MAX_NODES)),
+            settings=_settings(f.opt_obj("settings")),
             version=version,
         )
 
 
-def _node_from_dict(d: Mapping[str, Any]) -> NodeReport:
-    local = LocalEvidence.from_dict(
-        {
-            "node": d["node"],
-            "devices": d.get("devices", ()),
-            "compute": d.get("compute", ()),
-            "copies": d.get("copies", ()),
-            "nic": d.get("nic"),
-        }
+def read_report(path: Path) -> PrecheckReport:
+    """The report file at `path` (a regular file under the cap, not through a symlink),
+    checked; raises UntrustedInput naming it."""
+    return PrecheckReport.from_dict(read_json(path, max_bytes=MAX_REPORT_BYTES), str(path))
+
+
+def _pair(p: object, source: str, where: str, hi: int) -> tuple[int, int]:
+    if (
+        not isinstance(p, list)
+        or len(p) != 2
+        or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= hi for x in p)
+    ):
+        raise UntrustedInput(source, f"{where} holds a pair that is not two node ranks")
+    return p[0], p[1]
+
+
+def _settings(f: Fields | None) -> dict[str, str | float | int | None]:
+    if f is None:
+        return {}
+    if len(f.d) > MAX_ITEMS:
+        raise UntrustedInput(f.source, f"{f.where} has over {MAX_ITEMS} settings")
+    out: dict[str, str | float | int | None] = {}
+    for k, v in f.d.items():
+        if len(k) > NAME:
+            raise f.fail(k[:40], "is not a setting's name")
+        if isinstance(v, str):
+            out[k] = f.str(k, max_len=TEXT)
+        elif isinstance(v, bool) or v is None:
+            out[k] = v
+        elif isinstance(v, int):
+            out[k] = f.int(k, -(2**63), 2**63)
+        else:
+            out[k] = f.float(k)
+    return out
+
+
+def _link(f: Fields, hi: int) -> LinkReport:
+    return LinkReport(
+        round=f.int("round", 0, MAX_ITEMS),
+        peer=f.int("peer", 0, hi),
+        busbw_bytes_per_s=f.opt_float("busbw_bytes_per_s", 0.0),
+        grade=f.str("grade"),
+        error=f.opt_str("error", TEXT),
     )
+
+
+def _node(f: Fields, hi: int) -> NodeReport:
+    local = local_evidence(Fields({**f.d, "host": ""}, f.source, f.where))
+    nic = f.opt_obj("nic")
     return NodeReport(
-        node=int(d["node"]),
-        status=Severity(d["status"]),
-        reason=str(d.get("reason", "")),
+        node=f.int("node", 0, hi),
+        status=f.enum("status", Severity),
+        reason=f.str("reason", "", TEXT),
         findings=tuple(
-            Finding(Check(f["check"]), Severity(f["severity"]), str(f["message"]))
-            for f in d.get("findings", ())
+            Finding(
+                x.enum("check", Check), x.enum("severity", Severity), x.str("message", "", TEXT)
+            )
+            for x in f.objs("findings", MAX_ITEMS)
         ),
-        host=str(d.get("host", "")),
-        addr=str(d.get("addr", "")),
-        busbw_bytes_per_s=d.get("busbw_bytes_per_s"),
-        median_busbw_bytes_per_s=d.get("median_busbw_bytes_per_s"),
-        compute_flops=d.get("compute_flops"),
-        median_compute_flops=d.get("median_compute_flops"),
-        copy_bytes_per_s=d.get("copy_bytes_per_s"),
-        median_copy_bytes_per_s=d.get("median_copy_bytes_per_s"),
-        links=tuple(LinkReport(**x) for x in d.get("links", ())),
+        host=f.str("host", ""),
+        addr=f.str("addr", ""),
+        busbw_bytes_per_s=f.opt_float("busbw_bytes_per_s", 0.0),
+        median_busbw_bytes_per_s=f.opt_float("median_busbw_bytes_per_s", 0.0),
+        compute_flops=f.opt_float("compute_flops", 0.0),
+        median_compute_flops=f.opt_float("median_compute_flops", 0.0),
+        copy_bytes_per_s=f.opt_float("copy_bytes_per_s", 0.0),
+        median_copy_bytes_per_s=f.opt_float("median_copy_bytes_per_s", 0.0),
+        links=tuple(_link(x, hi) for x in f.objs("links", MAX_ITEMS)),
         compute=local.compute,
         copies=local.copies,
         devices=local.devices,
-        nic=local.nic,
-        notes=tuple(d.get("notes", ())),
+        nic=nic_state(nic) if nic is not None else None,
+        notes=f.strs("notes", MAX_ITEMS),
     )
 
 

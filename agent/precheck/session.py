@@ -22,14 +22,16 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from diag.agent.checkedjson import TEXT, Fields
 from diag.agent.precheck import keys, nic
 from diag.agent.precheck.config import PrecheckConfig
 from diag.agent.precheck.coordinator import Coordinator
-from diag.agent.precheck.evidence import LocalEvidence, NicState
+from diag.agent.precheck.evidence import MAX_NODES, LocalEvidence, NicState
 from diag.agent.precheck.liveness import round_limit_s
 from diag.agent.precheck.localchecks import run_local_checks
 from diag.agent.precheck.report import PrecheckReport, error_report
 from diag.agent.precheck.storeclient import BoundedStore, LostRendezvous
+from diag.collector.untrusted import UntrustedInput, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +130,14 @@ class NodeSession:
         me = {"host": socket.gethostname(), "addr": self._addr() or "", "pid": os.getpid()}
         mine = json.dumps(me)
         current = store.compare_set(keys.join(self.rank), "", mine)
-        if current.decode() != mine:
-            other = json.loads(current)
+        if current != mine.encode():
+            try:
+                other = Fields(parse_json("join", current), "join")
+                who = f"{other.str('host', '?')} ({other.str('addr', '?')})"
+            except UntrustedInput:
+                who = "another node"
             raise LostRendezvous(
-                f"node rank {self.rank} already joined from {other.get('host')} "
-                f"({other.get('addr')}): check NODE_RANK on each node"
+                f"node rank {self.rank} already joined from {who}: check NODE_RANK on each node"
             )
         log.info(
             "node %d joined the rendezvous at %s:%d", self.rank, rd.master_addr, rd.master_port
@@ -194,11 +199,18 @@ class NodeSession:
         # The verdict follows the last plan at once; allow a few silent heartbeats' worth.
         raw_report = self._wait_key(store, keys.REPORT, 3 * t.lost_after_s)
         store.add(keys.ACKS, 1)
-        report = PrecheckReport.from_dict(json.loads(raw_report))
+        try:
+            report = PrecheckReport.from_dict(parse_json(keys.REPORT, raw_report), keys.REPORT)
+        except UntrustedInput as e:
+            raise LostRendezvous(f"the coordinator's report is unreadable: {e}") from None
         return report.with_reporter(self.rank, self._wall())
 
     def _wait_plan(self, store: BoundedStore, r: int, timeout_s: float) -> dict[str, Any]:
-        return json.loads(self._wait_key(store, keys.plan(r), timeout_s))
+        key = keys.plan(r)
+        try:
+            return _plan(parse_json(key, self._wait_key(store, key, timeout_s)), key)
+        except UntrustedInput as e:
+            raise LostRendezvous(f"the coordinator's plan is unreadable: {e}") from None
 
     def _wait_key(self, store: BoundedStore, key: str, timeout_s: float) -> bytes:
         """Poll for `key`, giving up when the coordinator reports a failure or time runs out."""
@@ -208,7 +220,7 @@ class NodeSession:
             if store.check(key):
                 return store.get(key)
             if store.check(keys.FAILURE):
-                raise LostRendezvous(json.loads(store.get(keys.FAILURE))["error"])
+                raise LostRendezvous(_failure(store.get(keys.FAILURE)))
             if time.monotonic() > deadline:
                 raise LostRendezvous(
                     f"no word from the coordinator (node 0) for {timeout_s:g} s while waiting "
@@ -246,3 +258,27 @@ class NodeSession:
 def _short(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return (lines[0] if lines else type(e).__name__)[:300]
+
+
+def _plan(doc: Any, key: str) -> dict[str, Any]:
+    """A plan as the coordinator posts it: {"nodes": [...]}, {"pairs": [[a, b], ...]} or
+    {"done": true}, node ranks bounded."""
+    f = Fields(doc, key)
+    out: dict[str, Any] = {
+        "done": f.bool("done", False),
+        "nodes": f.ints("nodes", 0, MAX_NODES, MAX_NODES),
+    }
+    pairs = []
+    for i, p in enumerate(f.list("pairs", MAX_NODES)):
+        if not (isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p)):
+            raise f.fail(f"pairs[{i}]", "is not a pair of node ranks")
+        pairs.append((p[0], p[1]))
+    out["pairs"] = pairs
+    return out
+
+
+def _failure(raw: bytes) -> str:
+    try:
+        return Fields(parse_json(keys.FAILURE, raw), keys.FAILURE).str("error", max_len=TEXT)
+    except UntrustedInput as e:
+        return f"the coordinator failed ({e})"
