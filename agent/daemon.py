@@ -87,7 +87,10 @@ class Agent:
             )
             self.executor.listeners.append(self.metrics.on_incident)
         self.checkpoints = CheckpointManager(
-            cfg.run_dir, safe_job_name(cfg.job) if cfg.job else None, cfg.checkpoint
+            cfg.run_dir,
+            safe_job_name(cfg.job) if cfg.job else None,
+            cfg.checkpoint,
+            owners=self.owners,
         )
         if cfg.policy.persist_on_incident:
             self.executor.persist_hooks.append(self.persist_on_incident)

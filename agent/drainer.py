@@ -36,7 +36,6 @@ from diag.agent.procs import same_process, stop_tree
 from diag.agent.rankproof import RankProver, claim_of, file_id
 from diag.agent.rundircheck import owners_of
 from diag.collector.meta import journal_path
-from diag.collector.slotfile import read_snapshots
 from diag.collector.snapshot import find_slots, parse_slot_name, read_latest_step
 
 log = logging.getLogger(__name__)
@@ -193,7 +192,7 @@ class Drainer:
             name = parse_slot_name(path.name)
             if name is not None:
                 snaps_by_job.setdefault(name.job, [])
-        for snap in read_snapshots(find_slots(cp.run_dir, cp.job)):
+        for snap in cp.snapshots(cp.job):
             snaps_by_job.setdefault(snap.meta.job, []).append(snap)
             f = facts.setdefault(snap.meta.job, {}).setdefault(snap.meta.rank, _RankFacts())
             if not f.pid and not snap.header.closed:
@@ -261,7 +260,7 @@ class Drainer:
         for rank, s in self.checkpoints.sessions.of_job(job).items():
             if rank in ranks and s.pid > 0 and s.start_time and proven(rank, s.pid, s.start_time):
                 out[rank] = s.pid
-        for snap in read_snapshots(slots):
+        for snap in self.checkpoints.snapshots(job):
             r, h = snap.meta.rank, snap.header
             if r in ranks and r not in out and proven(r, h.writer_pid, h.writer_start):
                 out[r] = h.writer_pid
@@ -273,7 +272,7 @@ class Drainer:
         cp = self.checkpoints
         newest: dict[tuple[str, int], int] = {}
         steps: dict[tuple[str, int], int] = {}
-        for s in read_snapshots(find_slots(cp.run_dir, cp.job)):
+        for s in cp.snapshots(cp.job):
             key = (s.meta.job, s.meta.rank)
             if s.meta.step > steps.get(key, -1):
                 steps[key], newest[key] = s.meta.step, s.meta.nbytes

@@ -1,12 +1,17 @@
 """Slot files of flash-checkpoint snapshots: mapping, the seqlock, locks, and room in tmpfs.
 
 The format is described in snapshot.py. No torch here: the agent reads slots with this module.
+
+A slot file is input from another process: it is opened without following a symlink or blocking
+on a FIFO, must be a regular file owned by a trusted user, and its description is validated
+(slotmeta.py). A slot that fails any of it is skipped with one warning naming the file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import mmap
 import os
 import struct
@@ -17,6 +22,7 @@ from pathlib import Path
 
 from diag.collector.locks import EXCLUSIVE, SHARED, UNLOCK, ofd_lock
 from diag.collector.meta import safe_job_name
+from diag.collector.slotmeta import MAX_META_BYTES, parse_meta
 from diag.collector.snapshot import (
     CLOSED_CLEAN,
     CLOSED_FAILED,
@@ -33,6 +39,11 @@ from diag.collector.snapshot import (
     align,
     unpack_header,
 )
+from diag.collector.untrusted import Owners, UntrustedInput, open_regular
+
+log = logging.getLogger(__name__)
+
+MAX_SLOT_BYTES = 1 << 42  # 4 TiB: far above any rank's state, a bound on what we map
 
 # -- one slot file ----------------------------------------------------------------------------------
 
@@ -51,10 +62,19 @@ class SlotFile:
     # opening and creating
 
     @classmethod
-    def open(cls, path: Path, *, writable: bool = False) -> SlotFile:
-        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    def open(cls, path: Path, *, writable: bool = False, owners: Owners | None = None) -> SlotFile:
+        """Opens a slot file: a regular file (no symlink, no FIFO), owned by one of `owners` when
+        given. UntrustedInput when it is not one, SnapshotError when it is not a slot."""
         try:
-            size = os.fstat(fd).st_size
+            fd, st = open_regular(
+                path, max_bytes=MAX_SLOT_BYTES, owners=owners, flags=os.O_RDWR if writable else 0
+            )
+        except UntrustedInput as e:
+            if e.problem == "does not exist":  # a slot removed meanwhile: not a refusal
+                raise FileNotFoundError(errno.ENOENT, "no such slot file", str(path)) from None
+            raise
+        try:
+            size = st.st_size
             if size < HEADER_SIZE:
                 raise SnapshotError(f"{path}: too small for a snapshot slot")
             mm = mmap.mmap(
@@ -140,12 +160,18 @@ class SlotFile:
         return unpack_header(self.mm)
 
     def meta(self) -> SnapshotMeta:
+        """The validated description of the complete snapshot (UntrustedInput if malformed)."""
         h = self.header()
         if not h.complete:
             raise SnapshotError(f"{self.path}: no complete snapshot (generation {h.gen})")
-        if h.meta_offset + h.meta_len > len(self.mm):
-            raise SnapshotError(f"{self.path}: snapshot description out of bounds")
-        return SnapshotMeta.from_json(self.mm[h.meta_offset : h.meta_offset + h.meta_len])
+        if (
+            h.meta_offset < HEADER_SIZE
+            or h.meta_len > MAX_META_BYTES
+            or h.meta_offset + h.meta_len > len(self.mm)
+        ):
+            raise UntrustedInput(self.path, "snapshot description out of bounds")
+        data = self.mm[h.meta_offset : h.meta_offset + h.meta_len]
+        return parse_meta(data, source=str(self.path), data_end=h.meta_offset)
 
     def view(self, offset: int, length: int) -> memoryview:
         if offset < HEADER_SIZE or offset + length > len(self.mm):
@@ -286,20 +312,63 @@ class Snapshot:
     meta: SnapshotMeta = field(compare=False)
 
 
-def read_snapshots(paths: Sequence[Path]) -> list[Snapshot]:
-    """Complete snapshots of the given slot files (torn, empty and unreadable ones left out)."""
+def run_dir_owners(run_dir: Path) -> Owners:
+    """The default trusted writers of slots in `run_dir`: root, this process's user and the run
+    directory's owner (the trainer's user where it made the directory)."""
+    try:
+        return Owners.of(os.geteuid(), os.stat(run_dir).st_uid)
+    except OSError:
+        return Owners.this_process()
+
+
+_warned: dict[tuple[str, str], None] = {}
+_WARNED_MAX = 4096
+
+
+def warn_once(path: Path, problem: str) -> None:
+    """One warning per slot file and problem (slots are read on every scan)."""
+    key = (str(path), problem)
+    if key in _warned:
+        return
+    if len(_warned) >= _WARNED_MAX:
+        _warned.clear()
+    _warned[key] = None
+    log.warning("ignoring snapshot slot %s: %s", path, problem)
+
+
+def _problem(path: Path, e: Exception) -> str:
+    if isinstance(e, UntrustedInput):
+        return e.problem if e.path == str(path) else str(e)
+    return str(e).removeprefix(f"{path}: ")
+
+
+def open_slot(path: Path, owners: Owners | None = None) -> SlotFile | None:
+    """SlotFile.open for a reader that goes on without it: None (after one warning naming the
+    file) when it is not a trusted slot, silently None when it is gone."""
+    try:
+        return SlotFile.open(path, owners=run_dir_owners(path.parent) if owners is None else owners)
+    except FileNotFoundError:
+        return None
+    except (OSError, SnapshotError, ValueError, struct.error) as e:
+        warn_once(path, _problem(path, e))
+        return None
+
+
+def read_snapshots(paths: Sequence[Path], owners: Owners | None = None) -> list[Snapshot]:
+    """Complete snapshots of the given slot files. Torn and empty slots are left out silently;
+    untrusted or malformed ones with one warning naming the file. `owners`: who may write
+    slots (default: run_dir_owners of each slot's directory)."""
     out = []
     for p in paths:
-        try:
-            slot = SlotFile.open(p)
-        except (OSError, SnapshotError):
+        slot = open_slot(p, owners)
+        if slot is None:
             continue
         try:
             h = slot.header()
             if h.complete:
                 out.append(Snapshot(p, h, slot.meta()))
-        except (SnapshotError, ValueError, KeyError):
-            continue
+        except (SnapshotError, ValueError, struct.error) as e:
+            warn_once(p, _problem(p, e))
         finally:
             slot.close()
     return out

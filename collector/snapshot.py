@@ -28,10 +28,11 @@ import mmap
 import re
 import struct
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from diag.collector.meta import safe_job_name
+from diag.collector.untrusted import UntrustedInput, read_bounded
 
 MAGIC = b"DIAGSNAP"
 VERSION = 1
@@ -42,6 +43,7 @@ SLOT_SUFFIX = ".snap"
 TAG_PREFIX = "global_step"  # DeepSpeed's default checkpoint tag: global_step{N}
 LATEST_FILE = "latest"  # DeepSpeed's tag file in the save directory
 TRACKER_FILE = "dlrover_latest.txt"  # the step DLRover and ms-swift resume from
+LATEST_MAX_BYTES = 4096
 _TAG_RE = re.compile(rf"^{TAG_PREFIX}(\d+)$")
 _NAME_RE = re.compile(r"^(?P<job>.+)-rank(?P<rank>\d{5})\.snap(?P<slot>\d+)$")
 
@@ -78,10 +80,12 @@ def tag_step(tag: str) -> int | None:
 
 
 def read_latest_step(save_dir: str | Path) -> int | None:
-    """The step DeepSpeed's `latest` file names in `save_dir`, or None."""
+    """The step DeepSpeed's `latest` file names in `save_dir`, or None (also for a `latest` that
+    is a symlink, a FIFO or too big to be a tag)."""
     try:
-        return tag_step(Path(save_dir, LATEST_FILE).read_text())
-    except (OSError, UnicodeDecodeError):
+        data = read_bounded(Path(save_dir, LATEST_FILE), max_bytes=LATEST_MAX_BYTES)
+        return tag_step(data.decode())
+    except (OSError, UnicodeDecodeError, UntrustedInput):
         return None
 
 
@@ -193,7 +197,12 @@ class FileEntry:
     pickle: Span | None = None  # torch: the pickled structure (data.pkl)
     storages: tuple[StorageEntry, ...] = ()
     data: Span | None = None  # raw: the bytes
-    mode: int = 0o644
+    # What the trainer asked for, not read back from a slot (the agent picks modes itself).
+    mode: int = field(default=0o644, compare=False)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return tuple(self.path.split("/"))
 
     @property
     def nbytes(self) -> int:
@@ -231,31 +240,11 @@ class SnapshotMeta:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> SnapshotMeta:
-        raw = json.loads(data)
-        if raw.get("format") != META_FORMAT:
-            raise SnapshotError(f"unsupported snapshot meta format {raw.get('format')!r}")
+    def from_json(cls, data: bytes, *, source: str = "snapshot description") -> SnapshotMeta:
+        """The description in `data`, validated (collector.slotmeta); UntrustedInput if bad."""
+        from diag.collector.slotmeta import parse_meta
 
-        def span(v: dict | None) -> Span | None:
-            return Span(int(v["offset"]), int(v["length"])) if v else None
-
-        files = tuple(
-            FileEntry(
-                path=str(f["path"]),
-                kind=str(f["kind"]),
-                persist=bool(f.get("persist", True)),
-                pickle=span(f.get("pickle")),
-                storages=tuple(
-                    StorageEntry(str(s["key"]), int(s["offset"]), int(s["nbytes"]))
-                    for s in f.get("storages", ())
-                ),
-                data=span(f.get("data")),
-                mode=int(f.get("mode", 0o644)),
-            )
-            for f in raw["files"]
-        )
-        known = {k for k in cls.__dataclass_fields__ if k != "files"}
-        return cls(files=files, **{k: v for k, v in raw.items() if k in known})
+        return parse_meta(data, source=source, data_end=len(data) + (1 << 62))
 
 
 # -- which slot to write ---------------------------------------------------------------------------

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diag.trainer.unpickler import RestrictedUnpickler
+
 TORCH_PICKLE_PROTOCOL = 2  # torch.save's default
 
 
@@ -97,7 +99,8 @@ def unpickle_state(
     map_location: Any = None,
 ) -> Any:
     """The inverse of pickle_state: storages are copied out of `storage_bytes(key)` (shared memory
-    may be overwritten by the next save, so nothing may alias it)."""
+    may be overwritten by the next save, so nothing may alias it). Only the globals a checkpoint
+    holds are resolved (trainer.unpickler): anything else raises RefusedGlobal."""
     import numpy as np
     import torch
     from torch.serialization import default_restore_location
@@ -112,7 +115,7 @@ def unpickle_state(
             return storage if result is None else result
         return default_restore_location(storage, str(map_location))
 
-    class _Unpickler(pickle.Unpickler):
+    class _Unpickler(RestrictedUnpickler):
         def persistent_load(self, saved_id: Any) -> Any:
             typename, storage_type, key, location, numel = saved_id
             if typename != "storage":

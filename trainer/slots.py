@@ -18,6 +18,7 @@ from pathlib import Path
 from diag.collector.rundir import make_run_dir
 from diag.collector.slotfile import SlotFile, check_space, is_memory_backed
 from diag.collector.snapshot import SlotView, SnapshotError, align, slot_path, write_order
+from diag.collector.untrusted import Owners, UntrustedInput
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,12 @@ class RankSlots:
     def _adopt(self, path: Path) -> SlotFile | None:
         """Opens a slot left by an earlier attempt of this rank (its snapshot may be loaded)."""
         try:
-            slot = SlotFile.open(path, writable=True)
+            # Only a slot this rank's user (or root) wrote: another user's file under our name
+            # is not adopted (its snapshot would be loaded as ours).
+            slot = SlotFile.open(path, writable=True, owners=Owners.this_process())
         except FileNotFoundError:
             return None
-        except (OSError, SnapshotError) as e:
+        except (OSError, SnapshotError, UntrustedInput) as e:
             log.warning("diag: replacing unreadable snapshot slot %s (%s)", path, e)
             with contextlib.suppress(OSError):
                 path.unlink()

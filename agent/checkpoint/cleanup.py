@@ -15,8 +15,9 @@ from pathlib import Path
 
 import psutil
 
-from diag.collector.slotfile import SlotFile
+from diag.collector.slotfile import open_slot
 from diag.collector.snapshot import SnapshotError, find_slots
+from diag.collector.untrusted import Owners
 
 
 @dataclass(frozen=True)
@@ -29,16 +30,20 @@ class SlotInfo:
     failed: bool  # its writer ended with an uncaught exception
 
 
-def slots_by_job(run_dir: Path, job: str | None) -> dict[str, list[SlotInfo]]:
+def slots_by_job(
+    run_dir: Path, job: str | None, owners: Owners | None = None
+) -> dict[str, list[SlotInfo]]:
+    """Trusted slot files by job (others are left alone: neither persisted nor removed)."""
     out: dict[str, list[SlotInfo]] = defaultdict(list)
     for p in find_slots(run_dir, job):
-        try:
-            slot = SlotFile.open(p)
-        except (OSError, SnapshotError):
+        slot = open_slot(p, owners)
+        if slot is None:
             continue
         try:
             h = slot.header()
             out[h.job].append(SlotInfo(p, h.job, h.writer_pid, h.writer_start, h.closed, h.failed))
+        except SnapshotError:
+            continue
         finally:
             slot.close()
     return out

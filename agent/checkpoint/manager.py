@@ -33,8 +33,9 @@ from diag.agent.checkpoint.sessions import CommandReport, RankKey, Sessions
 from diag.agent.checkpoint.stats import CheckpointStats, RankCheckpointStats
 from diag.agent.checkpoint.storage import has_part
 from diag.agent.checkpoint.writers import WatchOutcome, Writer, WriterWatch
-from diag.collector.slotfile import read_snapshots
+from diag.collector.slotfile import Snapshot, read_snapshots, run_dir_owners
 from diag.collector.snapshot import find_slots, read_latest_step
+from diag.collector.untrusted import Owners
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,14 @@ class CheckpointManager:
         run_dir: Path,
         job: str | None = None,
         options: CheckpointOptions | None = None,
+        owners: Owners | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.job = job
         self.options = options or CheckpointOptions()
+        # Who may write slots: root, the agent's user and the run directory's owner unless the
+        # caller knows better (the trainer's user on a bare node).
+        self.owners = owners if owners is not None else run_dir_owners(run_dir)
         self.sessions = Sessions()
         self._lock = threading.Lock()
         self._rank_locks: dict[RankKey, threading.Lock] = defaultdict(threading.Lock)
@@ -128,7 +133,7 @@ class CheckpointManager:
         what it wanted persisted already."""
         mine = [
             f
-            for files in slots_by_job(self.run_dir, self.job).values()
+            for files in slots_by_job(self.run_dir, self.job, self.owners).values()
             for f in files
             if f.writer_pid == writer.pid
             and (not writer.start_time or abs(f.writer_start - writer.start_time) <= 0.05)
@@ -193,9 +198,13 @@ class CheckpointManager:
                 with self._lock:
                     self._inflight[item.job] -= 1
 
+    def snapshots(self, job: str | None) -> list[Snapshot]:
+        """Complete snapshots of `job` (or all jobs) in trusted slot files."""
+        return read_snapshots(find_slots(self.run_dir, job), self.owners)
+
     def _slot_of(self, job: str, rank: int, step: int | None) -> list[Path]:
         """The slot files of a rank holding `step` complete (any complete one when None)."""
-        snaps = [s for s in read_snapshots(find_slots(self.run_dir, job)) if s.meta.rank == rank]
+        snaps = [s for s in self.snapshots(job) if s.meta.rank == rank]
         if step is not None:
             snaps = [s for s in snaps if s.meta.step == step]
         return [s.path for s in sorted(snaps, key=lambda s: -s.meta.step)]
@@ -216,6 +225,7 @@ class CheckpointManager:
                 save_dir=self.options.save_dir,
                 keep=self.options.keep_last,
                 lock_timeout=self.options.lock_timeout if lock_timeout is None else lock_timeout,
+                owners=self.owners,
             )
         self._record(result)
         return result
@@ -264,7 +274,7 @@ class CheckpointManager:
         short of time) only steps newer than the committed one: once the newest step commits,
         the older snapshots are not written."""
         by_step: dict[int, list] = defaultdict(list)
-        for snap in read_snapshots(find_slots(self.run_dir, job)):
+        for snap in self.snapshots(job):
             by_step[snap.meta.step].append(snap)
         results: list[PersistResult] = []
         with ThreadPoolExecutor(max(1, self.options.workers), "diag-persist-now") as pool:
@@ -338,7 +348,7 @@ class CheckpointManager:
             return []
         self._last_scan = now
         removed = []
-        for job, files in slots_by_job(self.run_dir, self.job).items():
+        for job, files in slots_by_job(self.run_dir, self.job, self.owners).items():
             # A connected rank counts as a live writer too (when the agent cannot see the
             # trainer's PIDs, e.g. without a shared PID namespace).
             if self.connected(job) or any(writer_alive(f) for f in files):
@@ -360,7 +370,7 @@ class CheckpointManager:
     def stats(self) -> CheckpointStats:
         ranks = []
         committed: dict[str, int] = {}
-        snaps = read_snapshots(find_slots(self.run_dir, self.job))
+        snaps = self.snapshots(self.job)
         newest: dict[RankKey, tuple[int, int, float]] = {}
         for s in snaps:
             key = RankKey(s.meta.job, s.meta.rank)

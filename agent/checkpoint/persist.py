@@ -3,6 +3,10 @@
 The slot is held with a shared lock for the whole write, so the trainer cannot overwrite it
 meanwhile (it writes its next snapshot into another slot). A slot that is torn (its writer died
 mid-copy), or that no longer holds the requested step, is refused.
+
+Where each file goes comes from the slot's validated description (relative paths, no `..`):
+every file is created beneath the save directory through directory descriptors, never following
+a symlink, with modes the agent picks. A slot not owned by a trusted user is not read at all.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from pathlib import Path
 
 from diag.agent.checkpoint import storage
 from diag.agent.checkpoint.torchzip import write_torch_file
-from diag.collector.slotfile import SlotFile
+from diag.collector.slotfile import SlotFile, run_dir_owners, warn_once
 from diag.collector.snapshot import FileEntry, SnapshotError, step_tag
+from diag.collector.untrusted import Owners, UntrustedInput
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +51,18 @@ def persist_slot(
     save_dir: Path | None = None,
     keep: int = 0,
     lock_timeout: float = 10.0,
+    owners: Owners | None = None,
 ) -> PersistResult:
     """Persists the complete snapshot in slot file `path` (of `step`, when given) under its save
     directory (or `save_dir`), marks this rank's part done, and commits the step when every rank's
-    part is there."""
+    part is there. `owners`: who may write slots (default: run_dir_owners of its directory)."""
     t0 = time.monotonic()
     try:
-        slot = SlotFile.open(path)
-    except (OSError, SnapshotError) as e:
+        slot = SlotFile.open(path, owners=run_dir_owners(path.parent) if owners is None else owners)
+    except UntrustedInput as e:
+        warn_once(path, e.problem if e.path == str(path) else str(e))
+        return PersistResult("", -1, step or -1, "", False, f"refused {path}: {e.problem}")
+    except (OSError, SnapshotError, ValueError) as e:
         return PersistResult("", -1, step or -1, "", False, f"cannot open {path}: {e}")
     try:
         h = slot.header()
@@ -68,7 +77,11 @@ def persist_slot(
             return PersistResult(
                 h.job, h.rank, step, "", False, f"{path.name} holds step {h.step}, not {step}"
             )
-        meta = slot.meta()
+        try:
+            meta = slot.meta()
+        except UntrustedInput as e:
+            warn_once(path, e.problem if e.path == str(path) else str(e))
+            return PersistResult(h.job, h.rank, step or h.step, "", False, f"refused {e}")
         target = save_dir or Path(meta.save_dir)
         if storage.has_part(target, meta.step, meta.rank, meta.run):
             committed = _commit(target, meta.step, meta.world_size, keep)
@@ -79,12 +92,13 @@ def persist_slot(
         written: list[str] = []
         nbytes = 0
         try:
-            for f in meta.files:
-                if f.persist:
-                    written.append(f.path)  # before: a part written when it fails is removed
-                    nbytes += _write_file(slot, target, f)
-            for d in {(target / p).parent for p in written}:
-                storage.fsync_dir(d)
+            with storage.opened(target, create=True) as base:
+                for f in meta.files:
+                    if f.persist:
+                        written.append(f.path)  # before: a part written when it fails is removed
+                        nbytes += _write_file(slot, base, f)
+                for parent in {f.parts[:-1] for f in meta.files if f.persist}:
+                    storage.fsync_dir(base, parent)
             storage.write_marker(
                 target,
                 meta.step,
@@ -101,6 +115,15 @@ def persist_slot(
                     "written_at": time.time(),
                 },
             )
+        except UntrustedInput as e:
+            # Something planted in the save directory (a symlink where a step directory goes):
+            # nothing is written through it, and this part is not committed.
+            _remove_part(target, meta.step, written)
+            log.warning("not persisting %s step %d into %s: %s", path, meta.step, target, e)
+            return PersistResult(
+                meta.job, meta.rank, meta.step, str(target), False, f"refused: {e}",
+                seconds=time.monotonic() - t0,
+            )  # fmt: skip
         except OSError as e:
             # No marker: this rank's part of the step is incomplete and nobody reads it. What it
             # wrote of it goes, or a full disk would stay full of parts that never commit.
@@ -172,18 +195,20 @@ def _free_bytes(path: Path) -> int:
 
 def _remove_part(save_dir: Path, step: int, written: list[str]) -> None:
     tag = step_tag(step)
-    for name in written:
-        if Path(name).parts[:1] == (tag,):  # the recovery scripts at the top are shared
-            with contextlib.suppress(OSError):
-                (save_dir / name).unlink()
+    with contextlib.suppress(OSError), storage.opened(save_dir) as base:
+        for name in written:
+            parts = tuple(name.split("/"))
+            if parts[:1] == (tag,):  # the recovery scripts at the top are shared
+                storage.remove_beneath(base, parts)
 
 
-def _write_file(slot: SlotFile, save_dir: Path, f: FileEntry) -> int:
-    path = save_dir / f.path
+def _write_file(slot: SlotFile, base: int, f: FileEntry) -> int:
+    """Writes one file of the snapshot beneath the save directory `base`; f.parts were validated
+    as relative, without `..` (collector.slotmeta)."""
     if f.kind == "raw":
         data = slot.view(f.data.offset, f.data.length) if f.data else b""
-        if not _same_content(path, data):  # the recovery scripts rarely change
-            storage.write_bytes_atomic(path, data, f.mode)
+        if not storage.same_content(base, f.parts, data):  # the recovery scripts rarely change
+            storage.write_bytes_atomic(base, f.parts, data)
         return len(data)
     if f.pickle is None:
         raise SnapshotError(f"{f.path}: no pickled structure")
@@ -192,14 +217,7 @@ def _write_file(slot: SlotFile, save_dir: Path, f: FileEntry) -> int:
     sizes = [0]
 
     def fill(fd: int) -> None:
-        sizes[0] = write_torch_file(fd, path.name, pickle, storages)
+        sizes[0] = write_torch_file(fd, f.parts[-1], pickle, storages)
 
-    storage.write_atomic(path, fill, f.mode)
+    storage.write_atomic(base, f.parts, fill)
     return sizes[0]
-
-
-def _same_content(path: Path, data: memoryview | bytes) -> bool:
-    try:
-        return path.stat().st_size == len(data) and path.read_bytes() == bytes(data)
-    except OSError:
-        return False

@@ -32,8 +32,7 @@ from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.sessions import CommandReport, RankKey
 from diag.agent.exitcodes import UsageError
 from diag.collector.meta import safe_job_name
-from diag.collector.slotfile import read_snapshots
-from diag.collector.snapshot import find_slots, read_latest_step
+from diag.collector.snapshot import read_latest_step
 from diag.collector.untrusted import Owners
 from diag.proto import control_pb2 as pb
 from diag.proto import control_pb2_grpc as pb_grpc
@@ -113,7 +112,7 @@ class ControlService(pb_grpc.ControlServicer):
         job = safe_job_name(request.job)
         memory: dict[int, int] = {}
         save_dir = ""
-        for s in read_snapshots(find_slots(self.manager.run_dir, job)):
+        for s in self.manager.snapshots(job):
             memory[s.meta.rank] = max(memory.get(s.meta.rank, -1), s.meta.step)
             save_dir = save_dir or s.meta.save_dir
         stats = {r.rank: r for r in self.manager.stats().ranks if r.job == job}

@@ -22,9 +22,10 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from diag.collector.locks import EXCLUSIVE, UNLOCK, ofd_lock
@@ -35,11 +36,22 @@ from diag.collector.snapshot import (
     step_tag,
     tag_step,
 )
+from diag.collector.untrusted import (
+    KIB,
+    UntrustedInput,
+    create_new,
+    read_bounded,
+    read_json,
+    walk_beneath,
+)
 
 log = logging.getLogger(__name__)
 
 MARKER_DIR = ".diag"
 COMMIT_LOCK = "commit.lock"
+FILE_MODE = 0o644  # every file the agent writes there; never a mode named by a slot
+DIR_MODE = 0o755
+MARKER_MAX_BYTES = 64 * KIB
 COMMIT_LOCK_TIMEOUT_S = 30.0  # a commit holds it for milliseconds; longer is a wedged holder
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _warned_no_locks: set[str] = set()
@@ -73,93 +85,158 @@ def marker_path(save_dir: Path, step: int, rank: int) -> Path:
     return save_dir / MARKER_DIR / step_tag(step) / f"rank{rank:05d}.done"
 
 
-def done_ranks(save_dir: Path, step: int) -> set[int]:
-    d = save_dir / MARKER_DIR / step_tag(step)
+def _marker_parts(step: int, rank: int) -> tuple[str, str, str]:
+    return (MARKER_DIR, step_tag(step), f"rank{rank:05d}.done")
+
+
+# -- the save directory, through directory descriptors -------------------------------------------
+# The save directory is the base (named by the operator or the trainer); everything beneath it is
+# reached one component at a time without following a symlink, so a link planted in it (a step
+# directory pointing at /etc, a marker pointing at a FIFO) cannot redirect a write or a read.
+
+
+@contextlib.contextmanager
+def opened(save_dir: Path, *, create: bool = False) -> Iterator[int]:
+    """A descriptor of the save directory itself (made first when `create`)."""
+    if create:
+        os.makedirs(save_dir, DIR_MODE, exist_ok=True)
+    fd = os.open(save_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _names(base: int, parts: Sequence[str]) -> list[str]:
+    try:
+        with walk_beneath(base, parts) as d:
+            return os.listdir(d)
+    except (OSError, UntrustedInput):
+        return []
+
+
+def _read_marker(base: int, step: int, rank: int) -> dict | None:
+    parts = _marker_parts(step, rank)
+    try:
+        with walk_beneath(base, parts[:-1]) as d:
+            doc = read_json(parts[-1], max_bytes=MARKER_MAX_BYTES, dir_fd=d)
+    except (OSError, UntrustedInput):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _done_ranks(base: int, step: int) -> set[int]:
     out = set()
-    with contextlib.suppress(FileNotFoundError):
-        for p in d.iterdir():
-            if p.name.startswith("rank") and p.name.endswith(".done"):
-                with contextlib.suppress(ValueError):
-                    out.add(int(p.name[4:-5]))
+    for name in _names(base, (MARKER_DIR, step_tag(step))):
+        if name.startswith("rank") and name.endswith(".done"):
+            with contextlib.suppress(ValueError):
+                out.add(int(name[4:-5]))
+    return out
+
+
+def done_ranks(save_dir: Path, step: int) -> set[int]:
+    try:
+        with opened(save_dir) as base:
+            return _done_ranks(base, step)
+    except OSError:
+        return set()
+
+
+def _marker_runs(base: int, step: int) -> dict[int, str]:
+    out = {}
+    for rank in _done_ranks(base, step):
+        doc = _read_marker(base, step, rank)
+        if doc is not None:
+            out[rank] = str(doc.get("run", ""))
     return out
 
 
 def marker_runs(save_dir: Path, step: int) -> dict[int, str]:
     """Rank -> the trainer launch whose part of `step` its marker records."""
-    out = {}
-    for rank in done_ranks(save_dir, step):
-        with contextlib.suppress(OSError, ValueError):
-            out[rank] = str(
-                json.loads(marker_path(save_dir, step, rank).read_text()).get("run", "")
-            )
-    return out
+    try:
+        with opened(save_dir) as base:
+            return _marker_runs(base, step)
+    except OSError:
+        return {}
 
 
 def has_part(save_dir: Path, step: int, rank: int, run: str) -> bool:
     """Rank `rank`'s part of `step` from launch `run` is on storage (a part from another launch
     is stale: it is written again)."""
     try:
-        doc = json.loads(marker_path(save_dir, step, rank).read_text())
-    except (OSError, ValueError):
+        with opened(save_dir) as base:
+            doc = _read_marker(base, step, rank)
+    except OSError:
         return False
-    return str(doc.get("run", "")) == run
+    return doc is not None and str(doc.get("run", "")) == run
 
 
 def marked_steps(save_dir: Path) -> set[int]:
     """Steps with at least one marker: the ones we wrote."""
-    out = set()
-    with contextlib.suppress(FileNotFoundError):
-        for p in (save_dir / MARKER_DIR).iterdir():
-            step = tag_step(p.name)
-            if step is not None:
-                out.add(step)
-    return out
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        with opened(save_dir) as base:
+            names = _names(base, (MARKER_DIR,))
+    except OSError:
+        return set()
+    return {s for s in map(tag_step, names) if s is not None}
 
 
-def write_atomic(path: Path, fill: Callable[[int], object], mode: int = 0o644) -> None:
-    """Writes a file through `fill(fd)` under a temporary name, fsyncs it, renames it into place.
-    Readers see the old file or the complete new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Unique per writer: the persist workers of one agent (threads) and the agents of other
-    # nodes may write the same file at the same time; each renames a complete file of its own.
-    tmp = path.with_name(
-        f".{path.name}.tmp-{os.getpid()}-{threading.get_native_id()}-{secrets.token_hex(4)}"
-    )
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
+def fsync_dir(base: int, parts: Sequence[str] = ()) -> None:
+    with walk_beneath(base, parts) as d:
+        os.fsync(d)
+
+
+def write_atomic(base: int, parts: Sequence[str], fill: Callable[[int], object]) -> None:
+    """Writes base/parts through `fill(fd)` under a temporary name, fsyncs it, renames it into
+    place; missing directories are made. Readers see the old file or the complete new one, never
+    a part. Modes are ours (FILE_MODE, DIR_MODE), whatever asked for the file."""
+    *dirs, name = parts
+    with walk_beneath(base, dirs, create=True, mode=DIR_MODE) as d:
+        # Unique per writer: the persist workers of one agent (threads) and the agents of other
+        # nodes may write the same file at the same time; each renames a complete file of its own.
+        tmp = f".{name}.tmp-{os.getpid()}-{threading.get_native_id()}-{secrets.token_hex(4)}"
+        fd = create_new(tmp, dir_fd=d, mode=FILE_MODE)
         try:
-            fill(fd)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
+            try:
+                fill(fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)  # replaces a link, never follows it
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=d)
+            raise
 
 
-def write_bytes_atomic(path: Path, data: bytes | memoryview, mode: int = 0o644) -> None:
+def write_bytes_atomic(base: int, parts: Sequence[str], data: bytes | memoryview) -> None:
     def fill(fd: int) -> None:
         view = memoryview(data).cast("B")
         while view:
             view = view[os.write(fd, view) :]
 
-    write_atomic(path, fill, mode)
+    write_atomic(base, parts, fill)
 
 
 def write_marker(save_dir: Path, step: int, rank: int, doc: dict) -> None:
-    path = marker_path(save_dir, step, rank)
-    write_bytes_atomic(path, json.dumps(doc, indent=1).encode())
-    fsync_dir(path.parent)
+    parts = _marker_parts(step, rank)
+    with opened(save_dir, create=True) as base:
+        write_bytes_atomic(base, parts, json.dumps(doc, indent=1).encode())
+        fsync_dir(base, parts[:-1])
+
+
+def same_content(base: int, parts: Sequence[str], data: memoryview | bytes) -> bool:
+    """base/parts is a regular file holding exactly `data` (no symlink followed)."""
+    try:
+        with walk_beneath(base, parts[:-1]) as d:
+            return read_bounded(parts[-1], max_bytes=len(data), dir_fd=d) == bytes(data)
+    except (OSError, UntrustedInput):
+        return False
+
+
+def remove_beneath(base: int, parts: Sequence[str]) -> None:
+    with contextlib.suppress(OSError, UntrustedInput), walk_beneath(base, parts[:-1]) as d:
+        os.unlink(parts[-1], dir_fd=d)
 
 
 @contextlib.contextmanager
@@ -176,7 +253,6 @@ def commit_lock(save_dir: Path, timeout: float = COMMIT_LOCK_TIMEOUT_S) -> Itera
     recovery) drops it when its holder dies, so a crash never leaves it taken (an O_EXCL lock
     file would stay behind a killed holder)."""
     path = save_dir / MARKER_DIR / COMMIT_LOCK
-    path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout
     # The threads of this process first take a lock in memory: it alone still orders them where
     # the filesystem has no file locks (some FUSE and object-store mounts).
@@ -205,8 +281,19 @@ def _thread_lock(path: Path) -> threading.Lock:
 
 @contextlib.contextmanager
 def _file_lock(path: Path, save_dir: Path, deadline: float, timeout: float) -> Iterator[bool]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    with (
+        opened(save_dir, create=True) as base,
+        walk_beneath(base, (MARKER_DIR,), create=True, mode=DIR_MODE) as d,
+    ):
+        fd = os.open(
+            COMMIT_LOCK,
+            os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            FILE_MODE,
+            dir_fd=d,
+        )
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "the commit lock is not a regular file", str(path))
         try:
             while not ofd_lock(fd, EXCLUSIVE, wait=False):
                 if time.monotonic() >= deadline:
@@ -242,17 +329,17 @@ def try_commit(save_dir: Path, step: int, world_size: int, keep: int) -> bool:
     `latest` names an older step, then prunes old steps. The check and the writes happen under
     the commit lock, so concurrent commits (threads, other nodes' agents) apply in step order:
     `latest` only ever moves forward."""
-    with commit_lock(save_dir) as locked:
+    with commit_lock(save_dir) as locked, opened(save_dir) as base:
         if locked:
             _remove_dead_commit_files(save_dir)
         latest = read_latest_step(save_dir)
-        runs = marker_runs(save_dir, step)
+        runs = _marker_runs(base, step)
         if not should_commit(step, world_size, set(runs), latest, len(set(runs.values()))):
             return False
         # Every rank's files and their directory entries were fsynced before its marker.
-        write_bytes_atomic(save_dir / LATEST_FILE, step_tag(step).encode())
-        write_bytes_atomic(save_dir / TRACKER_FILE, str(step).encode())
-        fsync_dir(save_dir)
+        write_bytes_atomic(base, (LATEST_FILE,), step_tag(step).encode())
+        write_bytes_atomic(base, (TRACKER_FILE,), str(step).encode())
+        fsync_dir(base)
     # Outside the lock (removing big steps takes a while): only steps older than this commit
     # are touched, and removing twice is harmless.
     for old in prune_plan(marked_steps(save_dir), step, keep):
