@@ -146,8 +146,12 @@ else
     printf '%s\t%s\t0\t%s\n' merge skipped "no incident" >> "$work/status.tsv"
 fi
 
-# 3. attach's overhead on a GPU model, with and without, interleaved in the same processes.
-step attach_overhead 120 "$py" bench/bench_collector.py --gpu --blocks 8 --json "$work/attach.json"
+# 3. The DeepSpeed GPU jobs resumed bit for bit from memory (the tests before the benches: a
+# run cut short by its budget loses figures, not checks).
+step tests_gpu_resume 200 "$py" -m pytest -m gpu -q -p no:cacheprovider --timeout 200 \
+    --basetemp "$work/pytest-resume" --junitxml "$work/junit-gpu-resume.xml" \
+    tests/test_flash_gpu.py -k resumes
+
 
 # 4. Flash checkpoint on CUDA: ~3.2 GB of ZeRO-2 state (200 M parameters, fp32 Adam), against
 # engine.save_checkpoint and DLRover's flash checkpoint on the same engine (--dlrover: its row
@@ -155,10 +159,8 @@ step attach_overhead 120 "$py" bench/bench_collector.py --gpu --blocks 8 --json 
 step flash_bench 180 "$py" bench/flash_checkpoint.py --gpu --dlrover --params-m 200 --repeats 3 \
     --json "$work/flash.json"
 
-# 5. Last, while time is left: the DeepSpeed GPU jobs resumed bit for bit from memory.
-step tests_gpu_resume 200 "$py" -m pytest -m gpu -q -p no:cacheprovider --timeout 200 \
-    --basetemp "$work/pytest-resume" --junitxml "$work/junit-gpu-resume.xml" \
-    tests/test_flash_gpu.py -k resumes
+# 5. attach's overhead on a GPU model, with and without, interleaved in the same processes.
+step attach_overhead 120 "$py" bench/bench_collector.py --gpu --blocks 8 --json "$work/attach.json"
 
 echo
 echo "=== summary after $((SECONDS - t_start)) s"
