@@ -79,7 +79,8 @@ def wait_for_device(torch, done, hold: Hold | None, ctl: Path) -> None:
     while not done.query():
         if hold is not None and not released and (ctl / "release").exists():
             try:
-                (ctl / "fr.json").write_text(flight_recorder(torch))
+                dump = flight_recorder(torch)  # str or bytes, by torch version (2.11: bytes)
+                (ctl / "fr.json").write_bytes(dump if isinstance(dump, bytes) else dump.encode())
             except Exception as e:
                 (ctl / "fr.error").write_text(f"{type(e).__name__}: {e}")
             hold.release()
