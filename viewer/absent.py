@@ -9,12 +9,13 @@ is one fact, not eight.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from diag.viewer import ranksets
 from diag.viewer.stacks import RankDump
-from diag.viewer.tree import NO_DUMP
+from diag.viewer.tree import NO_DUMP, Collected, View
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,10 @@ class AbsentNode:
 
     @property
     def ranks(self) -> str:
-        return ranksets.fold(self.bits)
+        # a node's ranks are one run: named without scanning the bitset, which is as wide as
+        # the world (asked once per silent rank, that would cost world squared)
+        lo, hi = ranksets.lowest(self.bits), self.bits.bit_length() - 1
+        return str(lo) if lo == hi else f"{lo}-{hi}"
 
     @property
     def label(self) -> str:
@@ -46,11 +50,16 @@ class Absent:
     def bits(self) -> int:
         return self.missing | ranksets.bits_of(r for r, _ in self.failed)
 
+    @functools.cached_property
+    def _by_index(self) -> dict[int, AbsentNode]:
+        return {n.index: n for n in self.nodes}
+
     def node_of(self, rank: int) -> AbsentNode | None:
-        for n in self.nodes:
-            if n.bits >> rank & 1:
-                return n
-        return None
+        if not self.nodes or not self.local_world_size:
+            return None
+        index = rank // self.local_world_size
+        found = self._by_index.get(index)
+        return found if found is not None and found.bits >> rank & 1 else None
 
     def reason(self, rank: int) -> str:
         node = self.node_of(rank)
@@ -110,3 +119,22 @@ def stand_ins(absent: Absent, world: int) -> list[RankDump]:
         )
         out.append(RankDump(rank=rank, world_size=world, pid=0, error=what))
     return out
+
+
+def stand_in_stacks(absent: Absent, view: View) -> Collected:
+    """What `collect` makes of `stand_ins`, built from the bitsets alone: one entry per silent
+    node and one for the scattered ranks, at a cost per node, not per rank."""
+    groups: list[tuple[int, str]] = []
+    in_nodes = 0
+    for node in absent.nodes:
+        bits = node.bits & absent.missing
+        in_nodes |= node.bits
+        if bits:
+            groups.append((bits, f"{NO_DUMP}: {node.label} did not answer"))
+    scattered = absent.missing & ~in_nodes
+    if scattered:
+        groups.append((scattered, f"{NO_DUMP}: rank did not answer"))
+    groups.sort(key=lambda g: ranksets.lowest(g[0]))  # in rank order, as collect meets them
+    return Collected(
+        view, {("", None, what, None, False): (b.bit_count(), b) for b, what in groups}
+    )
