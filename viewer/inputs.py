@@ -10,7 +10,9 @@ files (one line per stack), summary.json and the terminal all get clean text.
 
 from __future__ import annotations
 
-from diag.collector.untrusted import MIB, printable
+import os
+
+from diag.collector.untrusted import KIB, MIB, UntrustedInput, open_regular, printable
 
 # Caps, far above what production writes (bench/incidentgen: a rank of 75 threads, the training
 # thread 199 frames deep, is ~200 KB as diag.stack/1 or .stacktrace, ~50 KB as py-spy JSON). A
@@ -45,3 +47,26 @@ def clean_lines(text: str) -> str:
     if text.isprintable():
         return text
     return printable(text)
+
+
+def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """The content of a regular file of at most `max_bytes` (no symlink followed, no FIFO
+    waited on), read by its size: `read_bounded` asks for the whole cap at once, and a buffer
+    of the cap allocated and shrunk per file costs a merge of thousands of files a tenth more
+    time."""
+    fd, st = open_regular(path, max_bytes=max_bytes)
+    try:
+        parts: list[bytes] = []
+        total = 0
+        while total <= max_bytes:
+            want = min(max(st.st_size + 1 - total, 64 * KIB), max_bytes + 1 - total)
+            chunk = os.read(fd, want)
+            if not chunk:
+                break
+            parts.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    if total > max_bytes:
+        raise UntrustedInput(path, f"grew past the {max_bytes}-byte limit while being read")
+    return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -18,9 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from diag.collector.untrusted import UntrustedInput, read_bounded
+from diag.collector.untrusted import UntrustedInput
 from diag.viewer import fastjson
-from diag.viewer.inputs import JOURNAL_TAIL_MAX_BYTES, MAX_WORLD, clean
+from diag.viewer.inputs import JOURNAL_TAIL_MAX_BYTES, MAX_WORLD, clean, read_capped
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def journal_threads(doc: object) -> JournalThreads | None:
 def read_tail(path: str | os.PathLike[str]) -> object:
     """A journal tail document: a regular file (never a FIFO or a symlink) under its cap."""
     try:
-        return fastjson.loads(read_bounded(path, max_bytes=JOURNAL_TAIL_MAX_BYTES))
+        return fastjson.loads(read_capped(path, JOURNAL_TAIL_MAX_BYTES))
     except RecursionError:
         raise UntrustedInput(path, "is not valid JSON: nested too deep") from None
     except ValueError as e:  # UntrustedInput is one

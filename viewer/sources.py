@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from diag.collector.untrusted import UntrustedInput, read_bounded
+from diag.collector.untrusted import UntrustedInput
 from diag.viewer import fastjson
-from diag.viewer.inputs import DUMP_MAX_BYTES, MAX_WORLD, clean, clean_lines
+from diag.viewer.inputs import DUMP_MAX_BYTES, MAX_WORLD, clean, clean_lines, read_capped
 from diag.viewer.journals import JOURNAL_SUFFIX, tail_name
 from diag.viewer.stacks import STACK_FORMAT, STACK_SUFFIX, FrameInterner, RankDump, pyspy_threads
 from diag.viewer.xpu_stacktrace import StacktraceError, StacktraceReader
@@ -202,7 +202,7 @@ def load_dump(
     `reader` (sharing `interner`) remembers the thread stacks of `.stacktrace` files across
     calls."""
     try:
-        data = read_bounded(os.path.join(f.directory, f.name), max_bytes=DUMP_MAX_BYTES)
+        data = read_capped(os.path.join(f.directory, f.name), DUMP_MAX_BYTES)
     except UntrustedInput as e:
         return _unreadable(f, e.problem)
     if f.format is DumpFormat.XPU_TIMER:
