@@ -23,13 +23,17 @@ class AbsentNode:
     """A node none of whose ranks answered."""
 
     index: int  # rank // local world size
-    bits: int  # its ranks
+    local: int  # ranks per node
+
+    @property
+    def bits(self) -> int:
+        # made when asked, not kept: a bitset as wide as the world per silent node would cost
+        # memory quadratic in the world
+        return ((1 << self.local) - 1) << (self.index * self.local)
 
     @property
     def ranks(self) -> str:
-        # a node's ranks are one run: named without scanning the bitset, which is as wide as
-        # the world (asked once per silent rank, that would cost world squared)
-        lo, hi = ranksets.lowest(self.bits), self.bits.bit_length() - 1
+        lo, hi = self.index * self.local, (self.index + 1) * self.local - 1
         return str(lo) if lo == hi else f"{lo}-{hi}"
 
     @property
@@ -58,8 +62,7 @@ class Absent:
         if not self.nodes or not self.local_world_size:
             return None
         index = rank // self.local_world_size
-        found = self._by_index.get(index)
-        return found if found is not None and found.bits >> rank & 1 else None
+        return self._by_index.get(index)
 
     def reason(self, rank: int) -> str:
         node = self.node_of(rank)
@@ -100,11 +103,9 @@ def find_absent(
     silent = missing | ranksets.bits_of(r for r, _ in failed)
     nodes = []
     if local and local > 0 and world % local == 0:
-        full = (1 << local) - 1
-        for index in range(world // local):
-            bits = full << (index * local)
-            if silent & bits == bits:
-                nodes.append(AbsentNode(index, bits))
+        for lo, hi in ranksets.ranges_of(silent):  # the nodes each run of silent ranks fills
+            first, end = -(-lo // local), (hi + 1) // local
+            nodes.extend(AbsentNode(index, local) for index in range(first, end))
     return Absent(missing, failed, tuple(nodes), local)
 
 
@@ -121,17 +122,38 @@ def stand_ins(absent: Absent, world: int) -> list[RankDump]:
     return out
 
 
+def nodes_bits(nodes: Sequence[AbsentNode]) -> int:
+    """The ranks of `nodes` (ascending, of one size), one shift per run of adjacent nodes."""
+    bits, i = 0, 0
+    while i < len(nodes):
+        j = i
+        while j + 1 < len(nodes) and nodes[j + 1].index == nodes[j].index + 1:
+            j += 1
+        local = nodes[i].local
+        bits |= ((1 << ((j - i + 1) * local)) - 1) << (nodes[i].index * local)
+        i = j + 1
+    return bits
+
+
+# Silent nodes drawn as a tower each; the rest share one (a tower's bitset is as wide as the
+# world: thousands of them would cost memory quadratic in it). summary.txt names them all.
+MAX_NODE_TOWERS = 256
+
+
 def stand_in_stacks(absent: Absent, view: View) -> Collected:
     """What `collect` makes of `stand_ins`, built from the bitsets alone: one entry per silent
-    node and one for the scattered ranks, at a cost per node, not per rank."""
+    node (up to MAX_NODE_TOWERS, then one for the others) and one for the scattered ranks, at a
+    cost per node, not per rank."""
     groups: list[tuple[int, str]] = []
-    in_nodes = 0
-    for node in absent.nodes:
+    for node in absent.nodes[:MAX_NODE_TOWERS]:
         bits = node.bits & absent.missing
-        in_nodes |= node.bits
         if bits:
             groups.append((bits, f"{NO_DUMP}: {node.label} did not answer"))
-    scattered = absent.missing & ~in_nodes
+    more = nodes_bits(absent.nodes[MAX_NODE_TOWERS:]) & absent.missing
+    if more:
+        others = len(absent.nodes) - MAX_NODE_TOWERS
+        groups.append((more, f"{NO_DUMP}: {others} more whole nodes did not answer"))
+    scattered = absent.missing & ~nodes_bits(absent.nodes)
     if scattered:
         groups.append((scattered, f"{NO_DUMP}: rank did not answer"))
     groups.sort(key=lambda g: ranksets.lowest(g[0]))  # in rank order, as collect meets them
