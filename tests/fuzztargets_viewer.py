@@ -9,7 +9,10 @@ as long as nothing else than the reader's own errors comes out.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 from fuzzkit import FuzzTarget
@@ -31,15 +34,26 @@ XPU_NAME = "00000-00002.stacktrace"
 TAIL_NAME = "00000-00002.journal.json"
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """A bad dump is reported with a warning each: a hundred thousand of them say nothing."""
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 def _read_rank(path: Path) -> object:
     """What the merge does with the dumps of the input's directory, short of writing."""
-    found = scan(path.parent)
-    got = gather(found.files, workers=1)
-    result = analyse(got, WORLD, (), None)
-    for view in View:
-        for _ in folded_lines(result.trees[view]):
-            pass
-    return result
+    with _quiet():
+        found = scan(path.parent)
+        got = gather(found.files, workers=1)
+        result = analyse(got, WORLD, (), None)
+        for view in View:
+            for _ in folded_lines(result.trees[view]):
+                pass
+        return result
 
 
 def _diag_seeds(d: Path) -> list[bytes]:
@@ -124,8 +138,9 @@ def _verdict_seeds(d: Path) -> list[bytes]:
 def _read_incident(path: Path) -> object:
     """Discovery of the input's directory as an incident, and its files checked to be of one
     run; then the dumps read as a merge reads them."""
-    (inc,) = find_incidents(path.parent)
-    incident_files(inc)
+    with _quiet():
+        (inc,) = find_incidents(path.parent)
+        incident_files(inc)
     return _read_rank(path)
 
 
