@@ -24,6 +24,7 @@ from diag.agent.hang import Action, ActionKind, Verdict
 from diag.agent.incident import incident_id_of
 from diag.agent.observer import Observer
 from diag.agent.pyspy import DumpTarget
+from diag.agent.rankproof import RankProof
 
 log = logging.getLogger(__name__)
 
@@ -78,19 +79,25 @@ class Executor:
             self._stop(action.ranks)
 
     def _targets(self) -> list[EvidenceTarget]:
-        return [
-            EvidenceTarget(
-                DumpTarget(
-                    rank=t.meta.rank,
-                    world_size=t.meta.world_size,
-                    pid=t.meta.pid,
-                    local_rank=t.meta.local_rank,
-                    node=t.meta.node,
-                ),
-                journal=t.path,
+        """Every rank's journal; a stack only of a process shown, now, to be its rank."""
+        out = []
+        for t in sorted(self.observer.current(), key=lambda t: t.rank):
+            proof = self.observer.proof(t)
+            out.append(
+                EvidenceTarget(
+                    DumpTarget(
+                        rank=t.meta.rank,
+                        world_size=t.meta.world_size,
+                        pid=t.meta.pid if proof else 0,
+                        local_rank=t.meta.local_rank,
+                        node=t.meta.node,
+                    ),
+                    journal=t.path,
+                    unproven=_why_not(proof),
+                    owners=self.observer.owners,
+                )
             )
-            for t in sorted(self.observer.current(), key=lambda t: t.rank)
-        ]
+        return out
 
     def _capture(self, verdict: Verdict) -> None:
         # Suspects first: where native dumps queue for a core, theirs reach the disk first.
@@ -154,6 +161,11 @@ class Executor:
         for t in self.observer.current():
             if t.rank not in ranks:
                 continue
+            proof = self.observer.proof(t)
+            if not proof:
+                if proof.exists:
+                    log.warning("not stopping rank %d: %s", t.rank, proof.reason)
+                continue
             try:
                 p = psutil.Process(t.meta.pid)
                 if abs(p.create_time() - t.meta.pid_start_time) <= 0.05:
@@ -171,6 +183,12 @@ class Executor:
     def join(self, timeout: float | None = None) -> None:
         for t in self._stoppers:
             t.join(timeout)
+
+
+def _why_not(proof: RankProof) -> str:
+    if proof:
+        return ""
+    return proof.reason if proof.exists else f"the process is gone ({proof.reason})"
 
 
 def stop_processes(procs: list[tuple[int, psutil.Process]], grace: float) -> None:

@@ -25,6 +25,7 @@ from diag.agent.notice import NoticeSettings, Provider
 from diag.agent.options import OPTIONS, REMOVED, Until, check_removed, parse_port
 from diag.agent.options import add_arguments as add_arguments
 from diag.agent.optiontable import Option, read_toml_table
+from diag.agent.rundircheck import TrainerUsers
 from diag.agent.taintconfig import TaintSettings
 from diag.agent.timeouts import TimeoutPolicy
 from diag.collector.rundir import default_run_dir, node_name
@@ -53,6 +54,7 @@ class AgentConfig:
     taint: TaintSettings = field(default_factory=TaintSettings)
     drain: DrainSettings | None = field(default_factory=DrainSettings)  # None: stop on SIGTERM
     notice: NoticeSettings | None = None  # the early preemption notice watcher; None: off
+    trainer: TrainerUsers = field(default_factory=TrainerUsers)  # --trainer-uid / --trainer-gid
 
 
 def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> AgentConfig:
@@ -116,6 +118,7 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         ),
         drain=_drain_settings(values) if values["drain"] else None,
         notice=_notice_settings(values),
+        trainer=TrainerUsers(values["trainer_uid"], values["trainer_gid"]),
         taint=taintconfig.load(
             args, job=values["job"], env=env, config=getattr(args, "config", None)
         ),

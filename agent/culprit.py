@@ -11,6 +11,9 @@ that is not is the suspect:
   when the waits lead back (a wait-for cycle: a deadlock), name the rank whose order of ops
   differs from the others' (waitgraph.py, deadlock.py);
 - it is inside #N but its device has not started it while the others' have (CUDA);
+- its oldest op is on the device and never started there while no other rank waits on it (a
+  single rank, or a group whose others are not inside anything): its own stream is blocked by
+  earlier work (a kernel that never ends);
 - it called a different collective as #N (op or size mismatch);
 - it is on another node (we cannot see it from here: the job verdict, which weighs every node's
   view, names it).
@@ -185,6 +188,8 @@ def find_suspects(obs: Observation) -> list[Suspect]:
         _mismatches(w, by_rank, add)
         _not_started(w, by_rank, add)
 
+    _blocked_on_device(obs, add)
+
     # Waits that lead back to where they started: nobody on the cycle can move first.
     for d in find_deadlocks(obs, blocked_ranks(obs)):
         for c in d.culprits:
@@ -269,3 +274,34 @@ def _not_started(w: Wait, by_rank: dict[int, RankSnapshot], add) -> None:
                     f"{_fmt_ranks(started)} have: the kernels queued before it are stuck",
                 )
             )
+
+
+BLOCKED_ON_DEVICE = (
+    "enqueued on the device but never started: the stream is blocked by earlier work"
+)
+
+
+def _blocked_on_device(obs: Observation, add) -> None:
+    """A rank whose oldest pending op was enqueued on its device and never started there, with
+    nobody else waiting on it: nothing outside the rank holds that op back (its peers are not
+    inside anything it could wait for), so what holds it is its own stream: earlier work that
+    does not end. With peers inside the op and started, `_not_started` says it better."""
+    waiting = {r.rank for r in obs.all_ranks if r.alive and r.pending}
+    for r in obs.all_ranks:
+        op = r.oldest_pending
+        if not (r.alive and op is not None and op.on_device and op.state == OpState.ENQUEUED):
+            continue
+        if op.is_p2p:
+            others: tuple[int, ...] = (op.peer,) if op.peer >= 0 else ()
+        else:
+            others = tuple(m for m in obs.groups.get(op.group, ()) if m != r.rank)
+        if any(m in waiting for m in others):
+            continue
+        age = obs.now - op.t_enqueue
+        add(
+            Suspect(
+                r.rank,
+                SuspectKind.NOT_STARTED,
+                f"rank {r.rank}: {op.describe()} {BLOCKED_ON_DEVICE} (enqueued {age:.1f} s ago)",
+            )
+        )

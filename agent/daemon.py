@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 import time
@@ -37,10 +38,13 @@ from diag.agent.notice import Notice, NoticeWatcher, deadline_of
 from diag.agent.observer import Observer
 from diag.agent.options import Until
 from diag.agent.pyspy import can_trace
+from diag.agent.rundircheck import owners_of
+from diag.agent.rundircheck import prepare as prepare_run_dir
 from diag.agent.taintconfig import TaintMode
 from diag.agent.taintevidence import JOB_VERDICTS_DIR
 from diag.collector.meta import safe_job_name
 from diag.collector.rundir import control_socket_path
+from diag.collector.untrusted import Owners
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +53,14 @@ _WARNINGS = frozenset({EventKind.INCIDENT, EventKind.NO_STEPS})
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig) -> None:
+    def __init__(self, cfg: AgentConfig, owners: Owners | None = None) -> None:
         self.cfg = cfg
+        self.owners = owners if owners is not None else owners_of(cfg.run_dir, cfg.trainer)
         self.observer = Observer(
-            cfg.run_dir, cfg.job, warmup_cadence=cfg.policy.timeouts.warmup_cadence
+            cfg.run_dir,
+            cfg.job,
+            warmup_cadence=cfg.policy.timeouts.warmup_cadence,
+            owners=self.owners,
         )
         self.executor = Executor(
             self.observer,
@@ -107,7 +115,11 @@ class Agent:
         self.executor.listeners.append(self.tainter.on_incident)
         self.control: ControlServer | None = None
         self._checkpoint_fed = float("-inf")
-        self.drainer = Drainer(self.checkpoints, cfg.drain) if cfg.drain is not None else None
+        self.drainer = (
+            Drainer(self.checkpoints, cfg.drain, prover=self.observer.prover)
+            if cfg.drain is not None
+            else None
+        )
         self.drained: DrainState | None = None
         self._drain_lock = threading.Lock()
         self._drain_request: DrainRequest | None = None
@@ -255,7 +267,9 @@ class Agent:
             self.health.start(self.tainter.plan_health)
         if cfg.control:
             socket = cfg.control_socket or control_socket_path(cfg.run_dir, cfg.job)
-            self.control = ControlServer(socket, self.checkpoints).start()
+            self.control = ControlServer(
+                socket, self.checkpoints, owners=self.owners, client_uid=_trainer_uid(cfg)
+            ).start()
         ended = False
         notices = (
             NoticeWatcher(cfg.notice, self.on_notice).start()
@@ -353,8 +367,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args)
-    _check_dirs(cfg)
-    agent = Agent(cfg)
+    owners = _check_dirs(cfg)
+    agent = Agent(cfg, owners)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         # Only flags here: the main loop logs and acts.
@@ -368,14 +382,9 @@ def run(args: argparse.Namespace) -> int:
     return agent.run()
 
 
-def _check_dirs(cfg: AgentConfig) -> None:
-    try:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise exitcodes.UsageError(
-            f"cannot create the run directory {cfg.run_dir}: {e.strerror}; set --run-dir or "
-            "DIAG_RUN_DIR to a directory shared with the trainer"
-        ) from e
+def _check_dirs(cfg: AgentConfig) -> Owners:
+    """The run directory made (private) or judged: whose files in it the agent believes."""
+    owners = prepare_run_dir(cfg.run_dir, cfg.trainer)
     try:
         cfg.timeline.mkdir(parents=True, exist_ok=True)
         probe = cfg.timeline / ".diag-write-test"
@@ -386,3 +395,15 @@ def _check_dirs(cfg: AgentConfig) -> None:
             f"cannot write incidents to {cfg.timeline}: {e.strerror}; set --timeline or "
             "DIAG_TIMELINE to a writable directory"
         ) from e
+    return owners
+
+
+def _trainer_uid(cfg: AgentConfig) -> int | None:
+    """Whom the control socket is given to: the ranks' user (--trainer-uid, else the run
+    directory's owner), so that a root agent's 0600 socket is reachable by its ranks alone."""
+    if cfg.trainer.uid is not None:
+        return cfg.trainer.uid
+    try:
+        return os.stat(cfg.run_dir).st_uid
+    except OSError:
+        return None

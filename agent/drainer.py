@@ -33,6 +33,9 @@ from diag.agent.drain import (
     tighten,
 )
 from diag.agent.procs import same_process, stop_tree
+from diag.agent.rankproof import RankProver, claim_of, file_id
+from diag.agent.rundircheck import owners_of
+from diag.collector.meta import journal_path
 from diag.collector.slotfile import read_snapshots
 from diag.collector.snapshot import find_slots, parse_slot_name, read_latest_step
 
@@ -57,8 +60,11 @@ class Drainer:
         settings: DrainSettings,
         *,
         exit_code: int = exitcodes.RANK_DRAINED,
+        prover: RankProver | None = None,
     ) -> None:
         self.checkpoints = checkpoints
+        # A PID from a session or a slot is stopped only once shown to be the rank's process.
+        self.prover = prover or RankProver(owners_of(checkpoints.run_dir))
         self.settings = settings
         self.exit_code = exit_code
         self._commands: dict[tuple[str, int], str] = {}  # (job, rank) -> EXIT command id
@@ -239,17 +245,25 @@ class Drainer:
         return None
 
     def _pids(self, job: str, ranks: tuple[int, ...]) -> dict[int, int]:
-        out = {}
+        """PIDs of the ranks' processes, each shown to map or hold its journal or a slot."""
+        out: dict[int, int] = {}
+        run_dir = self.checkpoints.run_dir
+        slots = find_slots(run_dir, job)
+
+        def proven(rank: int, pid: int, start: float) -> bool:
+            named = [p for p in slots if (n := parse_slot_name(p.name)) and n.rank == rank]
+            files = [file_id(journal_path(run_dir, job, rank)), *map(file_id, named)]
+            proof = self.prover.check(claim_of(pid, start, files))
+            if not proof and proof.exists:
+                log.warning("drain: not stopping rank %d of %s: %s", rank, job, proof.reason)
+            return proof.ok
+
         for rank, s in self.checkpoints.sessions.of_job(job).items():
-            if (
-                rank in ranks
-                and s.pid > 0
-                and (not s.start_time or same_process(s.pid, s.start_time))
-            ):
+            if rank in ranks and s.pid > 0 and s.start_time and proven(rank, s.pid, s.start_time):
                 out[rank] = s.pid
-        for snap in read_snapshots(find_slots(self.checkpoints.run_dir, job)):
+        for snap in read_snapshots(slots):
             r, h = snap.meta.rank, snap.header
-            if r in ranks and r not in out and same_process(h.writer_pid, h.writer_start):
+            if r in ranks and r not in out and proven(r, h.writer_pid, h.writer_start):
                 out[r] = h.writer_pid
         return out
 

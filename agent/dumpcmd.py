@@ -70,6 +70,7 @@ def _pid_targets(pids: list[int]) -> list[EvidenceTarget]:
 
 
 def _journal_targets(run_dir: Path, job: str | None) -> list[EvidenceTarget]:
+    """Ranks whose process is shown to be their journal's writer (rankproof.py)."""
     obs = Observer(run_dir, job)
     try:
         obs.discover()
@@ -79,9 +80,10 @@ def _journal_targets(run_dir: Path, job: str | None) -> list[EvidenceTarget]:
                     t.meta.rank, t.meta.world_size, t.meta.pid, t.meta.local_rank, t.meta.node
                 ),
                 journal=t.path,
+                owners=obs.owners,
             )
             for t in sorted(obs.current(), key=lambda t: t.rank)
-            if Path(f"/proc/{t.meta.pid}").exists()
+            if obs.proof(t)
         ]
     finally:
         obs.close()

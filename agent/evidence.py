@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from diag.agent.cgroup import read_limits
+from diag.agent.flightrec import FR_DIR, FlightTarget, collect
 from diag.agent.hang import Verdict
 from diag.agent.incident import VERDICT_FILE, VERDICT_FORMAT, IncidentDir, utc_iso
 from diag.agent.machine import machine_snapshot
@@ -30,17 +31,25 @@ from diag.agent.parallelism import (
 from diag.agent.pyspy import DumpTarget, dump_all
 from diag.collector.journal import JournalFormatError, JournalReader
 from diag.collector.meta import JournalMeta, read_meta, write_atomic
+from diag.collector.untrusted import Owners
 from diag.viewer.stacks import RankDump
 
 log = logging.getLogger(__name__)
 
 JOURNAL_TAIL_SUFFIX = ".journal.json"
+FLIGHT_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
 class EvidenceTarget:
     dump: DumpTarget
     journal: Path | None = None
+    unproven: str = ""  # why its PID is not taken for the rank: no stack is taken then
+    owners: Owners | None = None  # whose journal and meta are read
+
+    @property
+    def dumpable(self) -> bool:
+        return not self.unproven and self.dump.pid > 0
 
 
 @dataclass(frozen=True)
@@ -119,13 +128,15 @@ def verdict_document(
     return doc
 
 
-def journal_tail_document(path: Path, now: float, tail: int) -> dict[str, Any]:
+def journal_tail_document(
+    path: Path, now: float, tail: int, owners: Owners | None = None
+) -> dict[str, Any]:
     try:
-        reader = JournalReader(path)
+        reader = JournalReader(path, owners=owners)
     except JournalFormatError as e:
         return {"journal": str(path), "error": str(e)}
     try:
-        meta: JournalMeta | None = read_meta(path)
+        meta: JournalMeta | None = read_meta(path, owners)
     except (OSError, ValueError):
         meta = None
     try:
@@ -194,7 +205,8 @@ def capture(
     directory is in place."""
     started = time.monotonic()
     when = dt.datetime.now(dt.UTC)
-    dump_targets = [t.dump for t in targets]
+    dump_targets = [t.dump for t in targets if t.dumpable]
+    refused = [_not_dumped(t) for t in targets if not t.dumpable]
     incident = IncidentDir.create(
         timeline, verdict_doc["kind"], verdict_doc["node"], when, verdict_doc.get("incident_id", "")
     )
@@ -206,19 +218,22 @@ def capture(
     try:
         dumps = dump_all(
             dump_targets, native=False, timeout=pyspy_timeout, parallel=max(1, python_width.count)
-        )
+        ) if dump_targets else []  # fmt: skip
+        dumps = _in_order(targets, [*dumps, *refused])
         python_done = time.monotonic()
         for t in targets:
             if t.journal is not None:
                 name = f"{t.dump.rank:05d}-{t.dump.world_size:05d}{JOURNAL_TAIL_SUFFIX}"
-                incident.write_json(name, journal_tail_document(t.journal, started, journal_tail))
-        snap = machine_snapshot({t.dump.rank: t.dump.pid for t in targets}, timeline)
+                doc_ = journal_tail_document(t.journal, started, journal_tail, t.owners)
+                incident.write_json(name, doc_)
+        doc["flight_recorder"] = _flight_recorders(targets, incident.tmp)
+        snap = machine_snapshot({t.dump.rank: t.dump.pid for t in targets if t.dumpable}, timeline)
         incident.write_json("machine.json", snap.to_dict())
         for d in dumps:
             incident.write_text(d.file_name, d.to_json())
         planned = dump_parallelism(
-            len(targets), limits, native_cost, override=dump_parallel
-        ) if native and targets else None  # fmt: skip
+            len(dump_targets), limits, native_cost, override=dump_parallel
+        ) if native and dump_targets else None  # fmt: skip
         width = first_wave(planned) if planned is not None else None
         doc["evidence"] = _evidence_doc(
             targets, dumps, python_done - started, native_pending=bool(width and width.count)
@@ -271,7 +286,7 @@ def capture(
                 "native stacks: py-spy peaked at %.0f MiB, then %d at a time (%s)",
                 peak / (1 << 20), max(1, after.count), after.reason,
             )  # fmt: skip
-        dumps = [kept[d.rank] for d in dumps]
+        dumps = [kept.get(d.rank, d) for d in dumps]
         previous = doc["evidence"]
         doc["evidence"] = _evidence_doc(
             targets, dumps, time.monotonic() - started, native_pending=False,
@@ -286,6 +301,38 @@ def capture(
             doc["evidence"]["native_parallel_measured_reason"] = after.reason
         write_atomic(path / VERDICT_FILE, json.dumps(doc, indent=1).encode())
     return EvidenceResult(path, tuple(dumps), started, on_disk_at, time.monotonic())
+
+
+def _flight_recorders(targets: list[EvidenceTarget], directory: Path) -> dict[str, Any]:
+    """torch's flight recorder of every rank, under flight-recorder/ (see flightrec.py)."""
+    fr = [
+        FlightTarget(t.dump.rank, t.dump.world_size, t.dump.pid, t.journal)
+        for t in targets
+        if t.journal is not None and t.dumpable  # a rank not shown to be one is not asked
+    ]
+    dumps = collect(fr, directory, timeout=FLIGHT_TIMEOUT_S)
+    return {
+        "dir": FR_DIR,
+        "ranks": {str(d.rank): {"files": list(d.files), "errors": list(d.errors)} for d in dumps},
+        "seconds": max((d.seconds for d in dumps), default=0.0),
+    }
+
+
+def _not_dumped(t: EvidenceTarget) -> RankDump:
+    return RankDump(
+        rank=t.dump.rank,
+        world_size=t.dump.world_size,
+        pid=0,
+        node=t.dump.node,
+        local_rank=t.dump.local_rank,
+        captured_at=dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
+        error=f"no stack taken: {t.unproven or 'no process of this rank to dump'}",
+    )
+
+
+def _in_order(targets: list[EvidenceTarget], dumps: list[RankDump]) -> list[RankDump]:
+    by_rank = {d.rank: d for d in dumps}
+    return [by_rank[t.dump.rank] for t in targets]
 
 
 def _evidence_doc(

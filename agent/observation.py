@@ -31,6 +31,7 @@ class OpView:
     t_enqueue: float
     t_end: float | None = None
     peer: int = -1  # global rank of the p2p peer
+    on_device: bool = False  # tracked by CUDA events: STARTED means the device began it
 
     @property
     def pending(self) -> bool:

@@ -1,163 +1,64 @@
 """Turns the journals in the run directory into an Observation for the decision core.
 
-Reads incrementally: each poll decodes only the records written since the last one, plus the
-slots of ops still pending (their state changes in place). Keeps a short history per rank (step
-durations, completed ops) for adaptive limits and straggler scores.
+Reads incrementally (ranktracker.py): each poll decodes only the records written since the last
+one, plus the slots of ops still pending. Journals and metas are input from another process:
+those not owned by a trainer, not regular files, or malformed are skipped with one warning each,
+and a meta's PID is believed only once the process is shown to be the journal's writer
+(rankproof.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
+import os
+import stat
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from diag.agent.cadence import Cadence, fold
+from diag.agent.cadence import fold
 from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.agent.procs import ProcessWatch, ProcInfo, same_process
+from diag.agent.procs import ProcessWatch, ProcInfo
+from diag.agent.rankproof import RankProof, RankProver, claim_of
+from diag.agent.ranktracker import RankTracker
+from diag.agent.rundircheck import owners_of
 from diag.collector.journal import JournalFormatError, JournalReader, JournalStatus
-from diag.collector.meta import JOURNAL_SUFFIX, JournalMeta, read_meta
-from diag.collector.records import OpState, Record, RecordKind
+from diag.collector.meta import JOURNAL_SUFFIX, JournalMeta, meta_path_for, read_meta
 from diag.collector.rundir import pid_namespace
+from diag.collector.untrusted import Owners, UntrustedInput
 
 log = logging.getLogger(__name__)
 
 _NS = 1e-9
-_HISTORY_STEPS = 16
-_HISTORY_OPS = 256
-_HISTORY_P2P = 8  # recent ops per (group, peer): enough to see a send/recv order repeat
 _LEFTOVER_IDLE_S = 600.0  # an unseen writer this idle before we started is a leftover
-_UNSETTLED_TRIES = 20
 ENDED_LINGER_S = 60.0  # how long a rank whose process ended stays in view
-_SETTLED_STEP = 2  # polls before giving up on a slot left half-written by a dead writer
-
-
-@dataclass
-class RankTracker:
-    path: Path
-    reader: JournalReader
-    meta: JournalMeta
-    next_seq: int = 0
-    pending: dict[int, Record] = field(default_factory=dict)
-    unsettled: dict[int, int] = field(default_factory=dict)
-    last_ops: dict[str, OpView] = field(default_factory=dict)
-    p2p: dict[tuple[str, int], deque] = field(default_factory=dict)
-    step_ends: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_STEPS + 1))
-    done_ops: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_OPS))
-    op_seconds: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_OPS))
-    last_activity: float = 0.0
-    lost: int = 0  # records the ring overwrote before we read them
-    cadence: Cadence = field(default_factory=Cadence)
-    new_done: list[tuple[float, float]] = field(default_factory=list)  # not yet in `cadence`
-
-    @property
-    def rank(self) -> int:
-        return self.meta.rank
-
-    def group_name(self, index: int) -> str:
-        g = self.meta.group(index)
-        if g is None:
-            with contextlib.suppress(OSError, ValueError):  # a group made after our last read
-                self.meta = read_meta(self.path)
-            g = self.meta.group(index)
-        return g.name if g is not None else f"#{index}"
-
-    def view(self, rec: Record) -> OpView:
-        return OpView(
-            group=self.group_name(rec.group),
-            group_seq=rec.group_seq,
-            op=rec.op,
-            state=rec.state,
-            nbytes=rec.nbytes,
-            t_enqueue=rec.t_enqueue_ns * _NS,
-            t_end=rec.t_end_ns * _NS if rec.t_end_ns else None,
-            peer=rec.peer,
-        )
-
-    def poll(self) -> None:
-        head = self.reader.head()
-        cap = self.reader.header.capacity
-        if head - self.next_seq > cap:
-            self.lost += head - self.next_seq - cap
-            self.next_seq = head - cap
-        seqs = [*self.unsettled, *self.pending, *range(self.next_seq, head)]
-        self.next_seq = max(self.next_seq, head)
-        for seq in seqs:
-            rec = self.reader.read(seq)
-            if rec is None:
-                if head - seq >= cap:  # overwritten: that op is long gone
-                    self.pending.pop(seq, None)
-                    self.unsettled.pop(seq, None)
-                elif seq not in self.pending:
-                    tries = self.unsettled.get(seq, 0) + 1
-                    if tries > _UNSETTLED_TRIES:
-                        self.unsettled.pop(seq, None)
-                    else:
-                        self.unsettled[seq] = tries
-                continue
-            self.unsettled.pop(seq, None)
-            self._apply(rec)
-
-    def _apply(self, rec: Record) -> None:
-        t = max(rec.t_enqueue_ns, rec.t_start_ns, rec.t_end_ns) * _NS
-        self.last_activity = max(self.last_activity, t)
-        if rec.kind == RecordKind.STEP:
-            self.step_ends.append(rec.t_end_ns * _NS)
-            return
-        if rec.kind != RecordKind.OP:
-            return
-        v = self.view(rec)
-        if rec.op.is_p2p:
-            self._note_p2p(v)
-        else:
-            prev = self.last_ops.get(v.group)
-            if prev is None or v.group_seq >= prev.group_seq:
-                self.last_ops[v.group] = v
-        if rec.state.pending:
-            self.pending[rec.seq] = rec
-            return
-        self.pending.pop(rec.seq, None)
-        if v.t_end is not None and rec.state == OpState.COMPLETED and rec.step == 0:
-            self.new_done.append((v.t_enqueue, v.t_end))  # the pace of a rank without steps
-        if v.t_end is not None and rec.state == OpState.COMPLETED and rec.step >= _SETTLED_STEP:
-            # Ops of the first steps are dominated by start-up skew: not a basis for limits
-            # or straggler scores.
-            self.done_ops.append(v)
-            self.op_seconds.append(v.t_end - v.t_enqueue)
-
-    def _note_p2p(self, v: OpView) -> None:
-        hist = self.p2p.get((v.group, v.peer))
-        if hist is None:
-            hist = self.p2p[(v.group, v.peer)] = deque(maxlen=_HISTORY_P2P)
-        if not hist or v.group_seq > hist[-1].group_seq:
-            hist.append(v)
-            return
-        for i in range(len(hist) - 1, -1, -1):  # a pending op read again: its state changed
-            if hist[i].group_seq == v.group_seq:
-                hist[i] = v
-                return
-
-    def step_durations(self) -> tuple[float, ...]:
-        ends = list(self.step_ends)
-        return tuple(b - a for a, b in itertools.pairwise(ends))
 
 
 class Observer:
     """Owns the journal readers and the process watch of one agent."""
 
-    def __init__(self, run_dir: Path, job: str | None = None, warmup_cadence: float = 30.0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        job: str | None = None,
+        warmup_cadence: float = 30.0,
+        owners: Owners | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.job = job
         self.warmup_cadence = warmup_cadence  # seconds of steady pace (cadence.py)
+        # Whose journals and metas are read, and as whom a rank may run (rundircheck.py).
+        self.owners = owners if owners is not None else owners_of(run_dir)
         self.procs = ProcessWatch()
         self.trackers: dict[Path, RankTracker] = {}
         self._stale: set[tuple[Path, tuple[int, int]]] = set()
+        # Files refused, by what they were when refused: warned about once, not read again
+        # until replaced.
+        self._refused: dict[Path, tuple[int, ...]] = {}
         self._warned_invisible: set[int] = set()
         self._started = time.monotonic()
         self._pid_ns = pid_namespace()
+        self.prover = RankProver(self.owners, self._pid_ns)
         self._ns_shared = False  # seen a trainer PID: we share its PID namespace
         self._unsure: set[Path] = set()  # invisible PIDs of journals that do not name their ns
 
@@ -177,8 +78,9 @@ class Observer:
             # see proves the namespace is shared; from then on a PID we cannot see is gone.
             for path in new:
                 with contextlib.suppress(OSError, ValueError):
-                    meta = read_meta(path)
-                    if meta.pid_ns == 0 and same_process(meta.pid, meta.pid_start_time):
+                    meta = read_meta(path, self.owners)
+                    journal = _file_id(path)
+                    if meta.pid_ns == 0 and journal is not None and self._proves(meta, journal):
                         self._ns_shared = True
                         break
         for path in new:
@@ -186,22 +88,47 @@ class Observer:
         if self._ns_shared and self._unsure:
             self._judge_unsure()
 
+    def _refuse(self, path: Path, ident: tuple[int, ...], problem: str) -> None:
+        """One warning per refused file (not one per poll); it is not read again until it
+        changes."""
+        self._refused[path] = ident
+        log.warning("ignoring %s", problem)
+
+    def _proves(self, meta: JournalMeta, journal: tuple[int, int]) -> RankProof:
+        claim = claim_of(meta.pid, meta.pid_start_time, (journal,), meta.pid_ns)
+        return self.prover.check(claim)
+
+    def proof(self, t: RankTracker) -> RankProof:
+        """Whether the tracker's PID is, now, its rank's process: asked before acting on it."""
+        if not t.proven:
+            return RankProof(False, f"PID {t.meta.pid} was never shown to be rank {t.rank}")
+        return self._proves(t.meta, t.reader.inode)
+
     def _open(self, path: Path) -> None:
+        ident = _ident(path, changes=False)
+        if ident is None or self._refused.get(path) == ident:
+            return
         try:
-            reader = JournalReader(path)
+            reader = JournalReader(path, owners=self.owners)
         except JournalFormatError as e:
-            key = (path, (0, 0))
-            if key not in self._stale:
-                log.warning("ignoring %s", e)
-                self._stale.add(key)
+            self._refuse(path, ident, str(e))
             return
         key = (path, reader.inode)
         if key in self._stale:
             reader.close()
             return
+        meta_path = meta_path_for(path)
+        meta_ident = _ident(meta_path, changes=True)
+        if meta_ident is None or self._refused.get(meta_path) == meta_ident:
+            reader.close()  # no meta yet (the writer makes it after the journal), or a bad one
+            return
         try:
-            meta = read_meta(path)
-        except (OSError, ValueError) as e:
+            meta = read_meta(path, self.owners)
+        except UntrustedInput as e:
+            reader.close()
+            self._refuse(meta_path, meta_ident, f"{e} (the journal {path.name} is not read)")
+            return
+        except OSError as e:
             log.debug("journal %s has no readable meta yet (%s)", path, e)
             reader.close()
             return
@@ -209,7 +136,25 @@ class Observer:
             reader.close()
             self._stale.add(key)
             return
-        info = self.procs.watch(meta.pid, meta.pid_start_time)
+        proven = False
+        if not meta.pid_ns or meta.pid_ns == self._pid_ns:
+            proof = self._proves(meta, reader.inode)
+            if not proof and proof.exists:
+                # A live process that is not the writer: the meta lies (or names a process
+                # that took the PID over). Not a rank: never watched, dumped or signalled.
+                reader.close()
+                self._refuse(
+                    meta_path, meta_ident,
+                    f"{meta_path}: the process it names is not the writer of {path.name} "
+                    f"({proof.reason}); its journal is not watched",
+                )  # fmt: skip
+                return
+            proven = proof.ok
+        info = (
+            self.procs.watch(meta.pid, meta.pid_start_time)
+            if proven
+            else self.procs.unseen(meta.pid)
+        )
         gone = False
         if not info.visible:
             status = reader.state().status
@@ -240,7 +185,9 @@ class Observer:
                     meta.rank,
                     meta.pid,
                 )
-        tracker = RankTracker(path=path, reader=reader, meta=meta)
+        tracker = RankTracker(
+            path=path, reader=reader, meta=meta, owners=self.owners, proven=proven
+        )
         tracker.last_activity = reader.header.created_mono_ns * _NS
         self.trackers[path] = tracker
         log.info("watching rank %d (pid %d) via %s", meta.rank, meta.pid, path.name)
@@ -286,6 +233,7 @@ class Observer:
     def _drop(self, path: Path) -> None:
         t = self.trackers.pop(path)
         self.procs.forget(t.meta.pid)
+        self.prover.forget(t.meta.pid)
         t.reader.close()
 
     def current(self) -> list[RankTracker]:
@@ -392,3 +340,20 @@ class Observer:
         for path in list(self.trackers):
             self._drop(path)
         self.procs.close()
+
+
+def _ident(path: Path, *, changes: bool) -> tuple[int, ...] | None:
+    """What a file is, to tell whether it was replaced or given to another owner (`changes`: or
+    rewritten at all; a journal is rewritten all the time, a meta only replaced)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if changes:
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+    return (st.st_dev, st.st_ino, st.st_uid, stat.S_IFMT(st.st_mode))
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    ident = _ident(path, changes=False)
+    return (ident[0], ident[1]) if ident is not None else None

@@ -45,6 +45,14 @@ def parse_phases(text: str) -> dict[str, float]:
     return out
 
 
+def parse_id(text: str) -> int:
+    """A numeric user or group id."""
+    value = int(text)
+    if not 0 <= value < 2**32 - 1:
+        raise ValueError(f"not a numeric user or group id: {text}")
+    return value
+
+
 def parse_port(text: str) -> int:
     port = int(text)
     if not 0 <= port < 65536:
@@ -60,6 +68,23 @@ OPTIONS = OptionTable(
             None,
             "directory of the ranks' op journals (shared with the trainer; "
             "default: $DIAG_RUN_DIR, else /dev/shm/diag)",
+        ),
+        Option(
+            "trainer_uid",
+            parse_id,
+            None,
+            "numeric uid the ranks run as: files in the run directory owned by anyone but it, root "
+            "and the agent's user are ignored, and only processes of those users are taken for "
+            "ranks (default: the run directory's owner; a missing run directory is created 0700 "
+            "and given to it)",
+        ),
+        Option(
+            "trainer_gid",
+            parse_id,
+            None,
+            "numeric gid of the trainers: a run directory writable by its group is accepted only "
+            "when the group is this one (every member is then trusted to write journals); a "
+            "missing run directory is given to it",
         ),
         Option("timeline", Path, Path(DEFAULT_TIMELINE), "where incident directories are written"),
         Option("job", str, None, "watch only journals of this job (default: all in the run dir)"),

@@ -67,6 +67,13 @@ class ProcessWatch:
             self._poll.register(fd, select.POLLIN)
         return info
 
+    def unseen(self, pid: int) -> ProcInfo:
+        """A PID not looked at: in another namespace, gone, or not shown to be the rank."""
+        info = self._info.get(pid)
+        if info is None:
+            info = self._info[pid] = ProcInfo(pid, visible=False)
+        return info
+
     def forget(self, pid: int) -> None:
         for fd, p in list(self._fds.items()):
             if p == pid:

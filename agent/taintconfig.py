@@ -86,7 +86,7 @@ OPTIONS = OptionTable(
             "expiry",
             non_negative,
             86400.0,
-            "seconds a taint lasts without new evidence (0: forever)",
+            "seconds a taint lasts without new evidence (0, or over 604800: 604800, 7 days)",
         ),
         Option("job_cap", count, 2, "nodes one job may hold tainted at once"),
         Option("rate_count", count, 1, "new taints one job may make ..."),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 # The documented names (README "Node taints"). Keep in step with the README and the policy.
@@ -22,6 +22,11 @@ RECORD_ANNOTATION = f"{DOMAIN}/taint-record"
 NO_SCHEDULE = "NoSchedule"
 NO_EXECUTE = "NoExecute"
 MAX_EVIDENCE = 20  # lines of evidence a record keeps
+# The admission policy (deploy/k8s/policy) refuses a longer record: `bounded` keeps ours within.
+RECORD_MAX_CHARS = 8192
+# The longest a taint lasts without new evidence: the expiry sweep removes a taint whose record
+# expires later than this from now, or never.
+MAX_EXPIRY = 7 * 24 * 3600.0
 
 # XIDs raised by the application's own faults (illegal access, page faults, channel resets,
 # preemption cleanup, video decoder): a bug in the job, not in the node.
@@ -122,6 +127,29 @@ class TaintRecord:
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
+    def bounded(self, limit: int = RECORD_MAX_CHARS) -> TaintRecord:
+        """This record, its text cut until its JSON fits `limit` characters: evidence lines
+        (detail from the node's logs and reports) and paths have no length of their own."""
+        if len(self.to_json()) <= limit:
+            return self
+        rec = replace(
+            self,
+            message=_cut(self.message, 1024),
+            job=_cut(self.job, 253),
+            incident_id=_cut(self.incident_id, 256),
+            incident_path=_cut(self.incident_path, 512),
+            evidence=tuple(_cut(line, 256) for line in self.evidence),
+        )
+        while len(rec.to_json()) > limit and rec.evidence:
+            rec = replace(rec, evidence=rec.evidence[:-1])  # the oldest lines go first
+        if len(rec.to_json()) > limit:
+            # Even the fields alone are too long (escaped non-ASCII text takes 6 characters
+            # per character): keep what names the fault.
+            rec = replace(
+                rec, message=_cut(rec.message, 128), incident_path=_cut(rec.incident_path, 128)
+            )
+        return rec
+
     @classmethod
     def from_json(cls, text: str) -> TaintRecord:
         """Raises ValueError on a record that is not ours or is damaged."""
@@ -166,7 +194,8 @@ class TaintPolicy:
     ignore_xids: tuple[int, ...] = APPLICATION_XIDS
     hardware_xids: tuple[int, ...] = HARDWARE_XIDS
     no_execute: bool = False  # also NoExecute, for confirmed hardware faults only
-    expiry: float = 24 * 3600.0  # seconds a taint lasts without new evidence; 0: no expiry
+    # Seconds a taint lasts without new evidence; 0, or more than MAX_EXPIRY: MAX_EXPIRY.
+    expiry: float = 24 * 3600.0
     job_cap: int = 2  # nodes one job may have tainted at once
     rate_count: int = 1  # new taints per job ...
     rate_window: float = 600.0  # ... per this many seconds
@@ -245,6 +274,10 @@ class TaintPlan:
         if self.event is not None:
             lines.append(f"  event {self.event.type} {self.event.reason}: {self.event.message}")
         return "\n".join(lines)
+
+
+def _cut(text: str, size: int) -> str:
+    return text if len(text) <= size else text[: size - 3] + "..."
 
 
 def _utc(t: float) -> str:

@@ -30,9 +30,11 @@ from diag.agent.taintmodel import (
     EVENT_UPDATED,
     HARDWARE_XIDS,
     MAX_EVIDENCE,
+    MAX_EXPIRY,
     NO_EXECUTE,
     NO_SCHEDULE,
     RECORD_ANNOTATION,
+    RECORD_MAX_CHARS,
     TAINT_KEY,
     Action,
     ClearReason,
@@ -60,9 +62,11 @@ __all__ = [
     "EVENT_UPDATED",
     "HARDWARE_XIDS",
     "MAX_EVIDENCE",
+    "MAX_EXPIRY",
     "NO_EXECUTE",
     "NO_SCHEDULE",
     "RECORD_ANNOTATION",
+    "RECORD_MAX_CHARS",
     "TAINT_KEY",
     "Action",
     "ClearReason",
@@ -154,7 +158,8 @@ def plan_taint(
     incident_path = main.evidence.incident_path or next(
         (f.evidence.incident_path for f in faults if f.evidence.incident_path), ""
     )
-    until = now + policy.expiry if policy.expiry > 0 else None
+    # Never "forever": the admission policy refuses a record without an expiry.
+    until = now + (min(policy.expiry, MAX_EXPIRY) if policy.expiry > 0 else MAX_EXPIRY)
 
     if ours:
         have = {t.effect for t in ours}
@@ -183,7 +188,7 @@ def plan_taint(
             incident_path=incident_path,
             effects=tuple(sorted(have | set(effects))),
             evidence=lines,
-        )
+        ).bounded()
         return TaintPlan(
             node.name,
             Action.UPDATE,
@@ -222,7 +227,7 @@ def plan_taint(
         incident_path=incident_path,
         effects=tuple(effects),
         evidence=tuple(f.line for f in faults),
-    )
+    ).bounded()
     return TaintPlan(
         node.name,
         Action.TAINT,
@@ -245,7 +250,14 @@ def plan_untaint(node: NodeView, now: float, why: str = "diag untaint") -> Taint
 
 def plan_expiry(node: NodeView, policy: TaintPolicy, now: float) -> TaintPlan:
     """For the expiry sweep (`diag untaint --expired`): untaint `node` when its taint expired,
-    else nothing. It has no evidence, and changes nothing but diag's taint and condition."""
+    else nothing. It has no evidence, and changes nothing but diag's taint and condition.
+
+    A record that expires never, or later than MAX_EXPIRY from now, is past the bound: no
+    writer of diag's makes one (the admission policy, without a clock, cannot tell), so the
+    taint goes now."""
+    record = node.record
+    if record is not None and (record.until is None or record.until > now + MAX_EXPIRY):
+        return _clear(node, ClearReason.EXPIRED, "the taint's expiry is past the bound", now)
     plan = plan_taint(node, (), policy, JobBudget(), now)
     if plan.action != Action.UNTAINT:
         return TaintPlan(node.name, Action.NONE, plan.why, taints=node.taints)

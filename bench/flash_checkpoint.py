@@ -17,6 +17,7 @@ Times are the slowest rank's, median of --repeats. Prints a table with ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -43,7 +44,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--gpu", action="store_true")
     p.add_argument("--disk-dir", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument("--json", type=Path, help="write the measurements here too")
+    p.add_argument(
+        "--dlrover",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also DLRover's flash checkpoint on the same engine (default: with --gpu)",
+    )
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # results dir, torchrun side
+    p.add_argument("--dlrover-saver", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -139,6 +148,7 @@ def worker(args: argparse.Namespace) -> int:
         dist.barrier()
         if rank == 0:
             shutil.rmtree(disk / f"ds{i}", ignore_errors=True)
+    dlrover = dlrover_flash(engine, out, timed, args.repeats) if args.dlrover else None
     sizes = [None] * world
     dist.all_gather_object(sizes, (ckpt.stats.last_save_bytes, ckpt.stats.last_save_bytes))
     if rank == 0:
@@ -160,6 +170,7 @@ def worker(args: argparse.Namespace) -> int:
                     "memcpy_same_tensors": same,
                     "memcpy_contiguous": contiguous,
                     "deepspeed_save": deepspeed_s,
+                    "dlrover": dlrover,
                     "device": "cuda" if args.gpu else "cpu",
                 }
             )
@@ -167,6 +178,120 @@ def worker(args: argparse.Namespace) -> int:
     ckpt.close(remove=False)  # the driver persists these snapshots with the agent's code
     dist.destroy_process_group()
     return 0
+
+
+def dlrover_flash(engine, out: Path, timed, repeats: int) -> dict:  # type: ignore[no-untyped-def]
+    """DLRover's flash checkpoint (DeepSpeedCheckpointer, save to memory) on the same engine and
+    state. Never fails the bench: a rank that cannot run it says why, and if any rank cannot, no
+    rank measures it (the ranks agree first, so no one waits in a barrier alone)."""
+    import torch
+    import torch.distributed as dist
+
+    def agree(ok: bool) -> bool:
+        t = torch.tensor([0 if ok else 1], device=engine.device)
+        dist.all_reduce(t)
+        return int(t.item()) == 0
+
+    error, ck = "", None
+    try:
+        from dlrover.trainer.torch.flash_checkpoint import deepspeed as dl_ds
+        from dlrover.trainer.torch.flash_checkpoint import engine as dl_engine
+        from dlrover.trainer.torch.flash_checkpoint.checkpointer import StorageType
+
+        _accept_extra_kwargs(dl_ds.AsyncCheckpointAgent)
+        _bound_setup_wait(dl_engine)
+        # The driver hosts DLRover's saver, as dlrover-run's agent does for its workers, which
+        # it marks with this role so that they do not fork a saver of their own.
+        os.environ["ROLE_NAME"] = "dlrover-trainer"
+        ck = dl_ds.DeepSpeedCheckpointer(engine, str(out / "dlrover"))
+    except Exception as e:  # not installed, no saver, or this DLRover and DeepSpeed disagree
+        error = f"{type(e).__name__}: {e}"
+    if not agree(not error):
+        return {"error": error or "another rank could not start it"}
+
+    def save(tag: str) -> None:
+        ck.save_checkpoint(str(out / "dlrover"), tag, storage_type=StorageType.MEMORY)
+
+    got: dict = {}
+    try:
+        got["first_save"] = timed(lambda: save("dl0"))
+        got["memory_save"] = [timed(lambda i=i: save(f"dl{i}")) for i in range(1, 1 + repeats)]
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    if not agree(not error):
+        return {"error": error or "another rank failed"}
+    with contextlib.suppress(Exception):
+        ck._async_save_engine.close()
+    return got
+
+
+def _accept_extra_kwargs(agent_cls) -> None:  # type: ignore[no-untyped-def]
+    """DLRover 0.6.1's agent stands in for torch.save/torch.load, to which DeepSpeed 0.19
+    passes keyword arguments it does not take."""
+    if getattr(agent_cls, "_bench_patched", False):
+        return
+    save, load = agent_cls.save, agent_cls.load
+    agent_cls.save = lambda self, sd, path, *a, **kw: save(self, sd, path)
+    agent_cls.load = lambda self, path, map_location=None, *a, **kw: load(self, path, map_location)
+    agent_cls._bench_patched = True
+
+
+SETUP_WAIT_S = 15.0
+
+
+def _bound_setup_wait(engine_module) -> None:  # type: ignore[no-untyped-def]
+    """DLRover waits 60 s for each of its saver's sockets; a saver that is not there should
+    cost the bench seconds."""
+    wait = engine_module.wait_socket_server
+    if getattr(wait, "_bench_bounded", False):
+        return
+
+    def bounded(server, timeout=SETUP_WAIT_S):  # type: ignore[no-untyped-def]
+        return wait(server, timeout=min(timeout, SETUP_WAIT_S))
+
+    bounded._bench_bounded = True  # type: ignore[attr-defined]
+    engine_module.wait_socket_server = bounded
+
+
+def dlrover_saver() -> int:
+    """DLRover's checkpoint saver, hosted the way dlrover-run's elastic agent hosts it: a process
+    of its own (not forked from a rank) that serves the ranks' sockets and shared memory, named
+    after TORCHELASTIC_RUN_ID. It lives until the driver ends it."""
+    from dlrover.python.elastic_agent.torch.ckpt_saver import AsyncCheckpointSaver
+
+    AsyncCheckpointSaver.start_async_saving_ckpt()
+    parent = os.getppid()
+    while os.getppid() == parent:  # the driver gone (killed itself): nothing left to serve
+        time.sleep(0.5)
+    return 0
+
+
+def start_dlrover_saver(run_id: str, env: dict[str, str]) -> subprocess.Popen | None:
+    try:
+        import dlrover  # noqa: F401
+    except ImportError:
+        return None  # the ranks say so in the table
+    return subprocess.Popen(
+        [sys.executable, __file__, "--dlrover-saver"], env=dict(env, TORCHELASTIC_RUN_ID=run_id)
+    )
+
+
+def dlrover_cleanup(run_id: str, saver: subprocess.Popen | None) -> None:
+    """What DLRover leaves: its saver process, its shared memory and its sockets, all named
+    after the torchrun run id we gave."""
+    if saver is not None:
+        saver.kill()
+        saver.wait()
+    for p in Path("/dev/shm").glob(f"{run_id}_*"):
+        with contextlib.suppress(OSError):
+            p.unlink()
+    try:
+        from dlrover.python.common.multi_process import SOCKET_TMP_DIR
+    except ImportError:
+        return
+    shutil.rmtree(Path(SOCKET_TMP_DIR, run_id), ignore_errors=True)
+    with contextlib.suppress(OSError):  # only when no other job's sockets are left in it
+        os.rmdir(SOCKET_TMP_DIR)
 
 
 def memcpy_baselines(engine, out: Path, timed, pin: bool, repeats: int):  # type: ignore[no-untyped-def]
@@ -270,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         from diag.trainer import exit_process
 
         exit_process(worker(args))
+    if args.dlrover_saver:
+        return dlrover_saver()
     if args.gpu:
         import torch
 
@@ -277,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             print("--gpu: no CUDA device here", file=sys.stderr)
             return 2
         args.nproc = min(args.nproc, torch.cuda.device_count())
+    if args.dlrover is None:
+        args.dlrover = args.gpu
+    run_id = f"bench-flash-{os.getpid()}"
+    r: dict = {}
+    saver = None
     work = Path(tempfile.mkdtemp(prefix="bench-flash-", dir=args.disk_dir))
     run_dir = Path(tempfile.mkdtemp(prefix="bench-flash-run-", dir="/dev/shm"))
     try:
@@ -285,9 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
             str(args.nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-            __file__, "--worker", str(work), "--params-m", str(args.params_m), "--repeats",
+            "--rdzv-id", run_id, __file__, "--worker", str(work), "--params-m", str(args.params_m), "--repeats",
             str(args.repeats), "--disk-dir", str(args.disk_dir), *(["--gpu"] if args.gpu else []),
+            "--dlrover" if args.dlrover else "--no-dlrover",
         ]  # fmt: skip
+        if args.dlrover:
+            saver = start_dlrover_saver(run_id, env)
         subprocess.run(cmd, env=env, check=True)
         r = json.loads((work / "ranks.json").read_text())
         per_rank = r["copied_bytes_per_rank"]
@@ -305,10 +440,31 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work / f"sequential{i}", ignore_errors=True)
         med = statistics.median
         report(args, r, med(persist), persisted, med(sequential), sum(per_rank))
+        if args.json is not None:
+            name = ""
+            if args.gpu:
+                import torch
+
+                name = torch.cuda.get_device_name(0)
+            doc = dict(r, device_name=name, persist=persist, persisted_bytes=persisted,
+                       sequential_write=sequential, sequential_bytes=sum(per_rank))  # fmt: skip
+            args.json.write_text(json.dumps(doc, indent=1))
     finally:
+        if args.dlrover:
+            dlrover_cleanup(run_id, saver)
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def _dlrover_rows(dl: dict | None, ds: float, total: int) -> list[tuple[str, float, int, str]]:
+    if not dl or "error" in dl:
+        return []
+    mem = statistics.median(dl["memory_save"])
+    return [
+        ("DLRover flash save to memory, blocking", mem, total, f"{ds / mem:.1f}x below DS save"),
+        ("DLRover flash save, first", dl["first_save"], total, "once per job"),
+    ]
 
 
 def report(
@@ -340,6 +496,7 @@ def report(
         ("memcpy, same tensors (torch copy_)", same, total, ""),
         ("memcpy, one contiguous buffer", contiguous, total, "physical bound"),
         ("engine.save_checkpoint, local disk", ds, total, "page cache, no fsync"),
+        *_dlrover_rows(r.get("dlrover"), ds, total),
         ("agent persist (fsync)", persist_s, persisted, ""),
         ("sequential write (fsync)", seq_s, seq_bytes, "same bytes, 1 thread/rank"),
     ]
@@ -347,6 +504,9 @@ def report(
     print(f"|{'-' * 42}|{'-' * 10}|{'-' * 7}|{'-' * 8}|-------|")
     for name, s, n, note in rows:
         print(f"| {name:<40} | {s:8.3f} | {n / gb:5.2f} | {n / gb / s:6.2f} | {note} |")
+    dl = r.get("dlrover")
+    if dl is not None and "error" in dl:
+        print(f"\nDLRover's flash checkpoint: not measured: {dl['error']}")
     st = r["step_time"]
     print(
         f"\ntraining step time: {st[''] * 1e3:.0f} ms without saving, {st['async'] * 1e3:.0f} ms "

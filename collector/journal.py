@@ -20,6 +20,8 @@ from __future__ import annotations
 import enum
 import mmap
 import os
+import secrets
+import stat
 import struct
 import threading
 import time
@@ -41,12 +43,16 @@ from diag.collector.records import (
     Record,
     RecordKind,
 )
+from diag.collector.rundir import make_run_dir
+from diag.collector.untrusted import Owners, UntrustedInput, open_regular
 
 MAGIC = b"DIAGJRN1"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 HEADER_SIZE = 4096
 DEFAULT_CAPACITY = 4096  # 512 KiB of slots per rank
+MAX_CAPACITY = 1 << 22  # 512 MiB of slots: far beyond any use, and a bound on what a reader maps
+MAX_JOURNAL_BYTES = HEADER_SIZE + MAX_CAPACITY * SLOT_SIZE
 
 _STATIC = struct.Struct("<8sIIIIiiiIIIQQ")  # magic..created_mono_ns
 _HEAD_OFF = 64
@@ -64,6 +70,9 @@ class JournalStatus(enum.IntEnum):
     RUNNING = 1
     CLOSED = 2  # the writer finished normally
     FAILED = 3  # the writer saw an uncaught exception on its way out
+
+
+_STATUSES = {int(s): s for s in JournalStatus}
 
 
 class JournalFormatError(Exception):
@@ -128,12 +137,14 @@ class JournalWriter:
         # Fields of slots that may still change, so an update can rewrite the whole slot.
         self._live: dict[int, list] = {}
         size = HEADER_SIZE + capacity * SLOT_SIZE
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_run_dir(path.parent)
         # Build the file under a temp name and rename it into place: a reader either sees the
-        # previous incarnation or a fully initialised header.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        # previous incarnation or a fully initialised header. The temp file is created new,
+        # never opened through a planted file or symlink (which would truncate its target).
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         # Owner-only: the agent runs as the pod's user (or root); nobody else reads what ran.
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600)
         try:
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -310,14 +321,16 @@ class JournalReader:
     """Reads a journal another process writes. Never blocks the writer, never returns a torn
     record; records being rewritten at the moment of the read are reported as missing."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, owners: Owners | None = None) -> None:
+        """Opens `path` as another process's journal: a regular file (never a FIFO, which would
+        block, nor a symlink), owned by one of `owners` when given, with a sane header. Anything
+        else is a JournalFormatError naming the file."""
         self.path = path
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise JournalFormatError(f"cannot open journal {path}: {e.strerror}") from e
+            fd, st = open_regular(path, max_bytes=MAX_JOURNAL_BYTES, owners=owners)
+        except UntrustedInput as e:
+            raise JournalFormatError(f"cannot open journal {e.path}: {e.problem}") from None
         try:
-            st = os.fstat(fd)
             self.inode = (st.st_dev, st.st_ino)
             if st.st_size < HEADER_SIZE:
                 raise JournalFormatError(
@@ -341,6 +354,10 @@ class JournalReader:
             )
         self.version = version
         self._body, self._crc_off = (BODY_V1, CRC_OFFSET_V1) if version == 1 else (BODY, CRC_OFFSET)
+        # Slots are found by `seq & (capacity - 1)`: only a power of two keeps them in the file.
+        if not 16 <= cap <= MAX_CAPACITY or cap & (cap - 1):
+            self.close()
+            raise JournalFormatError(f"{path}: capacity {cap} is not a power of two in [16, 2^22]")
         if st.st_size < HEADER_SIZE + cap * SLOT_SIZE:
             self.close()
             raise JournalFormatError(f"{path} is truncated: {st.st_size} bytes for {cap} slots")
@@ -362,10 +379,10 @@ class JournalReader:
     def replaced(self) -> bool:
         """True when the path now names another file (a restarted rank made a new journal)."""
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)
         except FileNotFoundError:
             return True
-        return (st.st_dev, st.st_ino) != self.inode
+        return (st.st_dev, st.st_ino) != self.inode or not stat.S_ISREG(st.st_mode)
 
     def head(self) -> int:
         return _U64.unpack_from(self._mm, _HEAD_OFF)[0]
@@ -386,7 +403,8 @@ class JournalReader:
                 continue
             _, status, _, step, step_ns, _, phase, phase_ns, _, _ = fields
             return JournalState(
-                status=JournalStatus(status),
+                # A status this version does not know says nothing: the writer is running.
+                status=_STATUSES.get(status, JournalStatus.RUNNING),
                 step=step,
                 step_mono_ns=step_ns,
                 phase=phase.rstrip(b"\0").decode(errors="replace"),
@@ -417,7 +435,10 @@ class JournalReader:
                 continue
             if _U64.unpack_from(mm, off)[0] != want:
                 continue
-            return Record.decode(seq, self._body.unpack(body))
+            try:
+                return Record.decode(seq, self._body.unpack(body))
+            except (KeyError, ValueError):
+                return None  # a record kind this version does not know: not ours to read
         return None
 
     def read_range(self, start: int, end: int) -> list[Record]:

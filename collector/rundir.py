@@ -30,6 +30,20 @@ def default_run_dir(env: Mapping[str, str] = os.environ) -> Path:
     return Path(os.environ.get("TMPDIR", "/tmp")) / "diag"
 
 
+def make_run_dir(path: Path) -> None:
+    """Creates a missing run directory private (0700, whatever the umask): whoever can write it
+    could plant journals and slots that the agent acts on. An existing one is left as it is:
+    the agent judges it (agent/rundircheck.py)."""
+    if path.is_dir():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return  # made meanwhile by another rank or the agent
+    os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
+
+
 def job_name(env: Mapping[str, str] = os.environ) -> str:
     for key in ("DIAG_JOB", "ELASTIC_JOB_NAME", "DLROVER_JOB_NAME", "TORCHELASTIC_RUN_ID"):
         value = env.get(key, "")

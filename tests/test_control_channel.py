@@ -116,7 +116,7 @@ def test_register_status_and_commands(run_dir: Path, agents, clients, tmp_path: 
     assert reports[sent[1]].ok and reports[sent[1]].step == 12
 
     # DUMP is answered by the client itself: this process's stacks, in our dump format.
-    dumps = agent.manager.send_command(JOB, CommandKind.DUMP, dump_dir=str(tmp_path))
+    dumps = agent.manager.send_command(JOB, CommandKind.DUMP, dump_dir=str(run_dir / "incident"))
     reports = agent.manager.wait_reports(list(dumps.values()), timeout=10)
     assert sorted(r.rank for r in reports.values()) == [0, 1]
     for r in reports.values():
@@ -169,7 +169,7 @@ def test_late_agent_and_agent_restart(run_dir: Path, agents, clients, tmp_path, 
     second = agents()
     assert wait_for(lambda: client.connected and client.connects == 2)
     assert wait_for(lambda: second.manager.connected(JOB) == [0])
-    sent = second.manager.send_command(JOB, CommandKind.DUMP, dump_dir=str(tmp_path / "d"))
+    sent = second.manager.send_command(JOB, CommandKind.DUMP, dump_dir=str(run_dir / "d"))
     assert second.manager.wait_reports(list(sent.values()), timeout=10)
 
 

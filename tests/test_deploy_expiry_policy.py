@@ -7,6 +7,7 @@ it patch every node, the policy lets it only take diag's taint off."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from celadmission import admit, load_policies, merge_patch, status_merge
 from diag.agent.kube import event_body, node_patch, status_patch
 from diag.agent.taints import (
     CONDITION_TYPE,
+    MAX_EXPIRY,
     RECORD_ANNOTATION,
     TAINT_KEY,
     Condition,
@@ -213,3 +215,24 @@ def test_only_the_expiry_account_is_matched() -> None:
     for ns in (cron["metadata"]["namespace"], "ops"):
         user = f"system:serviceaccount:{ns}:{account}"
         assert not admit(policies()[NODE_POLICY], new, old, user, None)[0]
+
+
+@pytest.mark.parametrize(
+    "until", [None, T0 + MAX_EXPIRY + 3600, 4_000_000_000.0], ids=["never", "past-max", "far"]
+)
+def test_a_taint_that_would_outlast_the_bound_is_swept(until: float | None) -> None:
+    """Admission has no clock: a record that expires never, or later than MAX_EXPIRY from now
+    (a token writing its own), is removed by the sweep at once, which its policy admits."""
+    old = tainted_node()
+    rec = json.loads(old["metadata"]["annotations"][RECORD_ANNOTATION])
+    rec["until"] = until
+    old["metadata"]["annotations"][RECORD_ANNOTATION] = json.dumps(rec)
+    plan = plan_expiry(view_of(old), POLICY, T0 + 60)
+    assert plan.action.value == "untaint" and plan.condition.reason == "Expired"
+    main = merge_patch(old, node_patch(plan, "8"))
+    assert TAINT_KEY not in {t["key"] for t in main["spec"]["taints"]}
+    assert admit(policies()[NODE_POLICY], main, old, EXPIRY, None) == (True, [])
+    # One within the bound stays until it expires.
+    rec["until"] = T0 + MAX_EXPIRY
+    old["metadata"]["annotations"][RECORD_ANNOTATION] = json.dumps(rec)
+    assert plan_expiry(view_of(old), POLICY, T0 + 60).action.value == "none"

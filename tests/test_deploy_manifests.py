@@ -123,10 +123,89 @@ def test_the_pod(rendered):
     assert labels.items() <= pod["metadata"]["labels"].items()
     ports = {p["name"] for p in sidecar["ports"]}
     assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
-    # Both containers see the journals at the same path.
+    # Both containers see the journals at the same path: a directory inside a shared volume,
+    # not the volume's root, which the kubelet makes 0777 (the agent refuses such a run dir).
     run_dir = env["DIAG_RUN_DIR"]["value"]
     for c in (sidecar, *spec["containers"]):
-        assert run_dir in {m["mountPath"] for m in c["volumeMounts"]}
+        assert {e["name"]: e for e in c["env"]}["DIAG_RUN_DIR"]["value"] == run_dir
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert run_dir not in mounts
+        assert any(run_dir.startswith(m.rstrip("/") + "/") for m in mounts)
+
+
+TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def test_only_the_sidecar_holds_the_token(rendered):
+    """No service account token in the trainer's container: the pod mounts none automatically,
+    the agent mounts a projected one where the kubernetes client's in-cluster config reads it."""
+    (job,) = by_kind(rendered["elasticjob"], "ElasticJob")
+    spec = job["spec"]["replicaSpecs"]["worker"]["template"]["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    (account,) = by_kind(rendered["elasticjob"], "ServiceAccount")
+    assert account["automountServiceAccountToken"] is False
+    volumes = {v["name"]: v for v in spec["volumes"]}
+
+    def token_sources(c):
+        out = []
+        for m in c.get("volumeMounts", []):
+            for src in volumes[m["name"]].get("projected", {}).get("sources", []):
+                if "serviceAccountToken" in src:
+                    out.append((m, src["serviceAccountToken"]))
+        return out
+
+    for c in spec["containers"]:
+        assert not token_sources(c), f"{c['name']} mounts a service account token"
+        assert all(m["mountPath"] != TOKEN_DIR for m in c.get("volumeMounts", []))
+    (sidecar,) = spec["initContainers"]
+    ((mount, token),) = token_sources(sidecar)
+    assert mount["mountPath"] == TOKEN_DIR and mount["readOnly"] is True
+    assert token["path"] == "token" and "audience" not in token  # the API server's audience
+    assert 600 <= token["expirationSeconds"] <= 3600  # the API server's minimum, an hour
+    # The rest of what in-cluster config and the automatic mount provide: the CA, the namespace.
+    files = {
+        item["path"]
+        for src in volumes[mount["name"]]["projected"]["sources"]
+        for kind in ("configMap", "downwardAPI")
+        for item in src.get(kind, {}).get("items", [])
+    }
+    assert files == {"ca.crt", "namespace"}
+
+
+def test_the_in_cluster_client_reads_the_projected_token(rendered, tmp_path):
+    """The real kubernetes client's in-cluster loader takes the files the sidecar's volume
+    makes, at the paths the manifest mounts them, as its token and CA."""
+    from kubernetes import client
+    from kubernetes.config import incluster_config
+
+    (job,) = by_kind(rendered["elasticjob"], "ElasticJob")
+    spec = job["spec"]["replicaSpecs"]["worker"]["template"]["spec"]
+    (sidecar,) = spec["initContainers"]
+    (mount,) = [m for m in sidecar["volumeMounts"] if m["mountPath"] == TOKEN_DIR]
+    where = mount["mountPath"]
+    assert (f"{where}/token", f"{where}/ca.crt") == (
+        incluster_config.SERVICE_TOKEN_FILENAME,
+        incluster_config.SERVICE_CERT_FILENAME,
+    )
+    # The volume's files, laid out under a stand-in for the mount path.
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    root = tmp_path / "sa"
+    root.mkdir()
+    for src in volume["projected"]["sources"]:
+        if "serviceAccountToken" in src:
+            (root / src["serviceAccountToken"]["path"]).write_text("projected-token")
+        for kind in ("configMap", "downwardAPI"):
+            for item in src.get(kind, {}).get("items", []):
+                (root / item["path"]).write_text("x")
+    loader = incluster_config.InClusterConfigLoader(
+        token_filename=str(root / "token"),
+        cert_filename=str(root / "ca.crt"),
+        environ={"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"},
+    )
+    cfg = client.Configuration()
+    loader.load_and_set(cfg)
+    assert cfg.auth_settings()["BearerToken"]["value"] == "bearer projected-token"
+    assert cfg.ssl_ca_cert == str(root / "ca.crt")
 
 
 def test_the_sidecar_flags_are_the_agent_s(rendered, tmp_path):

@@ -139,7 +139,7 @@ def test_flush_dump_and_exit_commands(ws: Workspace) -> None:
     try:
         assert wait_for(lambda: manager.connected(job) == [0, 1], 120), ws.log("cmd")
 
-        dumps = manager.send_command(job, CommandKind.DUMP, dump_dir=str(ws.root / "dump"))
+        dumps = manager.send_command(job, CommandKind.DUMP, dump_dir=str(ws.run_dir / "dump"))
         reports = manager.wait_reports(list(dumps.values()), 30)
         assert sorted(r.rank for r in reports.values()) == [0, 1]
         for r in reports.values():

@@ -324,3 +324,41 @@ def test_a_rank_slow_before_each_step_is_a_straggler_though_rarely_last() -> Non
     scores = {s.rank: s for s in straggler_scores({r: tuple(v) for r, v in recent.items()})}
     assert scores[2].late_share < 0.5 and scores[2].is_straggler
     assert [r for r, s in scores.items() if s.is_straggler] == [2]
+
+
+def dev(seq: int, t: float, state: OpState = OpState.ENQUEUED) -> OpView:
+    """An op tracked on the device (CUDA events)."""
+    return replace(op(seq, t, state), on_device=True)
+
+
+@pytest.mark.parametrize(
+    "ranks, groups, culprit, kinds",
+    [
+        # one NCCL rank, its collective queued behind a kernel that never ends
+        ([rank(0, last=NOW - 10, pending=(dev(9, NOW - 10),))], {"0": (0,)}, 0,
+         {0: SuspectKind.NOT_STARTED}),
+        # the same on gloo: nothing tracks the device, so nothing says it never started
+        ([rank(0, last=NOW - 10, pending=(op(9, NOW - 10),))], {"0": (0,)}, 0,
+         {0: SuspectKind.BEHIND_IDLE}),
+        # started on the device: the collective itself is stuck, not the stream before it
+        ([rank(0, last=NOW - 10, pending=(dev(9, NOW - 10, OpState.STARTED),))], {"0": (0,)}, 0,
+         {0: SuspectKind.BEHIND_IDLE}),
+        # both inside it, neither started: each waits on the other, this rule names no one
+        ([rank(r, last=NOW - 10, pending=(dev(9, NOW - 10 + r),)) for r in (0, 1)], None, 1,
+         {1: SuspectKind.LAST_ARRIVAL}),
+        # the peer never joined: it is behind (named first); the rank's blocked stream too
+        ([rank(0, last=NOW - 10, pending=(dev(9, NOW - 10),)),
+          rank(1, last=NOW - 10, last_seq=8)], None, 1,
+         {1: SuspectKind.BEHIND_IDLE, 0: SuspectKind.NOT_STARTED}),
+    ],
+)  # fmt: skip
+def test_op_enqueued_on_the_device_and_never_started_names_its_rank(
+    ranks: list[RankSnapshot], groups: dict | None, culprit: int, kinds: dict
+) -> None:
+    v = _decide(obs(*ranks, groups=groups)).verdict
+    assert v is not None and v.culprit == culprit, v
+    assert {s.rank: s.kind for s in v.suspects} == kinds
+    for s in v.suspects:
+        if s.kind == SuspectKind.NOT_STARTED:
+            assert "enqueued on the device but never started" in s.reason
+            assert "the stream is blocked by earlier work" in v.summary or s.rank != culprit

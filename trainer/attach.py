@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from diag.collector.flightrec import FlightRecorderServer, enable_buffer
 from diag.collector.journal import DEFAULT_CAPACITY, JournalStatus, JournalWriter
 from diag.collector.meta import GroupInfo, JournalMeta, journal_path, write_meta
 from diag.collector.rundir import (
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _session: Session | None = None
 OWN_THREADS_KEPT = 8
+FLIGHT_RECORDER_ENV = "DIAG_FLIGHT_RECORDER"
 
 
 class Session:
@@ -78,6 +80,7 @@ class Session:
         self.instrumentation = Instrumentation(self.writer, self._on_new_group)
         self.instrumentation.install()
         self._last_step = 0
+        self.flight_recorder = _serve_flight_recorder(self.path)
 
     def _on_new_group(self, index: int, pg: Any, ranks: tuple[int, ...], timeout: float) -> None:
         try:
@@ -158,6 +161,28 @@ class Session:
 
     def close(self, status: JournalStatus = JournalStatus.CLOSED) -> None:
         self.writer.close(status)
+        if self.flight_recorder is not None:
+            self.flight_recorder.close()
+
+
+def _serve_flight_recorder(journal: Path) -> FlightRecorderServer | None:
+    """torch's flight recorder, on the agent's request (DIAG_FLIGHT_RECORDER=0: not served).
+    Its ring is sized here when the job did not: that only works before the first process
+    group, so attach() early."""
+    if os.environ.get(FLIGHT_RECORDER_ENV, "1") == "0":
+        return None
+    if enable_buffer():
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                log.info(
+                    "diag: attach() after init_process_group: the flight recorder keeps "
+                    "torch's default ring size (set TORCH_FR_BUFFER_SIZE to choose it)"
+                )
+        except ImportError:
+            pass
+    return FlightRecorderServer.start(journal)
 
 
 def attach(

@@ -5,6 +5,12 @@ and listens to the agent's stream of commands and persist acknowledgements; call
 training loop (persist requests, command reports) only enqueue. Every call has a timeout. Without
 an agent the client warns once and keeps trying with backoff, so an agent that starts (or
 restarts) later is found; pending persist requests are sent again after every reconnect.
+
+Before it says anything, the client checks who serves the socket (diag.trainer.agentpeer): a
+socket that is a symlink, owned by or served by an untrusted user is treated as no agent at all,
+with one warning. What the agent sends is checked before it is acted on
+(diag.trainer.agentmessage); a DUMP writes only beneath the rank's own bases
+(diag.trainer.selfdump).
 """
 
 from __future__ import annotations
@@ -12,15 +18,25 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from diag.collector.rundir import control_socket_candidates
+from diag.collector.untrusted import UntrustedInput
+from diag.trainer.agentmessage import (
+    AgentCommand,
+    CommandKind,
+    PersistAck,
+    RefusedCommand,
+    hello_of,
+    message_of,
+)
+from diag.trainer.agentpeer import PeerCred, SocketRefused, pin_socket, trusted_uids
+from diag.trainer.dumpbase import DumpBases
+from diag.trainer.grpcthreads import channel_threads_since
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +44,6 @@ CALL_TIMEOUT_S = 3.0
 BACKOFF_MIN_S = 0.2
 BACKOFF_MAX_S = 5.0
 CONTROL_ENV = "DIAG_CONTROL"  # "0" disables the client
-_DUMP = 3  # control_pb2.COMMAND_KIND_DUMP, without importing protobuf at start-up
 
 
 @dataclass(frozen=True)
@@ -44,36 +59,9 @@ class ClientIdentity:
     pid_ns: int = 0  # inode of the process's PID namespace (collector.rundir.pid_namespace)
 
 
-CommandHandler = Callable[[Any], None]  # gets a diag.proto.control_pb2.Command
-AckHandler = Callable[[Any], None]  # gets a diag.proto.control_pb2.PersistAck
+CommandHandler = Callable[[AgentCommand], None]  # FLUSH and EXIT, checked
+AckHandler = Callable[[PersistAck], None]
 ThreadHandler = Callable[[int], None]  # gets the native id of a thread diag started
-_SPIN_FILE = os.path.join("grpc", "_channel.py")
-_SPIN_FUNC = "channel_spin"
-SPIN_WAIT_S = 1.0
-
-
-def channel_threads_since(before: set[int | None], wait_s: float = SPIN_WAIT_S) -> list[int]:
-    """Native ids of the threads started since `before` (thread idents) that run grpc's
-    channel poller (`_run_channel_spin_thread`). A streaming call starts one for its channel; it
-    runs only grpc's frames, so nothing in a stack dump says it is diag's: the journal meta
-    does. Waits up to `wait_s` for a new thread to reach the poller."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        fresh = [t for t in threading.enumerate() if t.ident not in before]
-        frames = sys._current_frames()
-        found = []
-        for t in fresh:
-            f = frames.get(t.ident)  # type: ignore[arg-type]
-            while f is not None:
-                code = f.f_code
-                if code.co_name == _SPIN_FUNC and code.co_filename.endswith(_SPIN_FILE):
-                    if t.native_id:
-                        found.append(t.native_id)
-                    break
-                f = f.f_back
-        if found or not fresh or time.monotonic() >= deadline:
-            return found
-        time.sleep(0.01)
 
 
 class ControlClient:
@@ -84,8 +72,11 @@ class ControlClient:
         *,
         journal: str = "",
         socket_path: Path | None = None,
+        dump_bases: DumpBases | None = None,
     ) -> None:
         self.run_dir = run_dir
+        self.trusted = trusted_uids()  # raises PeerConfigError for a bad DIAG_AGENT_UID
+        self.dump_bases = dump_bases or DumpBases.resolve(run_dir)
         self.ident = ident
         self.journal = journal
         self.save_dir = ""
@@ -98,6 +89,7 @@ class ControlClient:
         self._outbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._pending_persist: dict[int, tuple[str, str]] = {}  # step -> (save dir, job)
         self._warned = False
+        self._refused: set[str] = set()  # refusals warned about (once each)
         self._call: Any = None
         self._channel: Any = None
         self._stub: Any = None
@@ -105,6 +97,7 @@ class ControlClient:
         self._own: list[int] = []  # native ids of grpc threads started for this client
         self._on_own_thread: list[ThreadHandler] = []
         self.agent_pid: int | None = None
+        self.peer: PeerCred | None = None  # who serves the socket, as the kernel says
         self.connects = 0
 
     # -- public, non-blocking ------------------------------------------------------------------
@@ -198,9 +191,9 @@ class ControlClient:
 
     def _socket(self) -> Path | None:
         if self._explicit_socket is not None:
-            return self._explicit_socket if self._explicit_socket.exists() else None
+            return self._explicit_socket if os.path.lexists(self._explicit_socket) else None
         for path in control_socket_candidates(self.run_dir, self.ident.job):
-            if path.exists():
+            if os.path.lexists(path):  # a symlink counts: it is refused, with a warning
                 return path
         return None
 
@@ -229,12 +222,28 @@ class ControlClient:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
                 continue
-            channel = grpc.insecure_channel(f"unix:{path}")
+            try:
+                pinned = pin_socket(path, self.trusted)
+            except SocketRefused as e:
+                self._refuse(e)
+                pinned = None
+            if pinned is None:
+                self._warn_once(f"the diag agent at {path} does not answer")
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                continue
+            # Through the checked inode, never the path again; a pool of its own, so no
+            # connection of an earlier channel to the same "/proc/self/fd/N" is reused.
+            channel = grpc.insecure_channel(
+                pinned.target, options=[("grpc.use_local_subchannel_pool", 1)]
+            )
             self._channel = channel
+            source = f"the agent at {path}"
             try:
                 stub = pb_grpc.ControlStub(channel)
                 reply = stub.Register(self._register_request(pb), timeout=CALL_TIMEOUT_S)
-                self.agent_pid = reply.agent_pid
+                self.agent_pid = hello_of(reply, source).agent_pid
+                self.peer = pinned.peer
                 self._stub = stub
                 self.connects += 1
                 self._connected.set()
@@ -249,7 +258,9 @@ class ControlClient:
                 )
                 self._own_threads_started(before)
                 for msg in self._call:
-                    self._dispatch(msg)
+                    self._dispatch(msg, source)
+            except UntrustedInput as e:
+                log.warning("diag: %s; leaving the control channel", e)
             except grpc.RpcError as e:
                 if not self._stop.is_set():
                     self._warn_once(f"the diag agent at {path} does not answer ({_code(e)})")
@@ -259,6 +270,7 @@ class ControlClient:
                 self._connected.clear()
                 self._call = None
                 channel.close()
+                pinned.close()
             self._stop.wait(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
@@ -269,24 +281,35 @@ class ControlClient:
             start_time=i.start_time, pid_ns=i.pid_ns,
         )  # fmt: skip
 
-    def _dispatch(self, msg: Any) -> None:
-        which = msg.WhichOneof("body")
-        if which == "command" and msg.command.kind == _DUMP:
-            self._dump(msg.command)
-            return
-        handler = self.on_command if which == "command" else self.on_ack
-        if which == "persist_ack":
-            self.acknowledged(msg.persist_ack.step)
-        if handler is None:
-            if which == "command":
-                self.report(msg.command.id, False, detail="no handler for commands in this rank")
-            return
+    def _dispatch(self, msg: Any, source: str) -> None:
         try:
-            handler(msg.command if which == "command" else msg.persist_ack)
+            item = message_of(msg, source)
+        except RefusedCommand as e:
+            log.warning("diag: refused a command from %s: %s", source, e.problem)
+            self.report(e.command_id, False, detail=f"refused: {e.problem}")
+            return
+        except UntrustedInput as e:
+            log.warning("diag: ignored a message from %s: %s", source, e.problem)
+            return
+        if isinstance(item, AgentCommand):
+            if item.kind is CommandKind.DUMP:
+                self._dump(item)
+                return
+            if self.on_command is None:
+                self.report(item.id, False, detail="no handler for commands in this rank")
+                return
+            handler: Callable[[Any], None] = self.on_command
+        else:
+            self.acknowledged(item.step)
+            if self.on_ack is None:
+                return
+            handler = self.on_ack
+        try:
+            handler(item)
         except Exception:
-            log.exception("diag: handling %s from the agent failed", which)
+            log.exception("diag: handling %s from the agent failed", type(item).__name__)
 
-    def _dump(self, cmd: Any) -> None:
+    def _dump(self, cmd: AgentCommand) -> None:
         """DUMP needs no step boundary: it runs here, on the control thread, while the training
         thread may be stuck in a collective (it cannot run while another thread holds the GIL)."""
         from diag.trainer.selfdump import write_own_dump
@@ -294,10 +317,13 @@ class ControlClient:
         i = self.ident
         try:
             path = write_own_dump(
-                Path(cmd.dump_dir), rank=i.rank, world_size=i.world_size,
+                cmd.dump_dir, self.dump_bases, rank=i.rank, world_size=i.world_size,
                 local_rank=i.local_rank, node=i.node,
             )  # fmt: skip
             self.report(cmd.id, True, path=str(path))
+        except UntrustedInput as e:
+            log.warning("diag: refused to write a stack dump: %s", e)
+            self.report(cmd.id, False, detail=f"refused: {e}")
         except OSError as e:
             self.report(cmd.id, False, detail=f"cannot write the dump: {e}")
 
@@ -350,6 +376,18 @@ class ControlClient:
                     )
             except grpc.RpcError as e:
                 log.debug("diag: control call %s failed: %s", kind, _code(e))
+
+    def _refuse(self, e: SocketRefused) -> None:
+        key = str(e)
+        if key in self._refused:
+            log.debug("diag: still not talking to %s", key)
+            return
+        self._refused.add(key)
+        log.warning(
+            "diag: not talking to the control socket %s; running as if no agent were there "
+            "(flash checkpoints stay in memory, agent commands are off)",
+            key,
+        )
 
     def _warn_once(self, what: str) -> None:
         if not self._warned:

@@ -1,5 +1,10 @@
 """A rank's own Python stacks, written on the agent's DUMP command where py-spy cannot attach
-(no ptrace permission, no shared PID namespace). Same file format as the agent's dumps."""
+(no ptrace permission, no shared PID namespace). Same file format as the agent's dumps.
+
+The directory comes from the agent, so it is confined beneath the rank's bases
+(diag.trainer.dumpbase), walked from the base's descriptor without following a symlink, and the
+file is created new (O_EXCL|O_NOFOLLOW, mode 0600) and renamed into place.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,12 @@ import time
 import traceback
 from pathlib import Path
 
-from diag.collector.meta import write_atomic
+from diag.collector.untrusted import walk_beneath, write_replace
+from diag.trainer.dumpbase import DumpBases
 from diag.viewer.stacks import Frame, RankDump, ThreadStack, dump_file_name
+
+DUMP_MODE = 0o600
+DIR_MODE = 0o700
 
 
 def own_stacks(skip_current: bool = False) -> tuple[ThreadStack, ...]:
@@ -40,8 +49,12 @@ def own_stacks(skip_current: bool = False) -> tuple[ThreadStack, ...]:
 
 
 def write_own_dump(
-    directory: Path, *, rank: int, world_size: int, local_rank: int, node: str
+    directory: str, bases: DumpBases, *, rank: int, world_size: int, local_rank: int, node: str
 ) -> Path:
+    """Writes this process's stacks into `directory` (named by the agent), confined beneath
+    `bases`; raises UntrustedInput for a directory it must not write and OSError when writing
+    fails."""
+    base, parts = bases.confine(directory)
     started = time.monotonic()
     threads = own_stacks(skip_current=True)  # the control thread writing this is no evidence
     dump = RankDump(
@@ -55,7 +68,13 @@ def write_own_dump(
         capture_seconds=round(time.monotonic() - started, 4),
         threads=threads,
     )
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / dump_file_name(rank, world_size)
-    write_atomic(path, dump.to_json().encode())
-    return path
+    name = dump_file_name(rank, world_size)
+    # The base is the rank's own configuration (it may be a symlink to a volume); below it
+    # nothing is followed.
+    base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with walk_beneath(base_fd, parts, create=True, mode=DIR_MODE) as d:
+            write_replace(d, name, dump.to_json().encode(), mode=DUMP_MODE)
+    finally:
+        os.close(base_fd)
+    return base.joinpath(*parts, name)

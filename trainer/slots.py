@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from diag.collector.rundir import make_run_dir
 from diag.collector.slotfile import SlotFile, check_space, is_memory_backed
 from diag.collector.snapshot import SlotView, SnapshotError, align, slot_path, write_order
 
@@ -95,7 +96,7 @@ class RankSlots:
         if not missing:
             return
         capacity = align(int(size * HEADROOM), 1 << 20)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_run_dir(self.run_dir)  # private: a missing run directory is made 0700
         if not self._warned_disk and not is_memory_backed(self.run_dir):
             self._warned_disk = True
             log.warning(

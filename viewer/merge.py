@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from diag.viewer import ranksets
+from diag.viewer import flightrec, ranksets
 from diag.viewer.absent import Absent, local_world_size
 from diag.viewer.analysis import About, analyse, draw
 from diag.viewer.classes import RankClass, Suspect
@@ -249,6 +249,7 @@ def _analyse_and_write(
         views=tuple(reports),
         suspects=sus,
         absent=absent,
+        flight=flightrec.read_incident([d.path for d in inc.dirs], world or flightrec.MAX_RANK),
     )
     summary_txt = out.write(SUMMARY_TXT, to_text(report).encode())
     summary_json = out.write(SUMMARY_JSON, (json.dumps(to_json(report), indent=1) + "\n").encode())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diag.collector.untrusted import printable
-from diag.viewer import ranksets
+from diag.viewer import flightrec, ranksets
 from diag.viewer.absent import Absent
 from diag.viewer.classes import RankClass, Suspect
 from diag.viewer.tree import View
@@ -50,6 +50,7 @@ class MergeReport:
     views: tuple[ViewReport, ...]
     suspects: tuple[Suspect, ...]
     absent: Absent
+    flight: flightrec.FlightReport | None = None  # torch's flight recorder, beside the stacks
 
     @property
     def missing(self) -> int:
@@ -120,6 +121,7 @@ def to_json(r: MergeReport) -> dict:
             }
             for v in r.views
         },
+        "flight_recorder": flightrec.to_json(r.flight) if r.flight else None,
     }
 
 
@@ -183,6 +185,9 @@ def to_text(r: MergeReport) -> str:
             out.append(f"  ... {len(r.suspects) - TEXT_SUSPECTS} more in summary.json")
     else:
         out.append("SUSPECTS: none (no minority class of stacks, no culprit named)")
+    if r.flight is not None and not r.flight.empty:
+        out.append("")
+        out.extend(flightrec.to_lines(r.flight))
     for v in r.views:
         out.append("")
         out.append(

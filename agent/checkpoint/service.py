@@ -2,6 +2,13 @@
 
 Protobuf messages are turned into our own types here, at the edge; the manager never sees them
 (except the outgoing AgentMessages it queues per rank).
+
+Who may call: grpc's Python server does not tell a servicer who is at the other end of a unix
+socket (`context.peer()` is "unix:", and the auth context of local credentials carries only
+"transport_security_type": "local", no uid), so the server cannot check its clients' SO_PEERCRED
+per call. It relies on the socket's mode instead: 0600, bound in a private directory and renamed
+into place, so only the socket's owner and root can connect. The ranks check the server's side
+(diag.trainer.agentpeer).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import os
 import queue
 import shutil
 import socket
+import struct
 import tempfile
 from concurrent import futures
 from importlib.metadata import PackageNotFoundError, version
@@ -26,6 +34,7 @@ from diag.agent.exitcodes import UsageError
 from diag.collector.meta import safe_job_name
 from diag.collector.slotfile import read_snapshots
 from diag.collector.snapshot import find_slots, read_latest_step
+from diag.collector.untrusted import Owners
 from diag.proto import control_pb2 as pb
 from diag.proto import control_pb2_grpc as pb_grpc
 
@@ -134,9 +143,22 @@ class ControlService(pb_grpc.ControlServicer):
 
 
 class ControlServer:
-    def __init__(self, path: Path, manager: CheckpointManager) -> None:
+    def __init__(
+        self,
+        path: Path,
+        manager: CheckpointManager,
+        *,
+        owners: Owners | None = None,
+        client_uid: int | None = None,
+    ) -> None:
         self.path = path
+        # The ranks' user, when it is not ours: the socket is given to it (still 0600), so a
+        # root agent's ranks can connect and nobody else can.
+        self.client_uid = client_uid
         self.manager = manager
+        # The users whose agent may already serve this path: root, this process's user and the
+        # run directory's owner unless told (the ranks' users, once the agent is given them).
+        self.owners = owners or _default_owners(path, manager.run_dir)
         self.server: Any = None
 
     def start(self) -> ControlServer:
@@ -145,13 +167,19 @@ class ControlServer:
                 f"the control socket path {self.path} is longer than {_UNIX_PATH_MAX} bytes; "
                 "use a shorter --run-dir or set --control-socket"
             )
-        if self.path.exists():
-            if _answers(self.path):
+        if os.path.lexists(self.path):
+            peer = _listener(self.path)
+            if peer is not None and peer[1] in self.owners.uids:
                 raise UsageError(
-                    f"another agent already serves {self.path}; stop it, or give this one "
-                    "another --run-dir, --job or --control-socket"
+                    f"another agent (pid {peer[0]}, uid {peer[1]}) already serves {self.path}; "
+                    "stop it, or give this one another --run-dir, --job or --control-socket"
                 )
-            self.path.unlink()  # left by an agent that died
+            if peer is not None:
+                log.warning(
+                    "replacing %s: it was served by pid %d of uid %d, not a trusted user",
+                    self.path, peer[0], peer[1],
+                )  # fmt: skip
+            self.path.unlink()  # left by an agent that died, or planted
         self.path.parent.mkdir(parents=True, exist_ok=True)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="diag-grpc"),
@@ -167,6 +195,8 @@ class ControlServer:
             if server.add_insecure_port(f"unix:{bound}") == 0:
                 raise UsageError(f"cannot serve the control channel on {self.path}")
             os.chmod(bound, 0o600)
+            if self.client_uid is not None and self.client_uid != os.geteuid():
+                os.chown(bound, self.client_uid, -1)
             os.replace(bound, self.path)
         finally:
             shutil.rmtree(private, ignore_errors=True)
@@ -184,11 +214,32 @@ class ControlServer:
             self.path.unlink()
 
 
-def _answers(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(str(path))
-        except OSError:
-            return False
-    return True
+def _default_owners(path: Path, run_dir: Path) -> Owners:
+    uids = [os.geteuid()]
+    for d in (run_dir, path.parent):
+        with contextlib.suppress(OSError):
+            uids.append(os.stat(d).st_uid)
+    return Owners.of(*uids)
+
+
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _listener(path: Path) -> tuple[int, int] | None:
+    """(pid, uid) of the process listening at `path` (a symlink is not followed), None when
+    nothing listens there."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            try:
+                s.connect(f"/proc/self/fd/{fd}")
+            except OSError:
+                return None
+            pid, uid, _ = _CRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            return pid, uid
+    finally:
+        os.close(fd)
