@@ -9,12 +9,13 @@ is one fact, not eight.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from diag.viewer import ranksets
 from diag.viewer.stacks import RankDump
-from diag.viewer.tree import NO_DUMP
+from diag.viewer.tree import NO_DUMP, Collected, View
 
 
 @dataclass(frozen=True)
@@ -22,11 +23,18 @@ class AbsentNode:
     """A node none of whose ranks answered."""
 
     index: int  # rank // local world size
-    bits: int  # its ranks
+    local: int  # ranks per node
+
+    @property
+    def bits(self) -> int:
+        # made when asked, not kept: a bitset as wide as the world per silent node would cost
+        # memory quadratic in the world
+        return ((1 << self.local) - 1) << (self.index * self.local)
 
     @property
     def ranks(self) -> str:
-        return ranksets.fold(self.bits)
+        lo, hi = self.index * self.local, (self.index + 1) * self.local - 1
+        return str(lo) if lo == hi else f"{lo}-{hi}"
 
     @property
     def label(self) -> str:
@@ -46,11 +54,15 @@ class Absent:
     def bits(self) -> int:
         return self.missing | ranksets.bits_of(r for r, _ in self.failed)
 
+    @functools.cached_property
+    def _by_index(self) -> dict[int, AbsentNode]:
+        return {n.index: n for n in self.nodes}
+
     def node_of(self, rank: int) -> AbsentNode | None:
-        for n in self.nodes:
-            if n.bits >> rank & 1:
-                return n
-        return None
+        if not self.nodes or not self.local_world_size:
+            return None
+        index = rank // self.local_world_size
+        return self._by_index.get(index)
 
     def reason(self, rank: int) -> str:
         node = self.node_of(rank)
@@ -91,11 +103,9 @@ def find_absent(
     silent = missing | ranksets.bits_of(r for r, _ in failed)
     nodes = []
     if local and local > 0 and world % local == 0:
-        full = (1 << local) - 1
-        for index in range(world // local):
-            bits = full << (index * local)
-            if silent & bits == bits:
-                nodes.append(AbsentNode(index, bits))
+        for lo, hi in ranksets.ranges_of(silent):  # the nodes each run of silent ranks fills
+            first, end = -(-lo // local), (hi + 1) // local
+            nodes.extend(AbsentNode(index, local) for index in range(first, end))
     return Absent(missing, failed, tuple(nodes), local)
 
 
@@ -110,3 +120,43 @@ def stand_ins(absent: Absent, world: int) -> list[RankDump]:
         )
         out.append(RankDump(rank=rank, world_size=world, pid=0, error=what))
     return out
+
+
+def nodes_bits(nodes: Sequence[AbsentNode]) -> int:
+    """The ranks of `nodes` (ascending, of one size), one shift per run of adjacent nodes."""
+    bits, i = 0, 0
+    while i < len(nodes):
+        j = i
+        while j + 1 < len(nodes) and nodes[j + 1].index == nodes[j].index + 1:
+            j += 1
+        local = nodes[i].local
+        bits |= ((1 << ((j - i + 1) * local)) - 1) << (nodes[i].index * local)
+        i = j + 1
+    return bits
+
+
+# Silent nodes drawn as a tower each; the rest share one (a tower's bitset is as wide as the
+# world: thousands of them would cost memory quadratic in it). summary.txt names them all.
+MAX_NODE_TOWERS = 256
+
+
+def stand_in_stacks(absent: Absent, view: View) -> Collected:
+    """What `collect` makes of `stand_ins`, built from the bitsets alone: one entry per silent
+    node (up to MAX_NODE_TOWERS, then one for the others) and one for the scattered ranks, at a
+    cost per node, not per rank."""
+    groups: list[tuple[int, str]] = []
+    for node in absent.nodes[:MAX_NODE_TOWERS]:
+        bits = node.bits & absent.missing
+        if bits:
+            groups.append((bits, f"{NO_DUMP}: {node.label} did not answer"))
+    more = nodes_bits(absent.nodes[MAX_NODE_TOWERS:]) & absent.missing
+    if more:
+        others = len(absent.nodes) - MAX_NODE_TOWERS
+        groups.append((more, f"{NO_DUMP}: {others} more whole nodes did not answer"))
+    scattered = absent.missing & ~nodes_bits(absent.nodes)
+    if scattered:
+        groups.append((scattered, f"{NO_DUMP}: rank did not answer"))
+    groups.sort(key=lambda g: ranksets.lowest(g[0]))  # in rank order, as collect meets them
+    return Collected(
+        view, {("", None, what, None, False): (b.bit_count(), b) for b, what in groups}
+    )

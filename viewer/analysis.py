@@ -12,12 +12,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from diag.viewer import ranksets
-from diag.viewer.absent import Absent, find_absent, stand_ins
+from diag.viewer.absent import Absent, find_absent, stand_in_stacks
 from diag.viewer.classes import Suspect, ViewClasses, equivalence_classes, suspects
 from diag.viewer.flame import FlameHeader, FlameOptions, render_svg
 from diag.viewer.gather import Gathered
 from diag.viewer.summary import VIEW_TITLES
-from diag.viewer.tree import StackTree, View, collect, merged_tree
+from diag.viewer.tree import StackTree, View, merged_tree
 
 HIGHLIGHT_SUSPECTS = 8  # suspects whose frames are kept visible at any rank count
 
@@ -64,8 +64,10 @@ def analyse(
     culprits = tuple(c for c in culprits if 0 <= c < world)
     absent = find_absent(world, got.dumps, local, got.with_stacks)
     # the ranks without a file get stand-ins, so the pictures show them as a tower
-    extra = stand_ins(absent, world)
-    trees = {v: merged_tree([*got.collected[v], collect(extra, v)], v, world, dumped) for v in View}
+    trees = {
+        v: merged_tree([*got.collected[v], stand_in_stacks(absent, v)], v, world, dumped)
+        for v in View
+    }
     classes = {v: equivalence_classes(t, absent.bits) for v, t in trees.items()}
     return Analysis(
         world=world,

@@ -10,7 +10,9 @@ from diag.agent import exitcodes
 from diag.viewer import ranksets
 from diag.viewer.flame import FlameOptions
 from diag.viewer.incidents import IncidentError, find_incidents
+from diag.viewer.inputs import clean
 from diag.viewer.merge import merge_incident
+from diag.viewer.summary import to_text
 
 DEFAULT_TIMELINE = "/root/timeline"
 TIMELINE_ENV = "DIAG_TIMELINE"
@@ -84,7 +86,7 @@ def _list(path: Path) -> int:
     print(f"{'incident':<40} {'kind':<12} {'detected (UTC)':<20} {'dumps':>6}  directories")
     for inc in incidents:
         when = inc.when.strftime("%Y-%m-%d %H:%M:%S")
-        dirs = ", ".join(d.path.name for d in inc.dirs)
+        dirs = ", ".join(clean(d.path.name) for d in inc.dirs)
         print(f"{inc.incident_id:<40} {inc.kind or '-':<12} {when:<20} {inc.n_dumps:>6}  {dirs}")
     return exitcodes.OK
 
@@ -120,9 +122,10 @@ def run(args: argparse.Namespace) -> int:
         raise exitcodes.UsageError(
             f"{e}; check --path, or give --out a directory the outputs can be written to"
         ) from e
-    print(result.summary_txt.read_text(), end="")
+    # the text written, not read back: the file is in a directory others may write
+    print(to_text(result.report), end="")
     print()
-    print(f"wrote into {result.out_dir}:")
+    print(f"wrote into {clean(str(result.out_dir))}:")
     for p in (*result.svgs.values(), *result.folded.values()):
         print(f"  {p.name}")
     print(f"  {result.summary_txt.name}\n  {result.summary_json.name}")

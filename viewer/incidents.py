@@ -10,14 +10,15 @@ are incident directories; dump files lying directly in a root form one more inci
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from diag.viewer.sources import DumpFile, dump_files, has_dumps
+from diag.collector.untrusted import UntrustedInput, bounded_int, read_json
+from diag.viewer.inputs import MAX_WORLD, VERDICT_MAX_BYTES, clean
+from diag.viewer.sources import DumpFile, has_dumps, scan
 
 log = logging.getLogger(__name__)
 
@@ -43,20 +44,30 @@ class Verdict:
     summary: str = ""
 
     @classmethod
-    def from_dict(cls, raw: dict) -> Verdict:
+    def from_dict(cls, raw: object, source: str = VERDICT_FILE) -> Verdict:
+        """The verdict in a parsed verdict.json; UntrustedInput (naming `source`) when it is
+        none. Text is cleaned of control characters, numbers bounded."""
         if not isinstance(raw, dict) or not raw.get("incident_id"):
-            raise ValueError("no incident_id")
+            raise UntrustedInput(source, "no incident_id")
         culprit = raw.get("culprit")
         world = raw.get("world_size")
+
+        def text(key: str) -> str:
+            return clean(str(raw.get(key) or ""))
+
         return cls(
-            incident_id=str(raw["incident_id"]),
-            kind=str(raw.get("kind") or ""),
-            node=str(raw.get("node") or ""),
-            job=str(raw.get("job") or ""),
-            world_size=int(world) if world is not None else None,
-            detected_at=str(raw.get("detected_at") or ""),
-            culprit=int(culprit) if culprit is not None else None,
-            summary=str(raw.get("summary") or ""),
+            incident_id=text("incident_id"),
+            kind=text("kind"),
+            node=text("node"),
+            job=text("job"),
+            world_size=None
+            if world is None
+            else bounded_int(world, lo=0, hi=MAX_WORLD, what="world_size", source=source),
+            detected_at=text("detected_at"),
+            culprit=None
+            if culprit is None
+            else bounded_int(culprit, lo=0, hi=MAX_WORLD - 1, what="culprit", source=source),
+            summary=text("summary"),
         )
 
 
@@ -135,19 +146,27 @@ def read_dir(path: Path) -> IncidentDir:
     verdict = None
     problems: list[str] = []
     vpath = path / VERDICT_FILE
-    if vpath.is_file():
+    if os.path.lexists(vpath):
         try:
-            verdict = Verdict.from_dict(json.loads(vpath.read_text()))
-        except (OSError, ValueError, TypeError) as e:
-            problems.append(f"{vpath}: unreadable verdict ({e}); directory taken on its own")
+            raw = read_json(vpath, max_bytes=VERDICT_MAX_BYTES)
+            verdict = Verdict.from_dict(raw, str(vpath))
+        except UntrustedInput as e:
+            problems.append(
+                f"{clean(e.path)}: unreadable verdict ({clean(e.problem)}); "
+                "directory taken on its own"
+            )
             log.warning("%s", problems[-1])
-    return IncidentDir(
-        path=path, verdict=verdict, dumps=tuple(dump_files(path)), problems=tuple(problems)
-    )
+    found = scan(path)
+    problems.extend(found.problems(path))
+    return IncidentDir(path=path, verdict=verdict, dumps=found.files, problems=tuple(problems))
+
+
+def _is_verdict(path: Path) -> bool:
+    return (path / VERDICT_FILE).is_file() and not (path / VERDICT_FILE).is_symlink()
 
 
 def is_incident_dir(path: Path) -> bool:
-    return (path / VERDICT_FILE).is_file() or has_dumps(path)
+    return _is_verdict(path) or has_dumps(path)
 
 
 def _group(dirs: list[IncidentDir]) -> list[Incident]:
@@ -158,7 +177,7 @@ def _group(dirs: list[IncidentDir]) -> list[Incident]:
     out = []
     for key, members in by_id.items():
         members.sort(key=lambda d: d.path.name)
-        incident_id = key if not key.startswith("dir:") else members[0].path.name
+        incident_id = key if not key.startswith("dir:") else clean(members[0].path.name)
         out.append(Incident(incident_id, tuple(members), max(_when(d) for d in members)))
     out.sort(key=lambda i: (i.when, i.incident_id), reverse=True)
     return out
@@ -170,15 +189,23 @@ def find_incidents(path: Path) -> list[Incident]:
         raise IncidentError(
             f"{path} is not a directory; give an incident directory or a timeline root"
         )
-    if (path / VERDICT_FILE).is_file():
+    if _is_verdict(path):
         return _group([read_dir(path)])
     dirs = []
     if has_dumps(path):
         dirs.append(read_dir(path))
     try:
-        subdirs = sorted(e.path for e in os.scandir(path) if e.is_dir())
+        entries = list(os.scandir(path))
     except OSError as e:
         raise IncidentError(f"cannot list {path}: {e}") from e
+    # A symlinked directory is not followed: in a timeline others can write, it could lead the
+    # merge to read, and write its outputs, anywhere.
+    links = sorted(clean(e.name) for e in entries if e.is_symlink() and e.is_dir())
+    if links:
+        log.warning(
+            "%s: symlinked directories not followed: %s", clean(str(path)), ", ".join(links)
+        )
+    subdirs = sorted(e.path for e in entries if e.is_dir(follow_symlinks=False))
     dirs.extend(read_dir(Path(s)) for s in subdirs if is_incident_dir(Path(s)))
     return _group(dirs)
 

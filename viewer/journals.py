@@ -18,7 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from diag.collector.untrusted import UntrustedInput
 from diag.viewer import fastjson
+from diag.viewer.inputs import JOURNAL_TAIL_MAX_BYTES, MAX_WORLD, clean, read_capped
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +68,39 @@ def journal_threads(doc: object) -> JournalThreads | None:
     return None if found.empty else found
 
 
+def read_tail(path: str | os.PathLike[str]) -> object:
+    """A journal tail document: a regular file (never a FIFO or a symlink) under its cap."""
+    try:
+        return fastjson.loads(read_capped(path, JOURNAL_TAIL_MAX_BYTES))
+    except RecursionError:
+        raise UntrustedInput(path, "is not valid JSON: nested too deep") from None
+    except ValueError as e:  # UntrustedInput is one
+        if isinstance(e, UntrustedInput):
+            raise
+        raise UntrustedInput(path, f"is not valid JSON: {e}") from None
+
+
 def read_journal_threads(path: str | os.PathLike[str]) -> JournalThreads | None:
     """`journal_threads` of a tail file; None when it cannot be read (the merge goes on with the
     stacks alone)."""
     try:
-        with open(path, "rb") as fh:
-            doc = fastjson.loads(fh.read())
-    except (OSError, ValueError) as e:
+        doc = read_tail(path)
+    except UntrustedInput as e:
         log.warning(
-            "cannot read journal tail %s: %s; its rank's threads are told by their stacks", path, e
+            "cannot read journal tail %s; its rank's threads are told by their stacks",
+            clean(str(e)),
         )
         return None
     return journal_threads(doc)
+
+
+def local_size(doc: object) -> int:
+    """The local world size a journal tail's meta records; 0 when it says none."""
+    meta = doc.get("meta") if isinstance(doc, dict) else None
+    value = meta.get("local_world_size") if isinstance(meta, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_WORLD:
+        return 0
+    return value
 
 
 def journal_local_sizes(dirs: Iterable[Path]) -> list[int]:
@@ -86,11 +109,17 @@ def journal_local_sizes(dirs: Iterable[Path]) -> list[int]:
     out = []
     for d in dirs:
         try:
-            first = next((e for e in os.scandir(d) if e.name.endswith(JOURNAL_SUFFIX)), None)
+            first = next(
+                (
+                    e
+                    for e in os.scandir(d)
+                    if e.name.endswith(JOURNAL_SUFFIX) and e.is_file(follow_symlinks=False)
+                ),
+                None,
+            )
             if first is None:
                 continue
-            meta = fastjson.loads(Path(first.path).read_bytes()).get("meta") or {}
-            out.append(int(meta.get("local_world_size") or 0))
-        except (OSError, ValueError, TypeError, AttributeError):
+            out.append(local_size(read_tail(first.path)))
+        except (OSError, ValueError):
             continue
     return out

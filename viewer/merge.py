@@ -21,9 +21,11 @@ from diag.viewer.analysis import About, analyse, draw
 from diag.viewer.classes import RankClass, Suspect
 from diag.viewer.flame import FlameOptions
 from diag.viewer.folded import write_folded
-from diag.viewer.gather import gather
+from diag.viewer.gather import Gathered, gather
 from diag.viewer.incidents import Incident, IncidentError, find_incidents, pick_incident
+from diag.viewer.inputs import MAX_RANKS_PER_FILE, clean
 from diag.viewer.journals import journal_local_sizes
+from diag.viewer.outputs import OutputDir
 from diag.viewer.sources import DumpFile, default_workers
 from diag.viewer.stacks import RankDump
 from diag.viewer.summary import MergeReport, ViewReport, to_json, to_text
@@ -70,12 +72,6 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "incident"
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def incident_files(inc: Incident) -> list[DumpFile]:
     """The dump files of one incident, checked to be of one run: one world size, each rank
     once."""
@@ -105,29 +101,47 @@ def incident_files(inc: Incident) -> list[DumpFile]:
     return files
 
 
-def _world(inc: Incident, files: list[DumpFile]) -> int:
-    for d in inc.dirs:
-        if d.verdict is not None and d.verdict.world_size:
-            return d.verdict.world_size
-    return files[0].world_size
+def _world(inc: Incident, files: list[DumpFile]) -> tuple[int, str]:
+    """The world size the verdict or the file names give, believed up to MAX_RANKS_PER_FILE
+    ranks per dump file found; above that, the highest rank found + 1 (and a note saying so),
+    so that no name makes the merge spend memory or time on ranks nobody dumped."""
+    claimed = next(
+        (d.verdict.world_size for d in inc.dirs if d.verdict is not None and d.verdict.world_size),
+        files[0].world_size,
+    )
+    found = max(f.rank for f in files) + 1
+    if claimed <= max(found, len(files) * MAX_RANKS_PER_FILE):
+        return claimed, ""
+    note = (
+        f"the world size {claimed} named by the verdict or the file names is not believed with "
+        f"{len(files)} dump file{'s' if len(files) > 1 else ''} (more than {MAX_RANKS_PER_FILE} "
+        f"ranks per file); merged as a world of {found}, the highest rank found + 1"
+    )
+    log.warning("incident %s: %s", inc.incident_id, note)
+    return found, note
 
 
 def _check(inc: Incident, dumps: list[RankDump], world: int) -> None:
     if not dumps:
+        problems = [p for d in inc.dirs for p in d.problems]
+        why = f" ({'; '.join(problems[:3])})" if problems else ""
         raise IncidentError(
-            f"incident {inc.incident_id} ({', '.join(str(d.path) for d in inc.dirs)}) has no "
-            "readable dump file"
+            f"incident {inc.incident_id} ({', '.join(clean(str(d.path)) for d in inc.dirs)}) has "
+            f"no readable dump file{why}"
         )
     bad = [d.rank for d in dumps if d.rank >= world]
     if bad:
         raise IncidentError(f"rank {bad[0]} is out of range for world size {world}")
 
 
-def _out_dir(inc: Incident) -> Path:
+def _out_dir(inc: Incident, path: Path) -> tuple[Path, tuple[str, ...], bool]:
+    """Where the outputs go, as (a directory the user named, the names beneath it, whether to
+    make them): an incident's own directory, or `merged-<id>` beside several."""
     if len(inc.dirs) == 1:
-        return inc.dirs[0].path
+        d = inc.dirs[0].path
+        return (d, (), False) if d == path else (d.parent, (d.name,), False)
     root = Path(os.path.commonpath([str(d.path) for d in inc.dirs]))
-    return root / f"merged-{_safe(inc.incident_id)}"
+    return root, (f"merged-{_safe(inc.incident_id)}",), True
 
 
 def _local_size(dumps: list[RankDump], inc: Incident, given: int | None) -> int | None:
@@ -158,12 +172,33 @@ def merge_incident(
     inc = pick_incident(find_incidents(path), incident, path)
     files = incident_files(inc)
     got = gather(files, default_workers() if workers is None else workers)
-    dumps, formats = got.dumps, got.formats
-    world = _world(inc, files) if files else 0
+    dumps = got.dumps
+    world, world_note = _world(inc, files) if files else (0, "")
     _check(inc, dumps, world)
     t1 = time.perf_counter()
-    out = Path(out_dir) if out_dir is not None else _out_dir(inc)
-    out.mkdir(parents=True, exist_ok=True)
+    if out_dir is not None:
+        opened = OutputDir.given(Path(out_dir))
+    else:
+        base, parts, create = _out_dir(inc, path)
+        opened = OutputDir.open(base, parts, create=create)
+    with opened as out:
+        return _analyse_and_write(inc, got, world, world_note, out, flame, local_world_size, t0, t1)
+
+
+def _analyse_and_write(
+    inc: Incident,
+    got: Gathered,
+    world: int,
+    world_note: str,
+    out: OutputDir,
+    flame: FlameOptions | None,
+    local_world_size: int | None,
+    t0: float,
+    t1: float,
+) -> MergeResult:
+    """The analysis of what was read, its pictures, folded stacks and summary written into
+    `out`."""
+    dumps, formats = got.dumps, got.formats
     local = _local_size(dumps, inc, local_world_size)
     result = analyse(got, world, inc.culprits, local)
     dumped, culprits, sus, absent = result.dumped, result.culprits, result.suspects, result.absent
@@ -175,21 +210,19 @@ def merge_incident(
     reports = []
     drawing = 0.0
     for view, tree in result.trees.items():
-        folded[view] = out / f"{view.value}_stack.folded"
-        svgs[view] = out / f"{view.value}_stack.svg"
-        tmp = folded[view].with_name(f".{folded[view].name}.tmp{os.getpid()}")
-        with open(tmp, "w") as fh:
+        folded_name, svg_name = f"{view.value}_stack.folded", f"{view.value}_stack.svg"
+        with out.stream(folded_name) as fh:
             lines = write_folded(tree, fh)
-        os.replace(tmp, folded[view])
+        folded[view] = out.path / folded_name
         t = time.perf_counter()
         svg = draw(view, about, result, flame)
         drawing += time.perf_counter() - t
-        _write(svgs[view], svg)
+        svgs[view] = out.write(svg_name, svg.encode())
         reports.append(
             ViewReport(
                 view=view,
-                svg=svgs[view].name,
-                folded=folded[view].name,
+                svg=svg_name,
+                folded=folded_name,
                 classes=result.classes[view].classes,
                 frames=len(tree) - 1,
                 folded_lines=lines,
@@ -203,7 +236,7 @@ def merge_incident(
         incident_id=inc.incident_id,
         kind=inc.kind,
         nodes=tuple(inc.nodes),
-        sources=tuple(str(d.path) for d in inc.dirs),
+        sources=tuple(clean(str(d.path)) for d in inc.dirs),
         detected_at=min((v.detected_at for v in inc.verdicts if v.detected_at), default=""),
         world_size=world,
         dumped=dumped,
@@ -212,27 +245,26 @@ def merge_incident(
         formats=tuple(sorted(formats.items())),
         states=tuple(sorted(states.items())),
         errors=tuple((d.rank, d.error) for d in dumps if d.error),
-        problems=tuple(p for d in inc.dirs for p in d.problems),
+        problems=(*(p for d in inc.dirs for p in d.problems), *filter(None, [world_note])),
         views=tuple(reports),
         suspects=sus,
         absent=absent,
         flight=flightrec.read_incident([d.path for d in inc.dirs], world or flightrec.MAX_RANK),
     )
-    summary_txt, summary_json = out / SUMMARY_TXT, out / SUMMARY_JSON
-    _write(summary_txt, to_text(report))
-    _write(summary_json, json.dumps(to_json(report), indent=1) + "\n")
+    summary_txt = out.write(SUMMARY_TXT, to_text(report).encode())
+    summary_json = out.write(SUMMARY_JSON, (json.dumps(to_json(report), indent=1) + "\n").encode())
     t3 = time.perf_counter()
     seconds = {"read": t1 - t0, "merge": t2 - t1, "draw": drawing, "write": t3 - t2 - drawing}
     log.debug(
         "merged incident %s (%d ranks) into %s: %s",
         inc.incident_id,
         len(dumps),
-        out,
+        out.path,
         ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items()),
     )
     return MergeResult(
         incident_id=inc.incident_id,
-        out_dir=out,
+        out_dir=out.path,
         sources=tuple(d.path for d in inc.dirs),
         world_size=world,
         ranks=ranksets.fold(dumped),

@@ -43,11 +43,14 @@ def ranges_of(bits: int, limit: int | None = None) -> list[tuple[int, int]]:
     if bits & (bits - 1) == 0:  # one rank: the common case for an odd rank's frames
         r = bits.bit_length() - 1
         return [(r, r)]
-    text = bin(bits)[:1:-1]  # bit i at index i
+    # from the lowest rank on: a few ranks high up in a wide world (a silent node's) cost their
+    # own width, not the world's
+    low = lowest(bits)
+    text = bin(bits >> low)[:1:-1]  # bit i at index i
     runs = _RUNS.finditer(text)
     if limit is not None:
         runs = itertools.islice(runs, limit)
-    return [(m.start(), m.end() - 1) for m in runs]
+    return [(m.start() + low, m.end() - 1 + low) for m in runs]
 
 
 def fold(bits: int, max_ranges: int | None = None) -> str:

@@ -6,6 +6,11 @@ All are named xpu_timer's way, `{rank}-{world}` and a suffix:
 - `00003-00008.json`, `00003-00008.pyspy.json`, ...: raw `py-spy dump --json [--native]` output.
 `*.journal.json` (journal tails) and any JSON that is not a py-spy thread list are left alone.
 When one rank has files in several formats, ours wins, then xpu_timer's.
+
+Only regular files count: a symlink named like a dump is not followed (it is named in a
+warning), a FIFO or device is passed over, and a file is read under its cap (inputs.py). A name
+whose rank or world size is out of bounds (above MAX_WORLD, or a rank not below the world size)
+is a bad name, reported and not read.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from diag.collector.untrusted import UntrustedInput
 from diag.viewer import fastjson
+from diag.viewer.inputs import DUMP_MAX_BYTES, MAX_WORLD, clean, clean_lines, read_capped
 from diag.viewer.journals import JOURNAL_SUFFIX, tail_name
 from diag.viewer.stacks import STACK_FORMAT, STACK_SUFFIX, FrameInterner, RankDump, pyspy_threads
 from diag.viewer.xpu_stacktrace import StacktraceError, StacktraceReader
@@ -60,30 +67,86 @@ class DumpFile:
 
 
 def classify(name: str) -> tuple[int, int, DumpFormat] | None:
+    """Rank, world size and format of a dump file's name; None for a file that is no dump.
+    Raises BadName when the name is a dump's but its numbers cannot be."""
     m = _NAME.match(name)
     if m is None or name.endswith(NOT_DUMPS):
         return None
-    rank, world, suffix = int(m.group(1)), int(m.group(2)), m.group(3)
+    suffix = m.group(3)
     if suffix == STACK_SUFFIX:
-        return rank, world, DumpFormat.DIAG
-    if suffix == XPU_SUFFIX:
-        return rank, world, DumpFormat.XPU_TIMER
-    if suffix.endswith(".json"):
-        return rank, world, DumpFormat.PYSPY
-    return None
+        fmt = DumpFormat.DIAG
+    elif suffix == XPU_SUFFIX:
+        fmt = DumpFormat.XPU_TIMER
+    elif suffix.endswith(".json"):
+        fmt = DumpFormat.PYSPY
+    else:
+        return None
+    # Bounded before int(): a name of a million digits would cost seconds to convert.
+    digits = len(str(MAX_WORLD))
+    if len(m.group(1)) > digits + 8 or len(m.group(2)) > digits + 8:
+        raise BadName(name, "its rank or world size has too many digits")
+    rank, world = int(m.group(1)), int(m.group(2))
+    if not 0 < world <= MAX_WORLD:
+        raise BadName(name, f"world size {world} is out of range [1, {MAX_WORLD}]")
+    if rank >= world:
+        raise BadName(name, f"rank {rank} is not below its world size {world}")
+    if not name.isprintable():
+        raise BadName(name, "it holds control characters")
+    return rank, world, fmt
 
 
-def dump_files(directory: Path) -> list[DumpFile]:
-    """The dump files directly in `directory`, one per rank (the preferred format), by rank."""
+class BadName(ValueError):
+    """A file named like a dump whose rank or world size cannot be right."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        self.name, self.problem = clean(name), problem
+        super().__init__(f"{self.name}: not read: {problem}")
+
+
+@dataclass(frozen=True)
+class Scan:
+    """The dump files of a directory (one per rank, the preferred format, by rank) and what was
+    passed over: files with bad names, symlinks named like dumps."""
+
+    files: tuple[DumpFile, ...]
+    bad_names: tuple[str, ...] = ()  # one message per file
+    symlinks: tuple[str, ...] = ()  # their names, cleaned
+
+    def problems(self, directory: Path) -> list[str]:
+        out = [f"{clean(str(directory))}/{b}" for b in self.bad_names]
+        if self.symlinks:
+            out.append(
+                f"{clean(str(directory))}: symlinks not followed: {', '.join(self.symlinks)}"
+            )
+        return out
+
+
+def scan(directory: Path) -> Scan:
+    """The dump files directly in `directory`: regular files only (a symlink is not followed,
+    a FIFO or device is passed over)."""
     best: dict[int, DumpFile] = {}
+    bad: list[str] = []
+    links: list[str] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:
-        return []
-    tails = {e.name for e in entries if e.name.endswith(JOURNAL_SUFFIX)}
+        return Scan(())
+    tails = {
+        e.name
+        for e in entries
+        if e.name.endswith(JOURNAL_SUFFIX) and e.is_file(follow_symlinks=False)
+    }
     for entry in entries:
-        found = classify(entry.name)
-        if found is None or not entry.is_file():
+        try:
+            found = classify(entry.name)
+        except BadName as e:
+            bad.append(str(e))
+            continue
+        if found is None:
+            continue
+        if not entry.is_file(follow_symlinks=False):
+            if entry.is_symlink():
+                links.append(clean(entry.name))
             continue
         rank, world, fmt = found
         tail = tail_name(entry.name)
@@ -91,23 +154,43 @@ def dump_files(directory: Path) -> list[DumpFile]:
         old = best.get(rank)
         if old is None or _PREFERENCE[fmt] < _PREFERENCE[old.format]:
             best[rank] = f
-    return [best[r] for r in sorted(best)]
+    if links:
+        log.warning(
+            "%s: symlinks named like dumps, not followed: %s",
+            clean(str(directory)),
+            ", ".join(sorted(links)),
+        )
+    return Scan(tuple(best[r] for r in sorted(best)), tuple(sorted(bad)), tuple(sorted(links)))
+
+
+def dump_files(directory: Path) -> list[DumpFile]:
+    """The dump files directly in `directory`, one per rank (the preferred format), by rank."""
+    return list(scan(directory).files)
+
+
+def _names_dump(name: str) -> bool:
+    try:
+        return classify(name) is not None
+    except BadName:
+        return True  # reported when the directory is read
 
 
 def has_dumps(directory: Path) -> bool:
     try:
-        return any(classify(e.name) is not None for e in os.scandir(directory) if e.is_file())
+        return any(
+            _names_dump(e.name) for e in os.scandir(directory) if e.is_file(follow_symlinks=False)
+        )
     except OSError:
         return False
 
 
 def _unreadable(f: DumpFile, why: str) -> RankDump:
-    log.warning("cannot read %s: %s", f.path, why)
+    log.warning("cannot read %s: %s", clean(str(f.path)), why)
     return RankDump(
         rank=f.rank,
         world_size=f.world_size,
         pid=0,
-        error=f"unreadable {f.format.value} file: {why}",
+        error=f"unreadable {f.format.value} file: {clean_lines(why)}",
     )
 
 
@@ -119,10 +202,9 @@ def load_dump(
     `reader` (sharing `interner`) remembers the thread stacks of `.stacktrace` files across
     calls."""
     try:
-        with open(os.path.join(f.directory, f.name), "rb") as fh:
-            data = fh.read()
-    except OSError as e:
-        return _unreadable(f, str(e))
+        data = read_capped(os.path.join(f.directory, f.name), DUMP_MAX_BYTES)
+    except UntrustedInput as e:
+        return _unreadable(f, e.problem)
     if f.format is DumpFormat.XPU_TIMER:
         try:
             return (reader or StacktraceReader(interner)).read(data, f.rank, f.world_size)
@@ -130,7 +212,7 @@ def load_dump(
             return _unreadable(f, f"bad protobuf: {e}")
     try:
         raw = fastjson.loads(data)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         return _unreadable(f, f"bad JSON: {e}")
     try:
         if isinstance(raw, dict) and raw.get("format") == STACK_FORMAT:
@@ -146,9 +228,9 @@ def load_dump(
             log.debug("%s is not py-spy JSON; skipped", f.path)
             return None
         threads = pyspy_threads(raw, interner)
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        return _unreadable(f, f"unexpected content: {e!r}")
-    pid = int(raw[0].get("pid") or 0) if raw else 0
+        pid = int(raw[0].get("pid") or 0) if raw else 0
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        return _unreadable(f, clean(f"unexpected content: {e!r}"[:400]))
     return RankDump(
         rank=f.rank,
         world_size=f.world_size,

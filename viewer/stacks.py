@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from diag.viewer import fastjson
+from diag.viewer.inputs import MAX_WORLD, clean, clean_lines
 
 STACK_FORMAT = "diag.stack/1"
 STACK_SUFFIX = ".stack.json"
@@ -95,7 +96,7 @@ class RankDump:
                 ThreadStack(
                     tid=int(t["tid"]),
                     os_tid=int(t.get("os_tid", 0)),
-                    name=str(t.get("name", "")),
+                    name=clean(str(t.get("name", ""))),
                     frames=interner.frames_from_dicts(t["frames"]),
                     active=bool(t.get("active", False)),
                     owns_gil=bool(t.get("owns_gil", False)),
@@ -103,17 +104,51 @@ class RankDump:
                 for t in raw.get(key) or ()
             )
 
-        nested = ("threads", "native_threads")
-        known = {k for k in cls.__dataclass_fields__ if k not in nested}
         return cls(
             threads=threads_of("threads"),
             native_threads=threads_of("native_threads"),
-            **{k: v for k, v in raw.items() if k in known},
+            **_scalars(raw),
         )
 
     @classmethod
     def load(cls, path: Path, interner: FrameInterner | None = None) -> RankDump:
         return cls.from_dict(json.loads(path.read_bytes()), interner)
+
+
+# The scalar fields of a dump file and how each is checked: ranks bounded, text cleaned.
+_RANKS = ("rank", "world_size")
+_INTS = ("pid", "local_rank")
+_TEXTS = ("node", "process_state", "captured_at", "format")
+
+
+def _int(raw: dict, key: str, lo: int, hi: int) -> int:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{key} {value!r} is not an integer in [{lo}, {hi}]")
+    return value
+
+
+def _scalars(raw: dict) -> dict[str, Any]:
+    """The scalar fields of a dump document, validated into RankDump's types."""
+    out: dict[str, Any] = {}
+    for key in _RANKS:
+        out[key] = _int(raw, key, 0, MAX_WORLD)
+    for key in _INTS:
+        if key in raw:
+            out[key] = _int(raw, key, -1, 1 << 62)
+    for key in _TEXTS:
+        if key in raw:
+            out[key] = clean(str(raw[key]))
+    if "error" in raw:
+        out["error"] = clean_lines(str(raw["error"]))
+    if "native" in raw:
+        out["native"] = bool(raw["native"])
+    if "capture_seconds" in raw:
+        value = raw["capture_seconds"]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"capture_seconds {value!r} is not a number")
+        out["capture_seconds"] = float(value)
+    return out
 
 
 _FRAME_FIELDS = operator.itemgetter("func", "file", "line", "native", "module")
@@ -148,7 +183,12 @@ class FrameInterner:
             if native and self.blank_addresses and ADDRESS.match(func):
                 # not kept under the address: every process has its own
                 return self.frame(UNRESOLVED, file, line, native, module)
-            found = self._frames[key] = Frame(func, file, line, native, module)
+            # Cleaned once per distinct frame, here, so that every output gets clean names.
+            tidy = (clean(str(func)), clean(str(file)), int(line), bool(native), clean(str(module)))
+            if tidy != key:
+                found = self._frames[key] = self.frame(*tidy)
+            else:
+                found = self._frames[key] = Frame(func, file, line, native, module)
         return found
 
     def raw_key(self, raw: list[dict], fields: operator.itemgetter) -> object:
@@ -240,7 +280,7 @@ def pyspy_threads(raw: object, interner: FrameInterner | None = None) -> tuple[T
             ThreadStack(
                 tid=int(t.get("thread_id") or 0),
                 os_tid=int(t.get("os_thread_id") or 0),
-                name=str(t.get("thread_name") or ""),
+                name=clean(str(t.get("thread_name") or "")),
                 frames=interner.pyspy_frames(t.get("frames") or []),
                 active=bool(t.get("active", False)),
                 owns_gil=bool(t.get("owns_gil", False)),

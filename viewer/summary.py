@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diag.collector.untrusted import printable
 from diag.viewer import flightrec, ranksets
 from diag.viewer.absent import Absent
 from diag.viewer.classes import RankClass, Suspect
@@ -197,4 +198,6 @@ def to_text(r: MergeReport) -> str:
             out.extend(_class_lines(c))
         if len(v.classes) > TEXT_CLASSES:
             out.append(f"  ... {len(v.classes) - TEXT_CLASSES} more classes in summary.json")
-    return "\n".join(out) + "\n"
+    # Every name was cleaned when read; this pass keeps the promise for whatever reaches a
+    # terminal through this text (it is a few KB).
+    return printable("\n".join(out)) + "\n"

@@ -22,6 +22,7 @@ from __future__ import annotations
 from google.protobuf.message import DecodeError
 
 from diag.proto.stacktrace_view_pb2 import Stacktrace as _Stacktrace
+from diag.viewer.inputs import clean, clean_lines
 from diag.viewer.stacks import Frame, FrameInterner, RankDump, ThreadStack, parse_pyspy_json
 
 
@@ -91,7 +92,7 @@ class StacktraceReader:
             frames = seen.get(key)
             if frames is None:
                 frames = seen[key] = self._py_frames(t)
-            py.append(ThreadStack(tid, os_tid, name, frames, active, owns_gil))
+            py.append(ThreadStack(tid, os_tid, clean(name), frames, active, owns_gil))
         native: list[ThreadStack] = []
         seen = self._native
         for t in st.stacktrace:
@@ -101,15 +102,15 @@ class StacktraceReader:
             frames = seen.get(key)
             if frames is None:
                 frames = seen[key] = self._native_frames(t)
-            native.append(ThreadStack(lwp, lwp, t.thread_name, frames))
-        errors = [e.strip() for e in (st.pstack_stderr, st.pyspy_stderr) if e.strip()]
+            native.append(ThreadStack(lwp, lwp, clean(t.thread_name), frames))
+        errors = [clean_lines(e.strip()) for e in (st.pstack_stderr, st.pyspy_stderr) if e.strip()]
         if not py and st.pyspy_stdout:
             # xpu_timer keeps py-spy's raw output when it could not parse it; we may do better.
             try:
                 py = list(parse_pyspy_json(st.pyspy_stdout, self.interner))
-            except (ValueError, TypeError, KeyError, AttributeError):
+            except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
                 errors.append("py-spy output kept raw by xpu_timer is not py-spy JSON either")
-        state = st.process_state
+        state = clean(st.process_state)
         error = ""
         if not py and not native and not state.startswith("D"):
             error = next(iter(errors), "") or "no stack in the .stacktrace file"
