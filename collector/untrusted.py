@@ -137,9 +137,12 @@ def read_bounded(
 ) -> bytes:
     """The whole content of a regular file, refusing one over `max_bytes` (also one that grows
     past it while we read)."""
-    fd, _ = open_regular(path, max_bytes=max_bytes, owners=owners, dir_fd=dir_fd)
+    fd, st = open_regular(path, max_bytes=max_bytes, owners=owners, dir_fd=dir_fd)
     with os.fdopen(fd, "rb") as f:
-        data = f.read(max_bytes + 1)
+        # Ask for the size fstat gave (plus one, to see growth), not the cap: read(n) allocates n.
+        data = f.read(min(st.st_size, max_bytes) + 1)
+        if len(data) > st.st_size:  # it grew since: the rest, up to the cap
+            data += f.read(max_bytes + 1 - len(data))
     if len(data) > max_bytes:
         raise UntrustedInput(path, f"grew past the {max_bytes}-byte limit while being read")
     return data
