@@ -50,14 +50,16 @@ def area() -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _persist_nobody_slot(run_dir: Path, save: Path, step: int = 5) -> PersistResult:
+def _persist_nobody_slot(
+    run_dir: Path, save: Path, step: int = 5, index: int = 0, keep: int = 0
+) -> PersistResult:
     """A complete slot of the ranks' user (uid 65534, trusted as such) naming `save`."""
-    slot = new_slot(run_dir, "j", 0, 0)
+    slot = new_slot(run_dir, "j", 0, index)
     files = captured({f"global_step{step}/mp_rank_00_model_states.pt": model_states(step)})
     write_snapshot(slot, step, files, job="j", rank=0, world=1, save_dir=save)
     slot.close()
     os.chown(slot.path, NOBODY, NOBODY)
-    return persist_slot(slot.path, step=step, owners=Owners.of(NOBODY))
+    return persist_slot(slot.path, step=step, keep=keep, owners=Owners.of(NOBODY))
 
 
 def _as_nobody(action) -> bool:  # type: ignore[no-untyped-def]
@@ -153,20 +155,22 @@ def test_trainer_owned_save_dir_gets_trainer_owned_files(run_dir: Path, area: Pa
     save = area / "ckpt"
     save.mkdir(mode=0o755)
     os.chown(save, NOBODY, NOBODY)
-    result = _persist_nobody_slot(run_dir, save)
-    assert result.ok and result.committed, result
+    for index, step in enumerate((5, 6)):  # the second prunes the first (keep 1)
+        result = _persist_nobody_slot(run_dir, save, step, index, keep=1)
+        assert result.ok and result.committed, result
     made = list(save.rglob("*"))
-    assert (save / "latest").is_file() and (save / "global_step5").is_dir(), made
+    assert (save / "latest").is_file() and (save / "global_step6").is_dir(), made
+    assert not (save / "global_step5").exists() and (save / ".diag" / "commit.lock").exists()
     foreign = [str(p) for p in made if os.lstat(p).st_uid != NOBODY or os.lstat(p).st_gid != NOBODY]
     assert foreign == [], "created there but not given to the save directory's owner"
 
     def rewrite_latest() -> None:  # what DeepSpeed's next save_checkpoint does
         with open(save / "latest", "w") as f:
-            f.write("global_step6")
+            f.write("global_step7")
 
     assert _as_nobody(rewrite_latest), "the trainer cannot rewrite `latest`"
-    assert (save / "latest").read_text() == "global_step6"
-    assert _as_nobody(lambda: shutil.rmtree(save / "global_step5")), "cannot remove an old step"
+    assert (save / "latest").read_text() == "global_step7"
+    assert _as_nobody(lambda: shutil.rmtree(save / "global_step6")), "cannot remove an old step"
 
 
 @root_only
