@@ -9,7 +9,7 @@ parent needs no rule of its own: whatever path leads there, the directory opened
 user's. A directory the operator names (--save-dir), or one named by a slot of the agent's own
 user (a pod, a root trainer), is used as configured: made when missing, its path followed.
 
-`rule_for` and `refusal` are the pure rules; `open_save_dir` is the thin adapter.
+`rule_for` and `refusal` are the pure rules; `open_save_dir` and `beneath` are the thin adapters.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import enum
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from diag.collector.untrusted import UntrustedInput
+from diag.collector.untrusted import UntrustedInput, open_dir, walk_beneath
 
 DIR_MODE = 0o755
 
@@ -143,3 +143,30 @@ def open_save_dir(save_dir: Path, rule: SaveDirRule, *, create: bool = False) ->
         yield base
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def beneath(base: Base, parts: Sequence[str], *, create: bool = False) -> Iterator[int]:
+    """A descriptor of base/parts, no symlink followed; missing directories are made (ours,
+    DIR_MODE) and given to the save directory's owner when `create`."""
+    if not create:
+        with walk_beneath(base.fd, parts) as d:
+            yield d
+        return
+    fds: list[int] = []
+    cur = base.fd
+    try:
+        for part in parts:
+            made = True
+            try:
+                os.mkdir(part, DIR_MODE, dir_fd=cur)
+            except FileExistsError:
+                made = False
+            cur = open_dir(part, dir_fd=cur)
+            fds.append(cur)
+            if made:
+                base.give(cur)
+        yield cur
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -28,7 +28,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from diag.agent.checkpoint.savedir import AS_CONFIGURED, DIR_MODE, Base, SaveDirRule, open_save_dir
+from diag.agent.checkpoint.savedir import (
+    AS_CONFIGURED,
+    Base,
+    SaveDirRule,
+    beneath,
+    open_save_dir,
+)
 from diag.collector.locks import EXCLUSIVE, UNLOCK, ofd_lock
 from diag.collector.snapshot import (
     LATEST_FILE,
@@ -41,10 +47,8 @@ from diag.collector.untrusted import (
     KIB,
     UntrustedInput,
     create_new,
-    open_dir,
     read_bounded,
     read_json,
-    walk_beneath,
 )
 
 log = logging.getLogger(__name__)
@@ -105,33 +109,6 @@ def opened(
     """The save directory itself, open (made first when `create` and its rule allows)."""
     with open_save_dir(save_dir, rule, create=create) as base:
         yield base
-
-
-@contextlib.contextmanager
-def beneath(base: Base, parts: Sequence[str], *, create: bool = False) -> Iterator[int]:
-    """A descriptor of base/parts, no symlink followed; missing directories are made (ours,
-    DIR_MODE) and given to the save directory's owner when `create`."""
-    if not create:
-        with walk_beneath(base.fd, parts) as d:
-            yield d
-        return
-    fds: list[int] = []
-    cur = base.fd
-    try:
-        for part in parts:
-            made = True
-            try:
-                os.mkdir(part, DIR_MODE, dir_fd=cur)
-            except FileExistsError:
-                made = False
-            cur = open_dir(part, dir_fd=cur)
-            fds.append(cur)
-            if made:
-                base.give(cur)
-        yield cur
-    finally:
-        for fd in fds:
-            os.close(fd)
 
 
 def _names(base: Base, parts: Sequence[str]) -> list[str]:
