@@ -56,7 +56,9 @@ class SlotFile:
         self.fd = fd
         self.mm = mm
         self.writable = writable
-        self.inode = os.fstat(fd).st_ino
+        st = os.fstat(fd)
+        self.inode = st.st_ino
+        self.owner_uid = st.st_uid  # who wrote it: whose save directory it may name
         self._locked = False
 
     # opening and creating

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diag.agent.checkpoint import storage
+from diag.agent.checkpoint.savedir import Base, SaveDirRefused, SaveDirRule, advice, rule_for
 from diag.agent.checkpoint.torchzip import write_torch_file
 from diag.collector.slotfile import SlotFile, run_dir_owners, warn_once
 from diag.collector.snapshot import FileEntry, SnapshotError, step_tag
@@ -83,8 +84,17 @@ def persist_slot(
             warn_once(path, e.problem if e.path == str(path) else str(e))
             return PersistResult(h.job, h.rank, step or h.step, "", False, f"refused {e}")
         target = save_dir or Path(meta.save_dir)
-        if storage.has_part(target, meta.step, meta.rank, meta.run):
-            committed = _commit(target, meta.step, meta.world_size, keep)
+        rule = rule_for(
+            from_operator=save_dir is not None, slot_owner=slot.owner_uid, agent_euid=os.geteuid()
+        )
+        refused = _refusal(path, target, rule)
+        if refused is not None:
+            return PersistResult(
+                meta.job, meta.rank, meta.step, str(target), False, refused,
+                seconds=time.monotonic() - t0,
+            )  # fmt: skip
+        if storage.has_part(target, meta.step, meta.rank, meta.run, rule):
+            committed = _commit(target, meta.step, meta.world_size, keep, rule)
             return PersistResult(
                 meta.job, meta.rank, meta.step, str(target), True,
                 seconds=time.monotonic() - t0, committed=committed, skipped=True,
@@ -92,7 +102,7 @@ def persist_slot(
         written: list[str] = []
         nbytes = 0
         try:
-            with storage.opened(target, create=True) as base:
+            with storage.opened(target, create=True, rule=rule) as base:
                 for f in meta.files:
                     if f.persist:
                         written.append(f.path)  # before: a part written when it fails is removed
@@ -114,11 +124,12 @@ def persist_slot(
                     "bytes": nbytes,
                     "written_at": time.time(),
                 },
+                rule,
             )
         except UntrustedInput as e:
             # Something planted in the save directory (a symlink where a step directory goes):
             # nothing is written through it, and this part is not committed.
-            _remove_part(target, meta.step, written)
+            _remove_part(target, meta.step, written, rule)
             log.warning("not persisting %s step %d into %s: %s", path, meta.step, target, e)
             return PersistResult(
                 meta.job, meta.rank, meta.step, str(target), False, f"refused: {e}",
@@ -127,14 +138,14 @@ def persist_slot(
         except OSError as e:
             # No marker: this rank's part of the step is incomplete and nobody reads it. What it
             # wrote of it goes, or a full disk would stay full of parts that never commit.
-            _remove_part(target, meta.step, written)
+            _remove_part(target, meta.step, written, rule)
             return PersistResult(
                 meta.job, meta.rank, meta.step, str(target), False,
                 write_error(e, target, meta.step, meta.rank, meta.nbytes),
                 seconds=time.monotonic() - t0,
             )  # fmt: skip
         slot.unlock()  # the bytes are on storage; the trainer may reuse the slot
-        committed = _commit(target, meta.step, meta.world_size, keep)
+        committed = _commit(target, meta.step, meta.world_size, keep, rule)
         seconds = time.monotonic() - t0
         return PersistResult(
             meta.job, meta.rank, meta.step, str(target), True, seconds=seconds, nbytes=nbytes,
@@ -147,13 +158,30 @@ def persist_slot(
         slot.close()
 
 
-def _commit(save_dir: Path, step: int, world_size: int, keep: int) -> bool:
+def _refusal(path: Path, save_dir: Path, rule: SaveDirRule) -> str | None:
+    """Why the slot's save directory is not written into (warned once per slot and problem), or
+    None when it may be."""
+    try:
+        with storage.opened(save_dir, rule=rule):
+            return None
+    except SaveDirRefused as e:
+        problem = f"its save directory {save_dir} {e.problem}; {advice(rule)}"
+        warn_once(path, problem)
+        return f"refused {path}: {problem}"
+    except OSError as e:
+        return None if rule.owner is None else f"cannot open the save directory {save_dir}: {e}"
+
+
+def _commit(save_dir: Path, step: int, world_size: int, keep: int, rule: SaveDirRule) -> bool:
     """Commits `step` if complete; a failure to write `latest` leaves the previous one in place
     (the part is on storage: the next step's persist commits a newer one)."""
     try:
-        return storage.try_commit(save_dir, step, world_size, keep)
+        return storage.try_commit(save_dir, step, world_size, keep, rule)
     except OSError as e:
         log.warning("could not commit step %d: %s", step, write_error(e, save_dir, step, -1, 0))
+        return False
+    except UntrustedInput as e:
+        log.warning("could not commit step %d: %s", step, e)
         return False
 
 
@@ -193,16 +221,16 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _remove_part(save_dir: Path, step: int, written: list[str]) -> None:
+def _remove_part(save_dir: Path, step: int, written: list[str], rule: SaveDirRule) -> None:
     tag = step_tag(step)
-    with contextlib.suppress(OSError), storage.opened(save_dir) as base:
+    with contextlib.suppress(OSError, UntrustedInput), storage.opened(save_dir, rule=rule) as base:
         for name in written:
             parts = tuple(name.split("/"))
             if parts[:1] == (tag,):  # the recovery scripts at the top are shared
                 storage.remove_beneath(base, parts)
 
 
-def _write_file(slot: SlotFile, base: int, f: FileEntry) -> int:
+def _write_file(slot: SlotFile, base: Base, f: FileEntry) -> int:
     """Writes one file of the snapshot beneath the save directory `base`; f.parts were validated
     as relative, without `..` (collector.slotmeta)."""
     if f.kind == "raw":

@@ -28,6 +28,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
+from diag.agent.checkpoint.savedir import (
+    AS_CONFIGURED,
+    Base,
+    SaveDirRule,
+    beneath,
+    open_save_dir,
+)
 from diag.collector.locks import EXCLUSIVE, UNLOCK, ofd_lock
 from diag.collector.snapshot import (
     LATEST_FILE,
@@ -42,7 +49,6 @@ from diag.collector.untrusted import (
     create_new,
     read_bounded,
     read_json,
-    walk_beneath,
 )
 
 log = logging.getLogger(__name__)
@@ -50,7 +56,6 @@ log = logging.getLogger(__name__)
 MARKER_DIR = ".diag"
 COMMIT_LOCK = "commit.lock"
 FILE_MODE = 0o644  # every file the agent writes there; never a mode named by a slot
-DIR_MODE = 0o755
 MARKER_MAX_BYTES = 64 * KIB
 COMMIT_LOCK_TIMEOUT_S = 30.0  # a commit holds it for milliseconds; longer is a wedged holder
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -93,39 +98,38 @@ def _marker_parts(step: int, rank: int) -> tuple[str, str, str]:
 # The save directory is the base (named by the operator or the trainer); everything beneath it is
 # reached one component at a time without following a symlink, so a link planted in it (a step
 # directory pointing at /etc, a marker pointing at a FIFO) cannot redirect a write or a read.
+# What the agent creates there goes to the save directory's owner where its rule says so
+# (savedir.py): each new file and directory is given away through its own descriptor.
 
 
 @contextlib.contextmanager
-def opened(save_dir: Path, *, create: bool = False) -> Iterator[int]:
-    """A descriptor of the save directory itself (made first when `create`)."""
-    if create:
-        os.makedirs(save_dir, DIR_MODE, exist_ok=True)
-    fd = os.open(save_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
+def opened(
+    save_dir: Path, *, create: bool = False, rule: SaveDirRule = AS_CONFIGURED
+) -> Iterator[Base]:
+    """The save directory itself, open (made first when `create` and its rule allows)."""
+    with open_save_dir(save_dir, rule, create=create) as base:
+        yield base
 
 
-def _names(base: int, parts: Sequence[str]) -> list[str]:
+def _names(base: Base, parts: Sequence[str]) -> list[str]:
     try:
-        with walk_beneath(base, parts) as d:
+        with beneath(base, parts) as d:
             return os.listdir(d)
     except (OSError, UntrustedInput):
         return []
 
 
-def _read_marker(base: int, step: int, rank: int) -> dict | None:
+def _read_marker(base: Base, step: int, rank: int) -> dict | None:
     parts = _marker_parts(step, rank)
     try:
-        with walk_beneath(base, parts[:-1]) as d:
+        with beneath(base, parts[:-1]) as d:
             doc = read_json(parts[-1], max_bytes=MARKER_MAX_BYTES, dir_fd=d)
     except (OSError, UntrustedInput):
         return None
     return doc if isinstance(doc, dict) else None
 
 
-def _done_ranks(base: int, step: int) -> set[int]:
+def _done_ranks(base: Base, step: int) -> set[int]:
     out = set()
     for name in _names(base, (MARKER_DIR, step_tag(step))):
         if name.startswith("rank") and name.endswith(".done"):
@@ -134,15 +138,15 @@ def _done_ranks(base: int, step: int) -> set[int]:
     return out
 
 
-def done_ranks(save_dir: Path, step: int) -> set[int]:
+def done_ranks(save_dir: Path, step: int, rule: SaveDirRule = AS_CONFIGURED) -> set[int]:
     try:
-        with opened(save_dir) as base:
+        with opened(save_dir, rule=rule) as base:
             return _done_ranks(base, step)
-    except OSError:
+    except (OSError, UntrustedInput):
         return set()
 
 
-def _marker_runs(base: int, step: int) -> dict[int, str]:
+def _marker_runs(base: Base, step: int) -> dict[int, str]:
     out = {}
     for rank in _done_ranks(base, step):
         doc = _read_marker(base, step, rank)
@@ -151,53 +155,59 @@ def _marker_runs(base: int, step: int) -> dict[int, str]:
     return out
 
 
-def marker_runs(save_dir: Path, step: int) -> dict[int, str]:
+def marker_runs(save_dir: Path, step: int, rule: SaveDirRule = AS_CONFIGURED) -> dict[int, str]:
     """Rank -> the trainer launch whose part of `step` its marker records."""
     try:
-        with opened(save_dir) as base:
+        with opened(save_dir, rule=rule) as base:
             return _marker_runs(base, step)
-    except OSError:
+    except (OSError, UntrustedInput):
         return {}
 
 
-def has_part(save_dir: Path, step: int, rank: int, run: str) -> bool:
+def has_part(
+    save_dir: Path, step: int, rank: int, run: str, rule: SaveDirRule = AS_CONFIGURED
+) -> bool:
     """Rank `rank`'s part of `step` from launch `run` is on storage (a part from another launch
     is stale: it is written again)."""
     try:
-        with opened(save_dir) as base:
+        with opened(save_dir, rule=rule) as base:
             doc = _read_marker(base, step, rank)
-    except OSError:
+    except (OSError, UntrustedInput):
         return False
     return doc is not None and str(doc.get("run", "")) == run
 
 
-def marked_steps(save_dir: Path) -> set[int]:
+def marked_steps(save_dir: Path, rule: SaveDirRule = AS_CONFIGURED) -> set[int]:
     """Steps with at least one marker: the ones we wrote."""
     try:
-        with opened(save_dir) as base:
-            names = _names(base, (MARKER_DIR,))
-    except OSError:
+        with opened(save_dir, rule=rule) as base:
+            return _marked_steps(base)
+    except (OSError, UntrustedInput):
         return set()
-    return {s for s in map(tag_step, names) if s is not None}
 
 
-def fsync_dir(base: int, parts: Sequence[str] = ()) -> None:
-    with walk_beneath(base, parts) as d:
+def _marked_steps(base: Base) -> set[int]:
+    return {s for s in map(tag_step, _names(base, (MARKER_DIR,))) if s is not None}
+
+
+def fsync_dir(base: Base, parts: Sequence[str] = ()) -> None:
+    with beneath(base, parts) as d:
         os.fsync(d)
 
 
-def write_atomic(base: int, parts: Sequence[str], fill: Callable[[int], object]) -> None:
+def write_atomic(base: Base, parts: Sequence[str], fill: Callable[[int], object]) -> None:
     """Writes base/parts through `fill(fd)` under a temporary name, fsyncs it, renames it into
     place; missing directories are made. Readers see the old file or the complete new one, never
     a part. Modes are ours (FILE_MODE, DIR_MODE), whatever asked for the file."""
     *dirs, name = parts
-    with walk_beneath(base, dirs, create=True, mode=DIR_MODE) as d:
+    with beneath(base, dirs, create=True) as d:
         # Unique per writer: the persist workers of one agent (threads) and the agents of other
         # nodes may write the same file at the same time; each renames a complete file of its own.
         tmp = f".{name}.tmp-{os.getpid()}-{threading.get_native_id()}-{secrets.token_hex(4)}"
         fd = create_new(tmp, dir_fd=d, mode=FILE_MODE)
         try:
             try:
+                base.give(fd)
                 fill(fd)
                 os.fsync(fd)
             finally:
@@ -209,7 +219,7 @@ def write_atomic(base: int, parts: Sequence[str], fill: Callable[[int], object])
             raise
 
 
-def write_bytes_atomic(base: int, parts: Sequence[str], data: bytes | memoryview) -> None:
+def write_bytes_atomic(base: Base, parts: Sequence[str], data: bytes | memoryview) -> None:
     def fill(fd: int) -> None:
         view = memoryview(data).cast("B")
         while view:
@@ -218,29 +228,33 @@ def write_bytes_atomic(base: int, parts: Sequence[str], data: bytes | memoryview
     write_atomic(base, parts, fill)
 
 
-def write_marker(save_dir: Path, step: int, rank: int, doc: dict) -> None:
+def write_marker(
+    save_dir: Path, step: int, rank: int, doc: dict, rule: SaveDirRule = AS_CONFIGURED
+) -> None:
     parts = _marker_parts(step, rank)
-    with opened(save_dir, create=True) as base:
+    with opened(save_dir, create=True, rule=rule) as base:
         write_bytes_atomic(base, parts, json.dumps(doc, indent=1).encode())
         fsync_dir(base, parts[:-1])
 
 
-def same_content(base: int, parts: Sequence[str], data: memoryview | bytes) -> bool:
+def same_content(base: Base, parts: Sequence[str], data: memoryview | bytes) -> bool:
     """base/parts is a regular file holding exactly `data` (no symlink followed)."""
     try:
-        with walk_beneath(base, parts[:-1]) as d:
+        with beneath(base, parts[:-1]) as d:
             return read_bounded(parts[-1], max_bytes=len(data), dir_fd=d) == bytes(data)
     except (OSError, UntrustedInput):
         return False
 
 
-def remove_beneath(base: int, parts: Sequence[str]) -> None:
-    with contextlib.suppress(OSError, UntrustedInput), walk_beneath(base, parts[:-1]) as d:
+def remove_beneath(base: Base, parts: Sequence[str]) -> None:
+    with contextlib.suppress(OSError, UntrustedInput), beneath(base, parts[:-1]) as d:
         os.unlink(parts[-1], dir_fd=d)
 
 
 @contextlib.contextmanager
-def commit_lock(save_dir: Path, timeout: float = COMMIT_LOCK_TIMEOUT_S) -> Iterator[bool]:
+def commit_lock(
+    save_dir: Path, timeout: float = COMMIT_LOCK_TIMEOUT_S, rule: SaveDirRule = AS_CONFIGURED
+) -> Iterator[bool]:
     """Holds the save directory's commit lock; yields False when its filesystem has no locks.
 
     Why a lock: the check (every marker there, `latest` older) and the writes must be one step
@@ -263,7 +277,7 @@ def commit_lock(save_dir: Path, timeout: float = COMMIT_LOCK_TIMEOUT_S) -> Itera
             "agent; the step is committed by the next persist"
         )
     try:
-        with _file_lock(path, save_dir, deadline, timeout) as locked:
+        with _file_lock(path, save_dir, deadline, timeout, rule) as locked:
             yield locked
     finally:
         threads.release()
@@ -280,17 +294,14 @@ def _thread_lock(path: Path) -> threading.Lock:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path, save_dir: Path, deadline: float, timeout: float) -> Iterator[bool]:
+def _file_lock(
+    path: Path, save_dir: Path, deadline: float, timeout: float, rule: SaveDirRule
+) -> Iterator[bool]:
     with (
-        opened(save_dir, create=True) as base,
-        walk_beneath(base, (MARKER_DIR,), create=True, mode=DIR_MODE) as d,
+        opened(save_dir, create=True, rule=rule) as base,
+        beneath(base, (MARKER_DIR,), create=True) as d,
     ):
-        fd = os.open(
-            COMMIT_LOCK,
-            os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-            FILE_MODE,
-            dir_fd=d,
-        )
+        fd = _open_lock_file(base, d)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "the commit lock is not a regular file", str(path))
@@ -324,14 +335,35 @@ def _file_lock(path: Path, save_dir: Path, deadline: float, timeout: float) -> I
         os.close(fd)
 
 
-def try_commit(save_dir: Path, step: int, world_size: int, keep: int) -> bool:
+def _open_lock_file(base: Base, d: int) -> int:
+    """The commit lock file, created (and given to the save directory's owner) when missing."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    while True:
+        try:
+            fd = os.open(COMMIT_LOCK, flags | os.O_CREAT | os.O_EXCL, FILE_MODE, dir_fd=d)
+        except FileExistsError:
+            try:
+                return os.open(COMMIT_LOCK, flags, dir_fd=d)
+            except FileNotFoundError:
+                continue  # removed in between: create it again
+        try:
+            base.give(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
+def try_commit(
+    save_dir: Path, step: int, world_size: int, keep: int, rule: SaveDirRule = AS_CONFIGURED
+) -> bool:
     """Writes `latest` and the tracker file when every rank's part of `step` is on storage and
     `latest` names an older step, then prunes old steps. The check and the writes happen under
     the commit lock, so concurrent commits (threads, other nodes' agents) apply in step order:
     `latest` only ever moves forward."""
-    with commit_lock(save_dir) as locked, opened(save_dir) as base:
+    with commit_lock(save_dir, rule=rule) as locked, opened(save_dir, rule=rule) as base:
         if locked:
-            _remove_dead_commit_files(save_dir)
+            _remove_dead_commit_files(base)
         latest = read_latest_step(save_dir)
         runs = _marker_runs(base, step)
         if not should_commit(step, world_size, set(runs), latest, len(set(runs.values()))):
@@ -341,20 +373,24 @@ def try_commit(save_dir: Path, step: int, world_size: int, keep: int) -> bool:
         write_bytes_atomic(base, (TRACKER_FILE,), str(step).encode())
         fsync_dir(base)
     # Outside the lock (removing big steps takes a while): only steps older than this commit
-    # are touched, and removing twice is harmless.
-    for old in prune_plan(marked_steps(save_dir), step, keep):
-        shutil.rmtree(save_dir / step_tag(old), ignore_errors=True)
-        shutil.rmtree(save_dir / MARKER_DIR / step_tag(old), ignore_errors=True)
+    # are touched, and removing twice is harmless. Removed beneath the open save directory, so
+    # a path swapped meanwhile cannot point the removal elsewhere.
+    with contextlib.suppress(OSError, UntrustedInput), opened(save_dir, rule=rule) as base:
+        for old in prune_plan(_marked_steps(base), step, keep):
+            shutil.rmtree(step_tag(old), ignore_errors=True, dir_fd=base.fd)
+            with contextlib.suppress(OSError, UntrustedInput), beneath(base, (MARKER_DIR,)) as d:
+                shutil.rmtree(step_tag(old), ignore_errors=True, dir_fd=d)
     return True
 
 
-def _remove_dead_commit_files(save_dir: Path) -> None:
+def _remove_dead_commit_files(base: Base) -> None:
     """Temporary files of `latest` and the tracker are written only under the commit lock: the
     ones found while holding it belong to a committer killed in the middle (they would pile up)."""
-    for name in (LATEST_FILE, TRACKER_FILE):
-        for p in save_dir.glob(f".{name}.tmp-*"):
+    prefixes = tuple(f".{name}.tmp-" for name in (LATEST_FILE, TRACKER_FILE))
+    for name in os.listdir(base.fd):
+        if name.startswith(prefixes):
             with contextlib.suppress(OSError):
-                p.unlink()
+                os.unlink(name, dir_fd=base.fd)
 
 
 def committed_step(save_dir: Path) -> int | None:
