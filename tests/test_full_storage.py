@@ -32,7 +32,8 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+        # Private, as the agent wants a run directory (a tmpfs root is 1777 by default).
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)]
     ).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
