@@ -310,7 +310,11 @@ def _flight_recorders(targets: list[EvidenceTarget], directory: Path) -> dict[st
         for t in targets
         if t.journal is not None and t.dumpable  # a rank not shown to be one is not asked
     ]
-    dumps = collect(fr, directory, timeout=FLIGHT_TIMEOUT_S)
+    try:
+        dumps = collect(fr, directory, timeout=FLIGHT_TIMEOUT_S)
+    except OSError as e:  # the recorder is extra evidence: never the reason an incident is lost
+        log.warning("flight recorders not taken: %s", e)
+        return {"dir": FR_DIR, "ranks": {}, "seconds": 0.0, "error": str(e)}
     return {
         "dir": FR_DIR,
         "ranks": {str(d.rank): {"files": list(d.files), "errors": list(d.errors)} for d in dumps},

@@ -126,6 +126,9 @@ def take(target: FlightTarget, deadline: float) -> tuple[dict[str, bytes], list[
             if "socket" in str(e) or "connect" in str(e) or "pid" in str(e):
                 break  # the next handler would meet the same
             continue
+        except OSError as e:  # the rank died or closed the connection meanwhile
+            errors.append(f"{h.name}: {path.name}: {e.strerror or e}")
+            break
         except (ValueError, RecursionError) as e:
             errors.append(f"{h.name}: not JSON ({e})")
             continue

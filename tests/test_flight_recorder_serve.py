@@ -84,3 +84,41 @@ def test_a_rank_without_socket_is_noted_not_fatal(tmp_path: Path) -> None:
     assert dumps[0].files == () and "no flight recorder socket" in dumps[0].errors[0]
     errors = json.loads((inc / "flight-recorder" / "errors.json").read_text())
     assert list(errors) == ["3"]
+
+
+RESETTER = r"""
+import socket, struct, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(sys.argv[1])
+s.listen(8)
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    c.close()  # a reset, as when a rank dies while asked
+"""
+
+
+def test_a_rank_that_resets_the_connection_costs_only_its_own_dump(tmp_path: Path) -> None:
+    """A rank dying while asked (the connection reset mid-request) is an error for that rank in
+    the incident, not an exception that loses the whole incident (seen: a SIGKILLed rank's
+    'Connection reset by peer' ended the evidence of a death)."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    journal = run / "job-rank00003.journal"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RESETTER, str(socket_path(journal))],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        files, errors = take(FlightTarget(3, 4, proc.pid, journal), time.monotonic() + 5)
+        assert files == {} and errors, errors
+        incident = tmp_path / "incident"
+        incident.mkdir()
+        (dump,) = collect([FlightTarget(3, 4, proc.pid, journal)], incident, timeout=5)
+        assert dump.files == () and dump.errors
+        assert json.loads((incident / "flight-recorder" / "errors.json").read_text())["3"]
+    finally:
+        proc.kill()
+        proc.wait()
