@@ -88,7 +88,7 @@ class RankSnapshot:
     # but its start-up is as long as the first launch's. None: unknown (only `step` is).
     launch_steps: int | None = None
     launch_step_ends: tuple[float, ...] = ()  # when this launch's first steps ended
-    pace: tuple[Paced, ...] = ()  # this launch's recent steps and completed ops, oldest first
+    pace: tuple[Paced, ...] = ()  # this launch's recent steps, then its recent completed ops
 
     @property
     def alive(self) -> bool:

@@ -336,7 +336,7 @@ class Observer:
             cadence=t.cadence if state.step == 0 else None,
             launch_steps=t.launch_steps(state.step),
             launch_step_ends=tuple(t.launch_ends),
-            pace=tuple(t.pace),
+            pace=t.pace(),
         )
 
     def close(self) -> None:

@@ -44,7 +44,10 @@ class RankTracker:
     # until its first step is read; 0 when the ring lost the launch's first records.
     launch_base: int | None = None
     launch_ends: list[float] = field(default_factory=list)
-    pace: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_OPS))
+    # Recent steps and completed ops, kept apart so that many ops per step do not crowd the
+    # steps out of the history.
+    step_pace: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_STEPS))
+    op_pace: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_OPS))
     # Time in phases (eval, checkpoint): judged by their own limits, so not part of the pace.
     phase_depth: int = 0
     phase_from: float = 0.0
@@ -137,7 +140,7 @@ class RankTracker:
             and rec.step
             and not self._in_phase(v.t_enqueue)
         ):
-            self.pace.append(Paced(v.describe(), v.t_enqueue, v.t_end - v.t_enqueue))
+            self.op_pace.append(Paced(v.describe(), v.t_enqueue, v.t_end - v.t_enqueue))
         if (
             v.t_end is not None
             and rec.state == OpState.COMPLETED
@@ -178,11 +181,14 @@ class RankTracker:
             what = f"step {step}" + (
                 f" less {self.in_phases:.3g} s in phases" if self.in_phases >= 0.0005 else ""
             )
-            self.pace.append(Paced(what, start, seconds))
+            self.step_pace.append(Paced(what, start, seconds))
         self.in_phases = 0.0
         self.step_ends.append(t_end)
         if len(self.launch_ends) < _LAUNCH_ENDS:
             self.launch_ends.append(t_end)
+
+    def pace(self) -> tuple[Paced, ...]:
+        return (*self.step_pace, *self.op_pace)
 
     def launch_steps(self, step: int) -> int:
         """Steps this launch completed, of the `step` count its journal shows."""
