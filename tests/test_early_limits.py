@@ -214,3 +214,35 @@ def test_time_in_a_phase_is_not_the_pace(journal) -> None:  # type: ignore[no-un
     _op(w, 20, t + 0.05, None)
     seconds, basis, _ = _limit_after(run_dir, t + 0.05)
     assert seconds == DEFAULTS.floor, basis
+
+
+def test_an_agent_that_missed_the_launchs_first_steps_does_not_restart_the_warm_up(
+    tmp_path: Path,
+) -> None:
+    # The ring wrapped before the agent first read it (an agent restarted mid-run): which step
+    # began this launch is unknown, and the journal's step count stands.
+    path = journal_path(tmp_path, "early", 0)
+    w = JournalWriter(path, rank=0, world_size=1, local_rank=0, capacity=16)
+    write_meta(
+        path,
+        JournalMeta(
+            job="early", rank=0, world_size=1, local_rank=0, local_world_size=1,
+            pid=os.getpid(), pid_start_time=psutil.Process().create_time(), node="n",
+        ),
+    )  # fmt: skip
+    try:
+        t = time.monotonic() - 30.0
+        for i in range(40):
+            t += STEP
+            w.step(101 + i, _ns(t))
+        obs = Observer(tmp_path)
+        try:
+            o = obs.observe(time.monotonic())
+        finally:
+            obs.close()
+        (r,) = o.ranks
+        assert (r.step, r.launch_steps) == (140, 140)
+        limits, _ = overdue_ranks(o, DEFAULTS)
+        assert limits[0].seconds == DEFAULTS.floor, limits
+    finally:
+        w.close()
