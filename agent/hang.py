@@ -7,7 +7,9 @@ actions and logs the events. Rules:
 - a rank outside any collective made no progress for longer than the ceiling: no-progress (a
   rank that others wait for is caught sooner, through their pending ops);
 - a rank waiting in a collective inherits the longest limit among the members it waits for, so
-  ranks waiting at a barrier while rank 0 evaluates are not called hung;
+  ranks waiting at a barrier while rank 0 evaluates are not called hung; its own phase does not
+  lengthen a wait for members outside any phase (a rank in its flash save waiting for one that
+  stopped before its own is held to the adaptive limit);
 - one incident at a time: a new one may open only after progress resumes or the ranks restart.
 """
 
