@@ -7,7 +7,9 @@ actions and logs the events. Rules:
 - a rank outside any collective made no progress for longer than the ceiling: no-progress (a
   rank that others wait for is caught sooner, through their pending ops);
 - a rank waiting in a collective inherits the longest limit among the members it waits for, so
-  ranks waiting at a barrier while rank 0 evaluates are not called hung;
+  ranks waiting at a barrier while rank 0 evaluates are not called hung; its own phase does not
+  lengthen a wait for members outside any phase (a rank in its flash save waiting for one that
+  stopped before its own is held to the adaptive limit);
 - one incident at a time: a new one may open only after progress resumes or the ranks restart.
 """
 
@@ -25,7 +27,9 @@ from diag.agent.timeouts import (
     TimeoutPolicy,
     effective_ceiling,
     rank_limit,
+    settled_at,
     stepless,
+    waits_outside_phases,
 )
 
 
@@ -171,7 +175,7 @@ def _no_steps_warning(obs: Observation, timeouts: TimeoutPolicy) -> Event | None
     if not ranks:
         return None
     first = ranks[0]
-    limit = rank_limit(first, timeouts, obs.pg_timeout)
+    limit = rank_limit(first, timeouts, obs.pg_timeout, settled_at(obs.ranks, timeouts), obs.now)
     held = first.cadence.steady_over if first.cadence is not None else 0.0
     which = (
         f"ranks {','.join(str(r.rank) for r in ranks)}" if len(ranks) > 1 else f"rank {first.rank}"
@@ -251,7 +255,12 @@ def _rank_exit_verdict(obs: Observation) -> Verdict | None:
 
 
 def _limits(obs: Observation, policy: TimeoutPolicy) -> dict[int, Limit]:
-    return {r.rank: rank_limit(r, policy, obs.pg_timeout) for r in obs.ranks if r.alive}
+    settled = settled_at(obs.ranks, policy)
+    return {
+        r.rank: rank_limit(r, policy, obs.pg_timeout, settled, obs.now)
+        for r in obs.ranks
+        if r.alive
+    }
 
 
 def _overdue(
@@ -260,10 +269,22 @@ def _overdue(
     limit = limits[r.rank]
     op = r.oldest_pending
     if op is not None:
-        # Waiting for members that are in a phase or warming up: their longer limit applies.
         members = obs.groups.get(op.group, ())
+        if r.phase and waits_outside_phases(r, op, members, obs):
+            # Its own phase covers its own work in it, not a wait for ranks outside any phase:
+            # a flash save's agreement each step would otherwise hold a rank that stopped
+            # before its save to the phase's limit (capped by the collective timeout only).
+            own = rank_limit(
+                replace(r, phase="", phase_since=None),
+                policy,
+                obs.pg_timeout,
+                settled_at(obs.ranks, policy),
+                obs.now,
+            )
+            limit = Limit(own.seconds, f"{own.basis}; waiting in phase {r.phase!r}")
+        # Waiting for members that are in a phase or warming up: their longer limit applies.
         for m in members:
-            other = limits.get(m)
+            other = limits.get(m) if m != r.rank else None
             if other is not None and other.seconds > limit.seconds:
                 limit = Limit(other.seconds, f"{other.basis} on rank {m}, which it waits for")
         # Whatever the limit, act before torch aborts this group's collective: the stacks would

@@ -52,6 +52,15 @@ class OpView:
 
 
 @dataclass(frozen=True)
+class Paced:
+    """One interval of a rank's recent pace: a step (end to end) or a completed op."""
+
+    what: str  # "step 31", "all_reduce #12 of group 0"
+    start: float
+    seconds: float
+
+
+@dataclass(frozen=True)
 class RankSnapshot:
     rank: int
     local_rank: int
@@ -75,6 +84,11 @@ class RankSnapshot:
     proc_state: str = ""  # /proc state letter: R, S, D, Z, T ...
     cpu_busy: float = 0.0  # share of one core used since the last observation
     cadence: Cadence | None = None  # pace of its ops while it has marked no step (cadence.py)
+    # This launch's own steps: a restarted or resumed rank counts its step from the checkpoint,
+    # but its start-up is as long as the first launch's. None: unknown (only `step` is).
+    launch_steps: int | None = None
+    launch_step_ends: tuple[float, ...] = ()  # when this launch's first steps ended
+    pace: tuple[Paced, ...] = ()  # this launch's recent steps, then its recent completed ops
 
     @property
     def alive(self) -> bool:

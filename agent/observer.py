@@ -334,6 +334,9 @@ class Observer:
             proc_state=info.state if info is not None else "",
             cpu_busy=info.cpu_busy if info is not None else 0.0,
             cadence=t.cadence if state.step == 0 else None,
+            launch_steps=t.launch_steps(state.step),
+            launch_step_ends=tuple(t.launch_ends),
+            pace=t.pace(),
         )
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from diag.agent.cadence import Cadence
-from diag.agent.observation import OpView
+from diag.agent.observation import OpView, Paced
 from diag.collector.journal import JournalReader
 from diag.collector.meta import JournalMeta, read_meta
 from diag.collector.records import OpFlag, OpState, Record, RecordKind
@@ -24,6 +24,7 @@ _HISTORY_OPS = 256
 _HISTORY_P2P = 8  # recent ops per (group, peer): enough to see a send/recv order repeat
 _UNSETTLED_TRIES = 20
 _SETTLED_STEP = 2  # polls before giving up on a slot left half-written by a dead writer
+_LAUNCH_ENDS = 8  # end times kept of a launch's first steps (the warm-up is at most this long)
 
 
 @dataclass
@@ -39,6 +40,19 @@ class RankTracker:
     last_ops: dict[str, OpView] = field(default_factory=dict)
     p2p: dict[tuple[str, int], deque] = field(default_factory=dict)
     step_ends: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_STEPS + 1))
+    # Steps done before this launch: a resumed rank counts on from its checkpoint's step. None
+    # until its first step is read; 0 when the ring lost the launch's first records.
+    launch_base: int | None = None
+    launch_ends: list[float] = field(default_factory=list)
+    # Recent steps and completed ops, kept apart so that many ops per step do not crowd the
+    # steps out of the history.
+    step_pace: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_STEPS))
+    op_pace: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_OPS))
+    # Time in phases (eval, checkpoint): judged by their own limits, so not part of the pace.
+    phase_depth: int = 0
+    phase_from: float = 0.0
+    in_phases: float = 0.0  # seconds in phases since the last step ended
+    phase_spans: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_P2P))
     done_ops: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_OPS))
     op_seconds: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_OPS))
     last_activity: float = 0.0
@@ -100,7 +114,10 @@ class RankTracker:
         t = max(rec.t_enqueue_ns, rec.t_start_ns, rec.t_end_ns) * _NS
         self.last_activity = max(self.last_activity, t)
         if rec.kind == RecordKind.STEP:
-            self.step_ends.append(rec.t_end_ns * _NS)
+            self._note_step(rec.step, rec.t_end_ns * _NS)
+            return
+        if rec.kind in (RecordKind.PHASE_BEGIN, RecordKind.PHASE_END):
+            self._note_phase(rec.kind == RecordKind.PHASE_BEGIN, t)
             return
         if rec.kind != RecordKind.OP:
             return
@@ -117,11 +134,67 @@ class RankTracker:
         self.pending.pop(rec.seq, None)
         if v.t_end is not None and rec.state == OpState.COMPLETED and rec.step == 0:
             self.new_done.append((v.t_enqueue, v.t_end))  # the pace of a rank without steps
-        if v.t_end is not None and rec.state == OpState.COMPLETED and rec.step >= _SETTLED_STEP:
-            # Ops of the first steps are dominated by start-up skew: not a basis for limits
-            # or straggler scores.
+        if (
+            v.t_end is not None
+            and rec.state == OpState.COMPLETED
+            and rec.step
+            and not self._in_phase(v.t_enqueue)
+        ):
+            self.op_pace.append(Paced(v.describe(), v.t_enqueue, v.t_end - v.t_enqueue))
+        if (
+            v.t_end is not None
+            and rec.state == OpState.COMPLETED
+            and rec.step - (self.launch_base or 0) >= _SETTLED_STEP
+        ):
+            # Ops of a launch's first steps are dominated by start-up skew: not a basis for
+            # straggler scores.
             self.done_ops.append(v)
             self.op_seconds.append(v.t_end - v.t_enqueue)
+
+    def _note_phase(self, begins: bool, t: float) -> None:
+        if begins:
+            if self.phase_depth == 0:
+                self.phase_from = t
+            self.phase_depth += 1
+            return
+        if self.phase_depth == 0:
+            return  # its beginning was before what we read
+        self.phase_depth -= 1
+        if self.phase_depth == 0:
+            self.in_phases += max(0.0, t - self.phase_from)
+            self.phase_spans.append((self.phase_from, t))
+
+    def _in_phase(self, t: float) -> bool:
+        if self.phase_depth and t >= self.phase_from:
+            return True
+        return any(a <= t <= b for a, b in self.phase_spans)
+
+    def _note_step(self, step: int, t_end: float) -> None:
+        if self.launch_base is None:
+            self.launch_base = max(0, step - 1) if self.lost == 0 else 0
+        if self.phase_depth:  # a step that ends inside a phase: the rest counts for the next
+            self.in_phases += max(0.0, t_end - self.phase_from)
+            self.phase_from = t_end
+        if self.step_ends:
+            start = self.step_ends[-1]
+            seconds = max(0.0, t_end - start - self.in_phases)
+            what = f"step {step}" + (
+                f" less {self.in_phases:.3g} s in phases" if self.in_phases >= 0.0005 else ""
+            )
+            self.step_pace.append(Paced(what, start, seconds))
+        self.in_phases = 0.0
+        self.step_ends.append(t_end)
+        if len(self.launch_ends) < _LAUNCH_ENDS:
+            self.launch_ends.append(t_end)
+
+    def pace(self) -> tuple[Paced, ...]:
+        return (*self.step_pace, *self.op_pace)
+
+    def launch_steps(self, step: int) -> int:
+        """Steps this launch completed, of the `step` count its journal shows."""
+        if self.launch_base is None:
+            return step if self.lost else 0
+        return step - self.launch_base
 
     def _note_p2p(self, v: OpView) -> None:
         hist = self.p2p.get((v.group, v.peer))
