@@ -11,6 +11,8 @@ from test_hang_rules import NOW, _decide, obs, op, rank
 
 from diag.agent.culprit import SuspectKind, find_suspects
 from diag.agent.hang import EventKind, VerdictKind
+from diag.agent.jobincident import NodeReport, Where, parse_name, pick_culprit
+from diag.agent.joblink import mine_of
 from diag.agent.leaver import find_leavers
 from diag.agent.nodeview import analyse, view_document
 from diag.agent.observation import Liveness, Observation, OpView
@@ -128,3 +130,24 @@ def test_many_closed_ranks_stay_linear() -> None:
     ranks = [left(r) for r in range(4096)]
     o = Observation(now=NOW, ranks=tuple(ranks), groups={"0": tuple(range(4096))}, world_size=4096)
     assert find_leavers(o) == []
+
+
+def test_across_nodes_the_rank_that_left_leads_the_peers_that_failed_after_it() -> None:
+    """Node a saw its rank 1 leave (first-hand, at its end); node b saw its ranks fail in the
+    all-reduce after it (first-hand deaths, later). Both file under the attempt's one death id;
+    the job verdict takes the earliest first sign: rank 1."""
+    a = obs(replace(left(1), node="a"), replace(rank(0, pending=(op(21, NOW - 2.5),)), node="a"))
+    b = Observation(now=NOW, ranks=(replace(failed(2), node="b"), replace(failed(3), node="b")),
+                    groups={"0": (0, 1, 2, 3)}, world_size=4)  # fmt: skip
+    va, vb = _decide(a).verdict, _decide(b).verdict
+    assert va is not None and vb is not None and va.incident_id == vb.incident_id
+    ma, mb = mine_of(va, a, 5000.0), mine_of(vb, b, 5000.0)
+    assert (ma.where, mb.where) == (Where.LOCAL, Where.LOCAL)
+    reports = {
+        f"r{v.culprit}.L.{n}~e{n}": NodeReport(n, v.culprit, Where.LOCAL, f"/t/e{n}",
+                                               first_sign_wall=m.first_sign_wall)
+        for n, v, m in (("b", vb, mb), ("a", va, ma))
+    }  # fmt: skip
+    names = [parse_name(f) for f in reports]
+    rank_, node, basis = pick_culprit([n for n in names if n is not None], reports)
+    assert (rank_, node) == (1, "a"), basis
