@@ -4,6 +4,8 @@ Collectives are issued in the same order on every member of a group, so per-grou
 numbers line up across ranks (the idea behind PyTorch's flight-recorder analysis). When some
 members wait inside collective #N of a group, every other member should be there too. A member
 that is not is the suspect:
+- it left: it ended cleanly (or left the process group) while others went on to ops that need
+  it (leaver.py); whatever happens to them next is its consequence;
 - it is dead;
 - it is behind (its newest op on that group is older than #N) and not inside any collective: it
   is computing, sleeping, spinning or stuck in something that is not communication;
@@ -26,12 +28,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from diag.agent.deadlock import find_deadlocks, ranks_text
+from diag.agent.leaver import find_leavers
 from diag.agent.observation import Observation, OpView, RankSnapshot
 from diag.agent.waitgraph import arrived, blocked_ranks, wait_key
 from diag.collector.records import OpState
 
 
 class SuspectKind(enum.Enum):
+    LEFT = "left"  # ended (or left the process group) while others went on to ops needing it
     DIED = "died"
     BEHIND_IDLE = "behind"  # behind in the group and not inside any collective
     DEADLOCK = "deadlock"  # on a wait-for cycle, its order of ops differing from the others'
@@ -42,6 +46,7 @@ class SuspectKind(enum.Enum):
 
 
 _SCORES = {
+    SuspectKind.LEFT: 1.1,  # what follows (peers failing, hanging, killed) is its consequence
     SuspectKind.DIED: 1.0,
     SuspectKind.BEHIND_IDLE: 0.9,
     SuspectKind.DEADLOCK: 0.85,
@@ -160,6 +165,8 @@ def find_suspects(obs: Observation) -> list[Suspect]:
     for r in obs.all_ranks:
         if r.liveness.value == "died":
             add(Suspect(r.rank, SuspectKind.DIED, _died_reason(r, obs)))
+    for lv in find_leavers(obs):
+        add(Suspect(lv.rank.rank, SuspectKind.LEFT, lv.describe(local_node)))
 
     for w in waits(obs, local_only=False):
         members = w.members or obs.groups.get(w.group, ())

@@ -3,6 +3,8 @@
 Pure: no clocks (time comes in the observation), no I/O, no logging. The daemon executes the
 actions and logs the events. Rules:
 - a rank died (or failed) without closing its journal: an incident at once;
+- a rank closed its journal (ended, or left the process group) while others went on to ops that
+  need it: an incident at once, naming it, before any rank that failed after it (leaver.py);
 - a rank's oldest pending op is older than its limit: a hang;
 - a rank outside any collective made no progress for longer than the ceiling: no-progress (a
   rank that others wait for is caught sooner, through their pending ops);
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from diag.agent.culprit import Suspect, SuspectKind, Wait, find_suspects, waits
 from diag.agent.deadlock import NO_ONE_STANDS_OUT
+from diag.agent.leaver import Leaver, find_leavers
 from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.agent.timeouts import (
     PG_TIMEOUT_MARGIN,
@@ -192,10 +195,17 @@ def _no_steps_warning(obs: Observation, timeouts: TimeoutPolicy) -> Event | None
 
 def _progressed_since(state: WatchState, obs: Observation) -> bool:
     """A live rank moved after the incident, and no dead rank is still in view (the observer
-    stops showing ranks that ended a while ago, so a relaunched job can recover)."""
+    stops showing ranks that ended a while ago, so a relaunched job can recover), nor a rank
+    that left while the others need it."""
     before = dict(state.activity_at_incident)
     moved = any(r.alive and r.last_activity > before.get(r.rank, float("-inf")) for r in obs.ranks)
-    return moved and not any(r.liveness == Liveness.DIED for r in obs.ranks)
+    if not moved or any(r.liveness == Liveness.DIED for r in obs.ranks):
+        return False
+    return (
+        state.incident is None
+        or state.incident.culprit is None
+        or not any(lv.rank.rank == state.incident.culprit for lv in find_leavers(obs))
+    )
 
 
 def _job_end(state: WatchState, obs: Observation, events: list[Event]) -> WatchState:
@@ -222,6 +232,9 @@ def _incident_id(obs: Observation, kind: VerdictKind, ws: list[Wait]) -> str:
 
 
 def _rank_exit_verdict(obs: Observation) -> Verdict | None:
+    leavers = [lv for lv in find_leavers(obs) if obs.rank(lv.rank.rank) is not None]
+    if leavers:
+        return _leaver_verdict(obs, leavers[0])
     dead = [r for r in obs.ranks if r.liveness in (Liveness.DIED, Liveness.FAILED)]
     if not dead:
         return None
@@ -238,19 +251,40 @@ def _rank_exit_verdict(obs: Observation) -> Verdict | None:
     )
     others = [r.rank for r in dead if r is not first]
     tail = f"; ranks {','.join(map(str, others))} ended after it" if others else ""
-    ws = waits(obs)
+    return _exit_verdict(obs, first.rank, (lead, *suspects), f"rank {first.rank} {how}{tail}",
+                         first.exited_at)  # fmt: skip
+
+
+def _leaver_verdict(obs: Observation, lv: Leaver) -> Verdict:
+    """A local rank left while others went on to ops that need it: whatever happens to them next
+    (they fail, hang or are killed) is its consequence, so it is named at once, as a death is."""
+    suspects = find_suspects(obs)
+    lead = next(s for s in suspects if s.rank == lv.rank.rank)
+    dead = [r.rank for r in obs.ranks if r.liveness in (Liveness.DIED, Liveness.FAILED)]
+    tail = f"; ranks {','.join(map(str, dead))} ended after it" if dead else ""
+    rest = tuple(s for s in suspects if s is not lead)
+    return _exit_verdict(obs, lv.rank.rank, (lead, *rest), lead.reason + tail, lv.ended_at)
+
+
+def _exit_verdict(
+    obs: Observation,
+    culprit: int,
+    suspects: tuple[Suspect, ...],
+    summary: str,
+    expired_at: float | None,
+) -> Verdict:
     return Verdict(
         kind=VerdictKind.RANK_EXITED,
         # One id per attempt, not per rank: when ranks on several nodes die in one cascade,
         # each node's agent names the same incident whichever rank it saw die first.
         incident_id=f"a{obs.attempt}-{VerdictKind.RANK_EXITED.value}",
         at=obs.now,
-        culprit=first.rank,
-        suspects=(lead, *suspects),
+        culprit=culprit,
+        suspects=suspects,
         overdue=(),
-        waits=tuple(ws),
-        summary=f"rank {first.rank} {how}{tail}",
-        expired_at=first.exited_at,
+        waits=tuple(waits(obs)),
+        summary=summary,
+        expired_at=expired_at,
     )
 
 

@@ -100,6 +100,7 @@ def view_document(obs: Observation, node: str, wall: float) -> dict[str, Any]:
                 "last_ops": [_op_doc(op, now) for op in r.last_ops.values()],
                 "p2p": [_op_doc(op, now) for ops in r.p2p.values() for op in ops[-4:]],
             }
+            | ({"left_group": True} if r.left_group else {})
             for r in obs.ranks
         ],
     }
@@ -159,6 +160,7 @@ def check_view(doc: object, source: str) -> dict[str, Any]:
         _one_of(r, "liveness", _LIVENESS)
         r.float("last_activity_age")
         r.opt_float("exited_age")
+        r.bool("left_group", False)
         r.int("step", -1, 2**63, 0)
         r.str("phase", "")
         r.str("proc_state", "")
@@ -214,6 +216,7 @@ def snapshots_from(doc: dict[str, Any], now: float, wall: float) -> list[RankSna
                 step=int(r.get("step", 0)),
                 phase=str(r.get("phase", "")),
                 exited_at=at - float(r["exited_age"]) if r.get("exited_age") is not None else None,
+                left_group=r.get("left_group") is True,
                 pending=tuple(_op_view(d, at) for d in r.get("pending", ())),
                 last_ops=last_ops,
                 p2p={k: tuple(sorted(v, key=lambda o: o.group_seq)) for k, v in p2p.items()},

@@ -73,6 +73,7 @@ class RankSnapshot:
     phase: str = ""  # innermost open phase, "" outside phases
     phase_since: float | None = None
     exited_at: float | None = None  # when the agent saw the process end
+    left_group: bool = False  # CLOSED when it destroyed its process group (it may run on)
     pending: tuple[OpView, ...] = ()  # unfinished ops, oldest first
     last_ops: Mapping[str, OpView] = field(default_factory=dict)  # newest collective per group
     # Recent point-to-point ops per (group, peer), issued or finished, oldest first. Their

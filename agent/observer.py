@@ -22,7 +22,7 @@ from diag.agent.procs import ProcessWatch, ProcInfo
 from diag.agent.rankproof import RankProof, RankProver, claim_of
 from diag.agent.ranktracker import RankTracker
 from diag.agent.rundircheck import owners_of
-from diag.collector.journal import JournalFormatError, JournalReader, JournalStatus
+from diag.collector.journal import CloseReason, JournalFormatError, JournalReader, JournalStatus
 from diag.collector.meta import JOURNAL_SUFFIX, JournalMeta, meta_path_for, read_meta
 from diag.collector.rundir import pid_namespace
 from diag.collector.untrusted import Owners, UntrustedInput
@@ -326,6 +326,7 @@ class Observer:
             phase=state.phase,
             phase_since=state.phase_mono_ns * _NS if state.phase else None,
             exited_at=exited_at,
+            left_group=liveness == Liveness.CLOSED and state.closed_by == CloseReason.LEFT_GROUP,
             pending=pending,
             last_ops=dict(t.last_ops),
             p2p={k: tuple(h) for k, h in t.p2p.items()},

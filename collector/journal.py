@@ -58,7 +58,7 @@ _STATIC = struct.Struct("<8sIIIIiiiIIIQQ")  # magic..created_mono_ns
 _HEAD_OFF = 64
 _U64 = struct.Struct("<Q")
 _STATE_OFF = 128
-# ver u64 | status u32 | pad u32 | step u64 | step_ns u64 | reserved u64 | phase 48s |
+# ver u64 | status u32 | closed_by u32 (was pad) | step u64 | step_ns u64 | reserved u64 | phase 48s |
 # phase_ns u64 | crc u32 | pad u32
 _STATE = struct.Struct("<QIIQQQ48sQII")
 _STATE_CRC_OFF = _STATE.size - 8
@@ -73,6 +73,18 @@ class JournalStatus(enum.IntEnum):
 
 
 _STATUSES = {int(s): s for s in JournalStatus}
+
+
+class CloseReason(enum.IntEnum):
+    """Where a CLOSED journal was closed: a rank that left its process group while others still
+    needed it is told apart from one whose process was ending."""
+
+    UNKNOWN = 0  # not said (a writer of an older version)
+    EXIT = 1  # at interpreter exit
+    LEFT_GROUP = 2  # when the default process group was destroyed; the process may run on
+
+
+_REASONS = {int(r): r for r in CloseReason}
 
 
 class JournalFormatError(Exception):
@@ -98,12 +110,15 @@ class JournalState:
     step_mono_ns: int  # when the last step completed (0 = none yet)
     phase: str  # the innermost open phase, "" when none
     phase_mono_ns: int  # when it began
+    closed_by: CloseReason = CloseReason.UNKNOWN
 
 
 def _state_bytes(
-    ver: int, status: int, step: int, step_ns: int, phase: str, phase_ns: int
+    ver: int, status: int, step: int, step_ns: int, phase: str, phase_ns: int, closed_by: int = 0
 ) -> bytes:
-    raw = _STATE.pack(ver, status, 0, step, step_ns, 0, phase.encode()[:NAME_BYTES], phase_ns, 0, 0)
+    raw = _STATE.pack(
+        ver, status, closed_by, step, step_ns, 0, phase.encode()[:NAME_BYTES], phase_ns, 0, 0
+    )
     crc = zlib.crc32(raw[8:_STATE_CRC_OFF])
     return raw[:_STATE_CRC_OFF] + struct.pack("<II", crc, 0)
 
@@ -131,6 +146,7 @@ class JournalWriter:
         self._head = 0
         self._state_ver = 0
         self._status = JournalStatus.RUNNING
+        self._closed_by = CloseReason.UNKNOWN
         self._step = 0
         self._step_ns = 0
         self._phases: list[tuple[str, int]] = []
@@ -295,11 +311,16 @@ class JournalWriter:
     def mark(self, name: str) -> None:
         self.append(RecordKind.MARK, name=name, t_end_ns=time.monotonic_ns())
 
-    def close(self, status: JournalStatus = JournalStatus.CLOSED) -> None:
+    def close(
+        self,
+        status: JournalStatus = JournalStatus.CLOSED,
+        reason: CloseReason = CloseReason.UNKNOWN,
+    ) -> None:
         with self._lock:
             if self._status != JournalStatus.RUNNING:
                 return  # the first verdict on how the writer ended stands
             self._status = status
+            self._closed_by = reason
             self._write_state()
             self._mm.flush()
 
@@ -311,7 +332,9 @@ class JournalWriter:
         phase, phase_ns = self._phases[-1] if self._phases else ("", 0)
         self._state_ver += 1
         odd = 2 * self._state_ver - 1
-        data = _state_bytes(odd + 1, self._status, self._step, self._step_ns, phase, phase_ns)
+        data = _state_bytes(
+            odd + 1, self._status, self._step, self._step_ns, phase, phase_ns, self._closed_by
+        )
         _U64.pack_into(self._mm, _STATE_OFF, odd)
         self._mm[_STATE_OFF + 8 : _STATE_OFF + _STATE.size] = data[8:]
         _U64.pack_into(self._mm, _STATE_OFF, odd + 1)
@@ -401,7 +424,7 @@ class JournalReader:
                 continue
             if _U64.unpack_from(mm, _STATE_OFF)[0] != ver:
                 continue
-            _, status, _, step, step_ns, _, phase, phase_ns, _, _ = fields
+            _, status, closed_by, step, step_ns, _, phase, phase_ns, _, _ = fields
             return JournalState(
                 # A status this version does not know says nothing: the writer is running.
                 status=_STATUSES.get(status, JournalStatus.RUNNING),
@@ -409,6 +432,7 @@ class JournalReader:
                 step_mono_ns=step_ns,
                 phase=phase.rstrip(b"\0").decode(errors="replace"),
                 phase_mono_ns=phase_ns,
+                closed_by=_REASONS.get(closed_by, CloseReason.UNKNOWN),
             )
         # The writer died between the two version stores of the state block: what it was
         # writing is lost, and the process is gone or wedged, so report it as running.

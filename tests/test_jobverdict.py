@@ -170,15 +170,17 @@ def test_known_lists_the_attempt_and_reads_only_this_runs_claims(tmp_path: Path)
 
 def test_a_first_hand_report_after_a_waiting_nodes_claim_ends_the_wait(tmp_path: Path) -> None:
     """A node that filed its view (no first-hand report within its settle time) holds the
-    claim; the culprit's node reports after all. The claimant learns it from one marker, not
-    from listing every view, and concludes first-hand without waiting out its settle time."""
+    claim; the culprit's node reports after all. The claimant learns it from one marker and
+    concludes first-hand without waiting out its settle time."""
     store = JobVerdictStore(tmp_path / ".jobs", settle=8.0, poll=0.05)
     assert store.file("j", "inc", NodeReport("a", None, Where.REMOTE, str(tmp_path / "ea")))
     first = time.time()
     t = threading.Thread(target=store.wait_and_conclude, args=("j", "inc", first))
     t.start()
     time.sleep(0.3)
-    assert store.load("j", "inc") is None and store.io.listings == 0  # views not listed
+    # While it waits, it reads the claim, and each view once as it comes (to conclude as soon as
+    # the views hold every rank), not once per look.
+    assert store.load("j", "inc") is None and store.io.reads == 2 and store.io.listings >= 2
     late = JobVerdictStore(tmp_path / ".jobs")
     assert not late.file("j", "inc", NodeReport("b", 3, Where.LOCAL, str(tmp_path / "eb")))
     assert (store.incident_dir("j", "inc") / "first-hand").is_file()
@@ -186,3 +188,39 @@ def test_a_first_hand_report_after_a_waiting_nodes_claim_ends_the_wait(tmp_path:
     v = store.load("j", "inc")
     assert v is not None and (v.culprit, v.culprit_node, v.reports) == (3, "b", 2)
     assert v.decided_wall < first + store.settle  # concluded on the marker, not at the end
+
+
+def test_a_fallback_concludes_once_the_views_hold_every_rank(tmp_path: Path) -> None:
+    """No node blames its own rank: the claimant reads each view once as it comes and reaches
+    the verdict as soon as the views hold every rank of the job, not at the end of its settle
+    time; with a node's view missing it waits the settle time out."""
+    from diag.agent.nodeview import view_document
+    from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
+    from diag.collector.records import OpCode, OpState
+
+    def view(node: int, now: float) -> dict:
+        done = OpView("0", 41, OpCode.ALL_REDUCE, OpState.COMPLETED, 64, now - 12, now - 11.9)
+        stuck = OpView("0", 42, OpCode.ALL_REDUCE, OpState.ENQUEUED, 64, now - 10)
+        ranks = tuple(
+            RankSnapshot(
+                rank=r, local_rank=r % 2, pid=100 + r, node=f"n{node}", liveness=Liveness.RUNNING,
+                started_at=0.0, last_activity=now - 10, step=7,
+                pending=() if r == 3 else (stuck,), last_ops={"0": done if r == 3 else stuck},
+            )
+            for r in (2 * node, 2 * node + 1)
+        )  # fmt: skip
+        obs = Observation(now=now, ranks=ranks, groups={"0": (0, 1, 2, 3)}, world_size=4)
+        return view_document(obs, f"n{node}", time.time())
+
+    for nodes, early in (((0, 1), True), ((0,), False)):
+        store = JobVerdictStore(tmp_path / f".jobs{len(nodes)}", settle=3.0, poll=0.05)
+        first = time.time()
+        for i in nodes:
+            report = NodeReport(f"n{i}", None, Where.REMOTE, str(tmp_path / f"e{i}"),
+                                view=view(i, 100.0), wall=time.time())  # fmt: skip
+            store.file("j", "inc", report)
+        v = store.wait_and_conclude("j", "inc", first)
+        assert v is not None and (v.decided_wall < first + 1.0) == early, v
+        assert store.io.reads == 1 + len(nodes)  # the claim, and each view once
+        if early:
+            assert (v.culprit, v.culprit_node) == (3, "n1"), v.basis

@@ -18,6 +18,11 @@ Scenarios (the fault happens on `--fault-rank` at `--fault-step`):
   stepless  all-reduces in a loop, and never a step boundary (`attach()` without an engine and no
             `diag.trainer.step()`). After `--fault-after` seconds the fault rank stops issuing
             collectives (it sleeps): the others wait for it.
+  leaver    an all-reduce per step; at the fault step the fault rank's data has run out: it
+            leaves its loop and exits 0, and the others go on to the next all-reduce (gloo: the
+            connection closes and they fail).
+  leaver-hang  the same, but a process forked by the fault rank (as a data-loader worker would
+            be) holds its connections open: the others wait in the all-reduce for ever.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import datetime as dt
 import os
 import time
 
-SCENARIOS = ("groups", "p2p", "pipeline", "stepless")
+SCENARIOS = ("groups", "p2p", "pipeline", "stepless", "leaver", "leaver-hang")
 
 
 def parse() -> argparse.Namespace:
@@ -45,6 +50,21 @@ def parse() -> argparse.Namespace:
 
 def log(msg: str) -> None:
     print(f"wait_job rank {os.environ.get('RANK')}: {msg} at {time.time():.3f}", flush=True)
+
+
+def _hold_connections() -> None:
+    """A child that keeps this rank's sockets open until the launcher is gone (at most 150 s),
+    so that its peers' collectives never complete instead of failing."""
+    launcher = os.getppid()
+    if os.fork() == 0:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            try:
+                os.kill(launcher, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.5)
+        os._exit(0)
 
 
 def main() -> int:
@@ -87,6 +107,13 @@ def main() -> int:
             if at_fault and fault:
                 log("receiving first")
             exchange(partner, send_first)
+            dist.all_reduce(x)
+        elif args.scenario.startswith("leaver"):
+            if at_fault and fault:
+                log("its data ran out: leaves the loop and exits 0")
+                if args.scenario == "leaver-hang":
+                    _hold_connections()
+                return 0
             dist.all_reduce(x)
         elif args.scenario == "pipeline":
             if at_fault and fault:

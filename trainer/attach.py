@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from diag.collector.flightrec import FlightRecorderServer, enable_buffer
-from diag.collector.journal import DEFAULT_CAPACITY, JournalStatus, JournalWriter
+from diag.collector.journal import DEFAULT_CAPACITY, CloseReason, JournalStatus, JournalWriter
 from diag.collector.meta import GroupInfo, JournalMeta, journal_path, write_meta
 from diag.collector.rundir import (
     RankIdentity,
@@ -159,8 +159,12 @@ class Session:
 
         return wrapper
 
-    def close(self, status: JournalStatus = JournalStatus.CLOSED) -> None:
-        self.writer.close(status)
+    def close(
+        self,
+        status: JournalStatus = JournalStatus.CLOSED,
+        reason: CloseReason = CloseReason.UNKNOWN,
+    ) -> None:
+        self.writer.close(status, reason)
         if self.flight_recorder is not None:
             self.flight_recorder.close()
 
@@ -268,7 +272,7 @@ def _identity() -> RankIdentity:
 
 def _install_exit_hooks(session: Session) -> None:
     quiesce_at_exit()  # first: its handler then runs after the others
-    atexit.register(session.close, JournalStatus.CLOSED)
+    atexit.register(session.close, JournalStatus.CLOSED, CloseReason.EXIT)
     _close_on_destroy(session)
     previous = sys.excepthook
 
@@ -294,7 +298,7 @@ def _close_on_destroy(session: Session) -> None:
 
     def destroy_process_group(group: Any = None) -> None:
         if group is None:
-            session.close(JournalStatus.CLOSED)
+            session.close(JournalStatus.CLOSED, CloseReason.LEFT_GROUP)
         return orig(group)
 
     destroy_process_group._diag_wrapped = True  # type: ignore[attr-defined]
