@@ -105,7 +105,12 @@ OPTIONS = OptionTable(
             "below it and stays under torch's collective timeout",
         ),
         Option("hang_floor", positive, 10.0, "floor of the adaptive hang limit in seconds"),
-        Option("hang_factor", positive, 5.0, "adaptive limit = factor x slowest recent step/op"),
+        Option(
+            "hang_factor",
+            positive,
+            5.0,
+            "adaptive limit = factor x slowest step/op of this launch since warm-up",
+        ),
         Option("warmup_steps", int, 2, "steps before the adaptive limit applies"),
         Option("warmup_timeout", positive, 900.0, "hang limit during the warm-up steps"),
         Option(
