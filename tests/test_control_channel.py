@@ -8,12 +8,11 @@ import json
 import os
 import shutil
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
+from polling import wait_for
 from snapshot_helpers import captured, model_states, new_slot, write_snapshot
 
 from diag.agent.checkpoint.manager import CheckpointManager
@@ -26,15 +25,6 @@ from diag.trainer.control import ClientIdentity, ControlClient
 from diag.viewer.stacks import RankDump
 
 JOB = "ctl"
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 @pytest.fixture

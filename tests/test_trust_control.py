@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from polling import wait_for
 
 from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
@@ -34,15 +35,6 @@ JOB = "trust"
 NOBODY = 65534
 HERE = Path(__file__).parent
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 @pytest.fixture
