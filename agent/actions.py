@@ -19,12 +19,12 @@ from pathlib import Path
 
 import psutil
 
-from diag.agent.evidence import EvidenceResult, EvidenceTarget, capture, verdict_document
-from diag.agent.hang import Action, ActionKind, Verdict
-from diag.agent.incident import incident_id_of
-from diag.agent.observer import Observer
-from diag.agent.pyspy import DumpTarget
-from diag.agent.rankproof import RankProof
+from diag.agent.detect.hang import Action, ActionKind, Verdict
+from diag.agent.evidence.collection import EvidenceResult, EvidenceTarget, capture, verdict_document
+from diag.agent.evidence.pyspy import DumpTarget
+from diag.agent.observe.observer import Observer
+from diag.agent.observe.rankproof import RankProof
+from diag.formats.incidentdir import incident_id_of
 
 log = logging.getLogger(__name__)
 

@@ -13,23 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diag.agent import taintconfig
 from diag.agent.checkpoint.manager import CheckpointOptions
-from diag.agent.drain import DrainSettings
-from diag.agent.exitcodes import UsageError
-from diag.agent.hang import OnHang, Policy
-from diag.agent.metrics.precheck import DEFAULT_NAME as PRECHECK_FILE
+from diag.agent.detect.hang import OnHang, Policy
+from diag.agent.detect.timeouts import TimeoutPolicy
+from diag.agent.drain.notice import NoticeSettings, Provider
+from diag.agent.drain.plan import DrainSettings
+from diag.agent.metrics.prechecktext import DEFAULT_NAME as PRECHECK_FILE
 from diag.agent.metrics.xputimer import PORT_ENV as XPU_TIMER_PORT_ENV
 from diag.agent.metrics.xputimer import XpuTimerIdentity
-from diag.agent.notice import NoticeSettings, Provider
+from diag.agent.observe.rundircheck import TrainerUsers
 from diag.agent.options import OPTIONS, REMOVED, Until, check_removed, parse_port
 from diag.agent.options import add_arguments as add_arguments
 from diag.agent.optiontable import Option, read_toml_table
 from diag.agent.retention import DEFAULT_INCIDENT_RETENTION, Retention
-from diag.agent.rundircheck import TrainerUsers
-from diag.agent.taintconfig import TaintSettings
-from diag.agent.timeouts import TimeoutPolicy
-from diag.collector.rundir import default_run_dir, node_name
+from diag.agent.taint import taintconfig
+from diag.agent.taint.taintconfig import TaintSettings
+from diag.formats.exitcodes import UsageError
+from diag.formats.rundir import default_run_dir, node_name
 
 
 @dataclass(frozen=True)

@@ -17,35 +17,35 @@ from types import FrameType
 from typing import Any
 
 from diag.agent import config as config_mod
-from diag.agent import exitcodes
 from diag.agent.actions import Executor, IncidentReport
 from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
 from diag.agent.checkpoint.sessions import CommandKind
 from diag.agent.config import AgentConfig
-from diag.agent.drain import DrainRequest, DrainState
-from diag.agent.drainer import Drainer
-from diag.agent.hang import Decision, EventKind, Verdict, WatchState, decide
-from diag.agent.healthwatch import HealthWatch
-from diag.agent.joblink import JobLink
-from diag.agent.jobverdict import JobVerdictStore
+from diag.agent.detect.hang import Decision, EventKind, Verdict, WatchState, decide
+from diag.agent.drain.executor import Drainer
+from diag.agent.drain.notice import Notice, NoticeWatcher, deadline_of
+from diag.agent.drain.plan import DrainRequest, DrainState
+from diag.agent.evidence.pyspy import can_trace
+from diag.agent.health.monitors import monitors_for
+from diag.agent.health.watch import HealthWatch
+from diag.agent.job.link import JobLink
+from diag.agent.job.nodeview import view_document
+from diag.agent.job.verdict import JobVerdictStore
 from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.server import MetricsServer
-from diag.agent.nodehealth import monitors_for
-from diag.agent.nodetaint import NodeTainter
-from diag.agent.nodeview import view_document
-from diag.agent.notice import Notice, NoticeWatcher, deadline_of
-from diag.agent.observer import Observer
+from diag.agent.observe.observer import Observer
+from diag.agent.observe.rundircheck import owners_of
+from diag.agent.observe.rundircheck import prepare as prepare_run_dir
 from diag.agent.options import Until
 from diag.agent.prune import prune_incidents, prune_job_verdicts
-from diag.agent.pyspy import can_trace
-from diag.agent.rundircheck import owners_of
-from diag.agent.rundircheck import prepare as prepare_run_dir
-from diag.agent.taintconfig import TaintMode
-from diag.agent.taintevidence import JOB_VERDICTS_DIR
-from diag.collector.meta import safe_job_name
-from diag.collector.rundir import control_socket_path
-from diag.collector.untrusted import Owners
+from diag.agent.taint.evidencesources import JOB_VERDICTS_DIR
+from diag.agent.taint.step import NodeTainter
+from diag.agent.taint.taintconfig import TaintMode
+from diag.formats import exitcodes
+from diag.formats.journalmeta import safe_job_name
+from diag.formats.rundir import control_socket_path
+from diag.formats.untrusted import Owners
 
 log = logging.getLogger(__name__)
 

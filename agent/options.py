@@ -10,13 +10,11 @@ import enum
 from collections.abc import Mapping
 from pathlib import Path
 
-from diag.agent import taintconfig
-from diag.agent.drain import DEFAULT_GRACE_S, DEFAULT_MARGIN_S
-from diag.agent.exitcodes import UsageError
-from diag.agent.hang import OnHang
-from diag.agent.metrics.precheck import DEFAULT_NAME as PRECHECK_FILE
+from diag.agent.detect.hang import OnHang
+from diag.agent.drain.notice import Provider
+from diag.agent.drain.plan import DEFAULT_GRACE_S, DEFAULT_MARGIN_S
+from diag.agent.metrics.prechecktext import DEFAULT_NAME as PRECHECK_FILE
 from diag.agent.metrics.xputimer import PORT_ENV as XPU_TIMER_PORT_ENV
-from diag.agent.notice import Provider
 from diag.agent.optiontable import (
     Bounds,
     Option,
@@ -28,6 +26,8 @@ from diag.agent.optiontable import (
     size,
 )
 from diag.agent.retention import DEFAULT_INCIDENT_RETENTION
+from diag.agent.taint import taintconfig
+from diag.formats.exitcodes import UsageError
 
 DEFAULT_TIMELINE = "/root/timeline"  # where xpu_timer writes, so DLRover users find it there
 

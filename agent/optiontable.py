@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from diag.agent.exitcodes import UsageError
-from diag.collector.untrusted import MIB, UntrustedInput, printable, read_bounded
+from diag.formats.exitcodes import UsageError
+from diag.formats.untrusted import MIB, UntrustedInput, printable, read_bounded
 
 CONFIG_MAX_BYTES = 1 * MIB  # a config file is a few hundred bytes; anything huge is a mistake
 

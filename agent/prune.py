@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from diag.agent.retention import Entry, Retention, to_remove
-from diag.collector.untrusted import UntrustedInput, open_dir
+from diag.formats.untrusted import UntrustedInput, open_dir
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from scratch import private_tmpdir
 
 
 def journal_cost(n: int = 200_000) -> float:
-    from diag.collector.journal import JournalWriter
-    from diag.collector.records import OpCode, OpState, RecordKind
+    from diag.formats.journal import JournalWriter
+    from diag.formats.records import OpCode, OpState, RecordKind
 
     with tempfile.TemporaryDirectory() as d:
         w = JournalWriter(Path(d) / "bench.journal", rank=0, world_size=1, local_rank=0)
@@ -60,8 +60,8 @@ def wrapper_cost(n: int = 100_000) -> float:
     import torch
 
     from diag.collector.hooks import Instrumentation, _Group
-    from diag.collector.journal import JournalWriter
-    from diag.collector.records import OpCode
+    from diag.formats.journal import JournalWriter
+    from diag.formats.records import OpCode
 
     class Work:
         def is_completed(self) -> bool:

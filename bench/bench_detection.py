@@ -25,7 +25,7 @@ from pathlib import Path
 
 from scratch import private_tmpdir
 
-from diag.agent.demo import DemoOptions, run_demo
+from diag.cli.demo import DemoOptions, run_demo
 
 PG_TIMEOUT = 60.0
 

@@ -104,7 +104,7 @@ def run_once(args: argparse.Namespace, mode: str, work: Path) -> Result:
     try:
         if mode != "deepspeed":
             agent = subprocess.Popen(
-                [sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir),
+                [sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir),
                  "--job", JOB, "--timeline", str(work / "tl"), "--native-stacks", "false",
                  "--termination-grace", str(args.grace), "--interval", "0.25", "-v",
                  *(["--drain", "false", "--persist-on-incident", "false"]

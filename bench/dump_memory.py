@@ -49,9 +49,9 @@ from pathlib import Path
 
 import psutil
 
-from diag.agent.procs import stop_tree
-from diag.agent.pyspy import pyspy_binary
-from diag.collector.meta import JOURNAL_SUFFIX, read_meta
+from diag.agent.evidence.pyspy import pyspy_binary
+from diag.agent.observe.procs import stop_tree
+from diag.formats.journalmeta import JOURNAL_SUFFIX, read_meta
 
 JOB = "dumpmem"
 MiB = 1 << 20
@@ -249,7 +249,7 @@ def one_dump(pid: int, native: bool) -> DumpCost:
 def run_agent(work: Path, tag: str, cg: MemCgroup, extra: list[str]) -> dict:
     timeline = work / f"timeline-{tag}"
     cmd = [
-        sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(work / "run"),
+        sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(work / "run"),
         "--timeline", str(timeline), "--job", JOB, "--until", "incident", "--hang-floor", "1",
         "--interval", "0.25", "--native-stacks", "true", "--control",
         "false", "--pyspy-timeout", "60", "-v", *extra,
@@ -289,7 +289,7 @@ def run_agent(work: Path, tag: str, cg: MemCgroup, extra: list[str]) -> dict:
 
 _REFERENCE = """
 import json, sys
-from diag.agent.pyspy import DumpTarget, dump_all
+from diag.agent.evidence.pyspy import DumpTarget, dump_all
 pids = json.loads(sys.argv[1])
 targets = [DumpTarget(rank=int(r), world_size=len(pids), pid=p) for r, p in pids.items()]
 dumps = dump_all(targets, native=True, timeout=60, parallel=len(targets))

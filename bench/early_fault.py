@@ -97,7 +97,7 @@ def run(
     )  # fmt: skip
     agent_log = open(root / "agent.log", "wb")  # noqa: SIM115 - the agent owns it
     agent = subprocess.Popen(
-        [sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir),
+        [sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir),
          "--timeline", str(timeline), "--native-stacks", "false", "--on-hang", "stop",
          *agent_args],
         env=env, stdout=agent_log, stderr=subprocess.STDOUT, start_new_session=True,

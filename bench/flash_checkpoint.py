@@ -299,7 +299,7 @@ def memcpy_baselines(engine, out: Path, timed, pin: bool, repeats: int):  # type
     storages a save captures, one by one; and one contiguous buffer of the same size."""
     import torch
 
-    from diag.trainer.capture import capture_checkpoint
+    from diag.trainer.flash.capture import capture_checkpoint
 
     files = capture_checkpoint(engine, str(out / "capture"), "global_step0", {})
     storages = [s for f in files for s in f.storages]
@@ -334,8 +334,8 @@ def _free_port() -> int:
 def persist_with_agent(run_dir: Path, save_dir: Path) -> tuple[float, int]:
     """The agent's request path: every rank's newest snapshot, its worker threads, fsync."""
     from diag.agent.checkpoint.manager import CheckpointManager, CheckpointOptions
-    from diag.collector.slotfile import read_snapshots
-    from diag.collector.snapshot import find_slots
+    from diag.formats.slotfile import read_snapshots
+    from diag.formats.snapshot import find_slots
 
     snaps = read_snapshots(find_slots(run_dir, JOB))
     newest = max(s.meta.step for s in snaps)
@@ -356,8 +356,8 @@ def persist_with_agent(run_dir: Path, save_dir: Path) -> tuple[float, int]:
 
 def sequential_write(run_dir: Path, target: Path, per_rank: list[int]) -> float:
     """The same byte counts from shared memory to files, one thread per rank, then fsync."""
-    from diag.collector.slotfile import SlotFile
-    from diag.collector.snapshot import HEADER_SIZE, find_slots
+    from diag.formats.slotfile import SlotFile
+    from diag.formats.snapshot import HEADER_SIZE, find_slots
 
     target.mkdir(parents=True, exist_ok=True)
     slots = [SlotFile.open(p) for p in find_slots(run_dir, JOB)]

@@ -69,8 +69,8 @@ def nvml_families() -> dict[str, Any]:
 
 
 def precheck_health() -> dict[str, Any]:
-    from diag.agent.gpuhealth import probe
     from diag.agent.precheck.devicehealth import NvmlWatch
+    from diag.agent.taint.gpuhealth import probe
 
     watch = NvmlWatch()
     watch.start()

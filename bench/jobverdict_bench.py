@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diag.agent.jobincident import Filing, Mine, NodeReport, Where, filing
-from diag.agent.joblink import look
-from diag.agent.jobverdict import IOCount, JobVerdict, JobVerdictStore
-from diag.agent.nodeview import view_document
-from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.collector.meta import write_atomic
-from diag.collector.records import OpCode, OpState
+from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.agent.job.decisions import Filing, Mine, NodeReport, Where, filing
+from diag.agent.job.link import look
+from diag.agent.job.nodeview import view_document
+from diag.agent.job.verdict import IOCount, JobVerdict, JobVerdictStore
+from diag.formats.journalmeta import write_atomic
+from diag.formats.records import OpCode, OpState
 
 JOB = "job"
 INCIDENT = "a0-hang-pg0-seq42"

@@ -51,7 +51,7 @@ from merge_production import FORMATS, SCENARIOS, print_rows, scenario_rows
 from xpu_timer_own import XpuTimerSourceError
 from xpu_timer_own import prepare as prepare_own
 
-from diag.viewer.stacks import dump_file_name
+from diag.formats.stackdump import dump_file_name
 
 FRAMES = 64
 REPEAT = 5

@@ -32,7 +32,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from scratch import private_tmpdir
 
-from diag.agent.procs import stop_tree
+from diag.agent.observe.procs import stop_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace, files: contextlib.ExitStack) -> int:
     )  # fmt: skip
     port = free_port()
     common = [
-        PY, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir), "--timeline",
+        PY, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir), "--timeline",
         str(timeline), "--job", "bench", "--interval", str(args.interval),
         # Two agents watch one run dir: only one may serve its control socket, and neither needs
         # it here.

@@ -5,7 +5,7 @@
 For each model size, one 2-rank DeepSpeed ZeRO-2 job (gloo, CPU, fp32 Adam) trains a step and
 saves with `engine.save_checkpoint`; then, timed on fresh engines:
 - a 2-rank job loads it with `engine.load_checkpoint` (the reference: same size, no conversion);
-- a 3-rank job loads it with `diag.trainer.reshard.load` (what `FlashCheckpointer.load()` does at
+- a 3-rank job loads it with `diag.trainer.elastic.reshard.load` (what `FlashCheckpointer.load()` does at
   another size): rank 0 runs DeepSpeed's universal checkpoint converter, then every rank loads
   the universal checkpoint. The conversion's own seconds are reported apart.
 Times are wall seconds from a barrier before to a barrier after the load. Prints a table.
@@ -49,7 +49,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from diag.trainer import reshard
+    from diag.trainer.elastic import reshard
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     dist.init_process_group("gloo")

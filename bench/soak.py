@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from diag.agent.procs import stop_tree
+from diag.agent.observe.procs import stop_tree
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -64,7 +64,7 @@ def _agent_cmd(root: Path, *extra: str) -> list[str]:
     # The agent's default limits (floor 10 s, 5 x step, ceiling 300 s, warm-up 900 s): the soak
     # checks what a user gets without tuning.
     return [
-        sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(root / "run"),
+        sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(root / "run"),
         "--timeline", str(root / "timeline"), "--job", JOB, "--until", "job-end", "-v", *extra,
     ]  # fmt: skip
 
@@ -431,7 +431,7 @@ def _straggler_named(port: int, rank: int) -> bool:
         return out
 
     score, share = gauge("diag_rank_straggler_score"), gauge("diag_rank_straggler_wait_share")
-    # The agent's own test (agent/straggler.py): most of the waiting, 10 % of the wall time.
+    # The agent's own test (agent/detect/straggler.py): most of the waiting, 10 % of the wall time.
     return score.get(rank, 0.0) >= 0.1 and share.get(rank, 0.0) >= 0.5
 
 

@@ -131,6 +131,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from diag.trainer.teardown import exit_process
+    from diag.trainer.graceful.teardown import exit_process
 
     exit_process(main())

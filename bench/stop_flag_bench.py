@@ -7,7 +7,7 @@ One torchrun job per model size: a DeepSpeed ZeRO-2 engine (gloo, CPU, fp32 Adam
 `graceful_exit` hooked on it, trained in blocks of steps that rotate between three modes:
 - `off`: the hook is there but never agrees (the reference: the job without the agreement);
 - `every step`: an agreement at every step boundary (what ms-swift's graceful exit does);
-- `adaptive`: the default period (diag.trainer.period: as often as a 1% cost budget allows,
+- `adaptive`: the default period (diag.trainer.control.period: as often as a 1% cost budget allows,
   at most 10 s between agreements).
 Every rank times each block between two barriers, in wall time (the slowest rank's counts) and
 in CPU time of the process (all its threads, summed over ranks). The ratio of a mode to `off` is
@@ -56,9 +56,9 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from diag.trainer.commands import Agreement, agree
-    from diag.trainer.graceful import GracefulExit
-    from diag.trainer.period import AgreementPeriod, PeriodPolicy
+    from diag.trainer.control.commands import Agreement, agree
+    from diag.trainer.control.period import AgreementPeriod, PeriodPolicy
+    from diag.trainer.graceful.gracefulexit import GracefulExit
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     dist.init_process_group("gloo")

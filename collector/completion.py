@@ -12,8 +12,8 @@ import threading
 import time
 from typing import Any
 
-from diag.collector.journal import JournalWriter
-from diag.collector.records import OpState
+from diag.formats.journal import JournalWriter
+from diag.formats.records import OpState
 
 _POLL_S = 0.05  # async works nobody waits on are seen complete within this
 

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from diag.collector.journal import JournalWriter
-from diag.collector.records import OpState
+from diag.formats.journal import JournalWriter
+from diag.formats.records import OpState
 
 _POLL_S = 0.001
 _MAX_UNWAITED = 4096  # works never waited on: forget the oldest beyond this many

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diag.collector.completion import HostWorkTracker
-from diag.collector.journal import JournalWriter
-from diag.collector.records import DType, OpCode, OpFlag, OpState
+from diag.formats.journal import JournalWriter
+from diag.formats.records import DType, OpCode, OpFlag, OpState
 
 log = logging.getLogger(__name__)
 

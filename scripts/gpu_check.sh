@@ -100,7 +100,7 @@ if [[ -z "${GPU_CHECK_LOCAL:-}" ]]; then
     # Tests start `diag` and py-spy from beside the interpreter (netlab.py, pyspy.py).
     bindir="$(dirname "$py")"
     if [[ ! -e "$bindir/diag" && -w "$bindir" ]]; then
-        printf '#!/bin/sh\nexec "%s" -m diag.agent.cli "$@"\n' "$py" > "$bindir/diag"
+        printf '#!/bin/sh\nexec "%s" -m diag.cli.main "$@"\n' "$py" > "$bindir/diag"
         chmod +x "$bindir/diag"
     fi
     [[ ! -e "$bindir/py-spy" && -x /tmp/site/bin/py-spy && -w "$bindir" ]] &&
@@ -140,7 +140,7 @@ step tests_gpu 200 "$py" -m pytest -m gpu -q -p no:cacheprovider --timeout 180 \
 # The hang test's incident, merged: the stacks and the journal tails beside each other.
 incident_timeline="$(find "$work/pytest" -type d -name timeline -path '*collective_held*' 2> /dev/null | head -1)"
 if [[ -n "$incident_timeline" ]]; then
-    step merge 60 "$py" -m diag.agent.cli merge --path "$incident_timeline"
+    step merge 60 "$py" -m diag.cli.main merge --path "$incident_timeline"
 else
     echo "=== [merge] skipped: no incident from the hang test"
     printf '%s\t%s\t0\t%s\n' merge skipped "no incident" >> "$work/status.tsv"

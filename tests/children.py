@@ -7,7 +7,7 @@ import signal
 import subprocess
 from collections.abc import Iterable
 
-from diag.agent.procs import stop_tree
+from diag.agent.observe.procs import stop_tree
 
 
 def terminate(proc: subprocess.Popen, timeout: float = 20) -> None:

@@ -6,7 +6,7 @@ the step, so a run resumed at another size can be compared with an uninterrupted
 
 Each step trains on the same global batch of ELASTIC["max_train_batch_size"] samples whatever the
 world size: rank r takes micro batches j*world+r of it (the micro batch size and gradient
-accumulation come from diag.trainer.elastic). Stages run one after the other in the same
+accumulation come from diag.trainer.elastic.batchsize). Stages run one after the other in the same
 processes, each with its own job name (<prefix>-z<stage>), checkpoint directory D/z<stage> and
 output directory O/z<stage>. With the flash checkpointer (the default) it resumes through
 `FlashCheckpointer.load()` and asks the agent to persist the last step. Rank 0 writes the plan
@@ -15,7 +15,7 @@ output directory O/z<stage>. With the flash checkpointer (the default) it resume
 
 With --drain (one stage) it runs without a checkpointer or an agent: `graceful_exit` saves to
 storage with `engine.save_checkpoint` when told to go (signals, --stop-file) and leaves, and a
-relaunch resumes from storage through `diag.trainer.reshard.load` at whatever size it has.
+relaunch resumes from storage through `diag.trainer.elastic.reshard.load` at whatever size it has.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed.ops
     import torch.distributed as dist
 
-    from diag.trainer.teardown import quiesce_at_exit
+    from diag.trainer.graceful.teardown import quiesce_at_exit
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build in tests
     # Its runs without a checkpointer or a drain (the uninterrupted baselines) use nothing of
@@ -77,7 +77,7 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
     import torch.distributed as dist
 
     import diag.trainer
-    from diag.trainer.elastic import apply_elastic
+    from diag.trainer.elastic.batchsize import apply_elastic
 
     rank, world = dist.get_rank(), dist.get_world_size()
     job = f"{args.job_prefix}-z{zero}"
@@ -105,8 +105,8 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
     start = (ckpt.load() or 0) if ckpt is not None else 0
     resharded_from = None
     if args.drain:
-        from diag.collector.snapshot import read_latest_step, step_tag
-        from diag.trainer import reshard
+        from diag.formats.snapshot import read_latest_step, step_tag
+        from diag.trainer.elastic import reshard
 
         diag.trainer.graceful_exit(engine, save_dir, stop_file=args.stop_file)
         latest = read_latest_step(save_dir)

@@ -22,7 +22,7 @@ def main() -> int:
     args = p.parse_args()
     from faults import Injector, install_agent
 
-    from diag.agent import cli, daemon  # noqa: F401 - imported before the go
+    from diag.cli import main as cli
 
     install_agent(Injector(Path(args.ctl), "agent"))
     go, stop = Path(args.go), Path(args.ctl) / "stop"

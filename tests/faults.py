@@ -240,8 +240,10 @@ class Injector:
 
 def install_trainer(inj: Injector) -> None:
     """Marks the trainer's phases: save (capture, layout, slot) and copy (into the slot)."""
-    from diag.collector.slotfile import SlotFile
-    from diag.trainer import copier, flash, layout, slots
+    from diag.formats.slotfile import SlotFile
+    from diag.trainer.flash import checkpointer as flash
+    from diag.trainer.flash import copier, slots
+    from diag.trainer.flash import slotlayout as layout
 
     save = flash.FlashCheckpointer.save
 

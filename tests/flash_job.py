@@ -51,7 +51,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def kill_mid_copy() -> None:
     """Makes the next flash save die with SIGKILL after half of its storages are copied."""
-    from diag.trainer import layout
+    from diag.trainer.flash import slotlayout as layout
 
     original = layout.copy_storage
     copied = [0]

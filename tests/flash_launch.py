@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from jobrun import free_port
 
-from diag.agent.procs import stop_tree
+from diag.agent.observe.procs import stop_tree
 
 JOB_SCRIPT = Path(__file__).with_name("flash_job.py")
 STEPS = 6

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diag.collector.untrusted import UntrustedInput
+from diag.formats.untrusted import UntrustedInput
 
 HERE = Path(__file__).resolve().parent
 

@@ -9,10 +9,10 @@ from pathlib import Path
 from fuzzkit import FuzzTarget
 from google.protobuf.message import DecodeError
 
-from diag.collector.untrusted import UntrustedInput
+from diag.formats.untrusted import UntrustedInput
 from diag.proto import control_pb2 as pb
-from diag.trainer.agentmessage import AgentCommand, CommandKind, decode, hello_of
-from diag.trainer.dumpbase import DumpBases
+from diag.trainer.control.dumpbase import DumpBases
+from diag.trainer.control.message import AgentCommand, CommandKind, decode, hello_of
 
 REFUSALS = (DecodeError, UntrustedInput)
 

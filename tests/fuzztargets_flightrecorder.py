@@ -6,8 +6,8 @@ from pathlib import Path
 
 from fuzzkit import FuzzTarget
 
-from diag.collector.untrusted import read_bounded
-from diag.viewer import flightrec
+from diag.formats.untrusted import read_bounded
+from diag.viewer import frdumps as flightrec
 
 DATA = Path(__file__).with_name("flight_recorder_data")
 NAME = "00001-00002.json"

@@ -11,9 +11,11 @@ from pathlib import Path
 
 from fuzzkit import FuzzTarget
 
-from diag.agent import config, taintcmd, taintconfig
-from diag.agent.exitcodes import UsageError
-from diag.collector.untrusted import UntrustedInput
+from diag.agent import config
+from diag.agent.taint import taintconfig
+from diag.cli import taintcmd
+from diag.formats.exitcodes import UsageError
+from diag.formats.untrusted import UntrustedInput
 
 REFUSALS = (UsageError, UntrustedInput)
 

@@ -13,17 +13,17 @@ from fuzzkit import FuzzTarget
 from prometheus_client import generate_latest
 from reportshapes import JOB, as_json_doc, node_report, precheck_report
 
-from diag.agent.exitcodes import UsageError
-from diag.agent.jobfiles import read_report
-from diag.agent.jobincident import Claim, Where, parse_name
-from diag.agent.jobverdict import JobVerdictStore
-from diag.agent.nodeview import analyse
-from diag.agent.notice import NoticeFormatError, parse_aws, parse_gce, parse_token, read_body
-from diag.agent.precheck.metrics import read_textfile, registry_for
+from diag.agent.drain.notice import NoticeFormatError, parse_aws, parse_gce, parse_token, read_body
+from diag.agent.job.decisions import Claim, Where, parse_name
+from diag.agent.job.files import read_report
+from diag.agent.job.nodeview import analyse
+from diag.agent.job.verdict import JobVerdictStore
+from diag.agent.precheck.promfile import read_textfile, registry_for
 from diag.agent.precheck.report import read_report as read_precheck_report
 from diag.agent.precheck.table import render
-from diag.agent.taintevidence import from_precheck_report
-from diag.collector.untrusted import UntrustedInput
+from diag.agent.taint.evidencesources import from_precheck_report
+from diag.formats.exitcodes import UsageError
+from diag.formats.untrusted import UntrustedInput
 
 INCIDENT = "a0-hang-pg0-seq42"
 REPORT_NAME = "r7.L.node-0~20261125-000000-hang-node-0@job-a0-hang"

@@ -12,12 +12,12 @@ from pathlib import Path
 import psutil
 from fuzzkit import FuzzTarget
 
-from diag.agent.evidence import journal_tail_document
-from diag.agent.observer import Observer
-from diag.collector.journal import JournalFormatError, JournalReader, JournalWriter
-from diag.collector.meta import GroupInfo, JournalMeta, journal_path, read_meta
-from diag.collector.records import DType, OpCode, OpFlag, OpState, RecordKind
-from diag.collector.untrusted import Owners
+from diag.agent.evidence.collection import journal_tail_document
+from diag.agent.observe.observer import Observer
+from diag.formats.journal import JournalFormatError, JournalReader, JournalWriter
+from diag.formats.journalmeta import GroupInfo, JournalMeta, journal_path, read_meta
+from diag.formats.records import DType, OpCode, OpFlag, OpState, RecordKind
+from diag.formats.untrusted import Owners
 
 _JOB = "fuzz"
 _WRITERS: list[JournalWriter] = []  # kept open (mapped) for the fuzzing process's lifetime
@@ -61,7 +61,9 @@ def _parse_meta(path: Path) -> object:
     journal = journal_path(path.parent, _JOB, 0)
     owners = Owners.this_process()
     obs = Observer(path.parent, owners=owners)
-    quiet = logging.getLogger("diag.agent.observer")  # one warning per refused meta: 100,000s
+    quiet = logging.getLogger(
+        "diag.agent.observe.observer"
+    )  # one warning per refused meta: 100,000s
     quiet.disabled = True
     try:
         obs.observe(time.monotonic())  # the agent's read path: refused metas are only warned of

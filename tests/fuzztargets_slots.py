@@ -13,9 +13,9 @@ from pathlib import Path
 from fuzzkit import FuzzTarget
 from snapshot_helpers import captured, model_states, new_slot, write_snapshot
 
-from diag.collector.slotfile import SlotFile
-from diag.collector.snapshot import SnapshotError
-from diag.collector.untrusted import Owners, UntrustedInput
+from diag.formats.slotfile import SlotFile
+from diag.formats.snapshot import SnapshotError
+from diag.formats.untrusted import Owners, UntrustedInput
 
 _slots: dict[Path, tuple[SlotFile, int]] = {}  # scratch dir -> (the slot, where its data ends)
 

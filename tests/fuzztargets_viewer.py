@@ -18,7 +18,7 @@ from pathlib import Path
 from fuzzkit import FuzzTarget
 from mergekit import C10D, Stacktrace, common, native, odd_one_out, py, rank_dump, thread
 
-from diag.collector.untrusted import UntrustedInput
+from diag.formats.untrusted import UntrustedInput
 from diag.viewer.analysis import analyse
 from diag.viewer.folded import folded_lines
 from diag.viewer.gather import gather

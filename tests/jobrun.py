@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from diag.agent.procs import stop_tree
+from diag.agent.observe.procs import stop_tree
 
 
 def free_port() -> int:

@@ -38,8 +38,8 @@ from pathlib import Path
 from faults import PLAN_FILE, Fired, Plan, write_json_atomic
 
 from diag.agent.checkpoint.storage import MARKER_DIR, marker_path
-from diag.collector.slotfile import read_snapshots
-from diag.collector.snapshot import find_slots, read_latest_step, step_tag
+from diag.formats.slotfile import read_snapshots
+from diag.formats.snapshot import find_slots, read_latest_step, step_tag
 
 TESTS = Path(__file__).parent
 WORLD = 2

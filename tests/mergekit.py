@@ -8,7 +8,7 @@ from pathlib import Path
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from diag.viewer.stacks import Frame, RankDump, ThreadStack
+from diag.formats.stackdump import Frame, RankDump, ThreadStack
 
 APP = "/srv/app/train.py"
 C10D = "/usr/lib/python3/site-packages/torch/distributed/distributed_c10d.py"

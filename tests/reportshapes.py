@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diag.agent.jobincident import NodeReport, Where
-from diag.agent.nodeview import view_document
-from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.agent.job.decisions import NodeReport, Where
+from diag.agent.job.nodeview import view_document
 from diag.agent.precheck.classify import Observations, classify
-from diag.agent.precheck.evidence import (
+from diag.agent.precheck.grading import Thresholds
+from diag.agent.precheck.measurements import (
     ComputeResult,
     CopyResult,
     DeviceHealth,
@@ -20,9 +21,8 @@ from diag.agent.precheck.evidence import (
     NicState,
     PairResult,
 )
-from diag.agent.precheck.grading import Thresholds
 from diag.agent.precheck.report import PrecheckReport, build_report
-from diag.collector.records import OpCode, OpState
+from diag.formats.records import OpCode, OpState
 
 PER_NODE = 8
 JOB = "job"

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from diag.collector.slotfile import SlotFile
-from diag.collector.snapshot import SnapshotMeta, slot_path, step_tag
-from diag.trainer.capture import CapturedFile, pickle_state
-from diag.trainer.layout import plan_layout, write_files
+from diag.formats.slotfile import SlotFile
+from diag.formats.snapshot import SnapshotMeta, slot_path, step_tag
+from diag.trainer.flash.capture import CapturedFile, pickle_state
+from diag.trainer.flash.slotlayout import plan_layout, write_files
 
 
 def captured(files: dict[str, Any], raw: dict[str, bytes] | None = None) -> list[CapturedFile]:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from diag.agent.demo import DemoOptions, DemoResult, run_demo
-from diag.viewer.stacks import RankDump
+from diag.cli.demo import DemoOptions, DemoResult, run_demo
+from diag.formats.stackdump import RankDump
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from diag.agent.cadence import KEEP_S, Cadence, fold
-from diag.agent.hang import EventKind, Policy, VerdictKind, WatchState, decide
-from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.agent.timeouts import TimeoutPolicy, rank_limit
-from diag.collector.records import OpCode, OpState
+from diag.agent.detect.cadence import KEEP_S, Cadence, fold
+from diag.agent.detect.hang import EventKind, Policy, VerdictKind, WatchState, decide
+from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.agent.detect.timeouts import TimeoutPolicy, rank_limit
+from diag.formats.records import OpCode, OpState
 
 T = 30.0
 POLICY = TimeoutPolicy(ceiling=300.0, floor=10.0, warmup_timeout=900.0, warmup_cadence=T)
@@ -116,7 +116,7 @@ STEADY = Cadence(steady_since=NOW - 60, steady_over=30.0, last_end=NOW - 12)
 
 
 def steady(typical: float) -> Cadence:
-    from diag.agent.cadence import Bucket
+    from diag.agent.detect.cadence import Bucket
 
     return replace(STEADY, buckets=(Bucket(int(NOW - 20), 10, typical, 0.01),))
 

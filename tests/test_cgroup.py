@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from diag.agent.cgroup import read_limits
+from diag.agent.observe.cgroup import read_limits
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -19,9 +19,9 @@ from diag.agent.checkpoint.storage import (
     prune_plan,
     should_commit,
 )
-from diag.collector.snapshot import read_latest_step
-from diag.trainer.capture import unpickle_state
-from diag.trainer.resume import (
+from diag.formats.snapshot import read_latest_step
+from diag.trainer.flash.capture import unpickle_state
+from diag.trainer.flash.resume import (
     RankFacts,
     Source,
     WriterFacts,

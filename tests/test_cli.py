@@ -16,13 +16,13 @@ import pytest
 from jobrun import free_port
 
 from diag.agent import config as config_mod
-from diag.agent.exitcodes import USAGE, UsageError
-from diag.agent.hang import OnHang
-from diag.agent.procs import stop_tree
-from diag.collector.journal import JournalReader
-from diag.viewer.stacks import RankDump
+from diag.agent.detect.hang import OnHang
+from diag.agent.observe.procs import stop_tree
+from diag.formats.exitcodes import USAGE, UsageError
+from diag.formats.journal import JournalReader
+from diag.formats.stackdump import RankDump
 
-DIAG = [sys.executable, "-m", "diag.agent.cli"]
+DIAG = [sys.executable, "-m", "diag.cli.main"]
 
 
 def _diag(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from diag.collector.journal import JournalReader, JournalStatus
-from diag.collector.meta import read_meta
-from diag.collector.records import OpCode, OpFlag, OpState, RecordKind
+from diag.formats.journal import JournalReader, JournalStatus
+from diag.formats.journalmeta import read_meta
+from diag.formats.records import OpCode, OpFlag, OpState, RecordKind
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -174,6 +174,6 @@ def test_deepspeed_zero_collectives_are_journaled(stage: int, tmp_path: Path) ->
     ],
 )
 def test_launcher_name(env: dict[str, str], launcher: str) -> None:
-    from diag.collector.rundir import launcher_name
+    from diag.formats.rundir import launcher_name
 
     assert launcher_name(env) == launcher

@@ -18,10 +18,10 @@ import pytest
 import torch
 from jobrun import command, finish, start, stop
 
-from diag.agent.incident import VERDICT_FILE
-from diag.collector.journal import JournalReader
-from diag.collector.meta import JOURNAL_SUFFIX, read_meta
-from diag.collector.records import OpCode, OpFlag, OpState, RecordKind
+from diag.formats.incidentdir import VERDICT_FILE
+from diag.formats.journal import JournalReader
+from diag.formats.journalmeta import JOURNAL_SUFFIX, read_meta
+from diag.formats.records import OpCode, OpFlag, OpState, RecordKind
 from diag.viewer.merge import merge_incident
 
 pytestmark = [
@@ -70,7 +70,7 @@ def test_collective_held_on_the_device_is_a_named_hang_then_completes(tmp_path: 
         TORCH_NCCL_TRACE_BUFFER_SIZE="2000",
     )
     agent_cmd = [
-        sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir),
+        sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir),
         "--timeline", str(timeline), "--job", JOB, "--hang-timeout", "8", "--hang-floor", "2",
         "--warmup-timeout", "8", "--on-hang", "none", "--until", "job-end", "--interval",
         "0.25", "-v",

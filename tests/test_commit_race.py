@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from diag.agent.checkpoint import storage
-from diag.collector.snapshot import LATEST_FILE, TRACKER_FILE, read_latest_step
+from diag.formats.snapshot import LATEST_FILE, TRACKER_FILE, read_latest_step
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -18,11 +18,11 @@ from snapshot_helpers import captured, model_states, new_slot, write_snapshot
 from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
 from diag.agent.checkpoint.sessions import CommandKind
-from diag.collector.rundir import control_socket_path
+from diag.formats.rundir import control_socket_path
+from diag.formats.stackdump import RankDump
 from diag.proto import control_pb2 as pb
 from diag.proto import control_pb2_grpc as pb_grpc
-from diag.trainer.control import ClientIdentity, ControlClient
-from diag.viewer.stacks import RankDump
+from diag.trainer.control.client import ClientIdentity, ControlClient
 
 JOB = "ctl"
 
@@ -168,7 +168,7 @@ def test_stale_socket_is_replaced_and_a_live_agent_is_not(run_dir: Path, agents)
     path.write_text("")  # left by an agent that died
     agent = agents()
     assert agent.server.path == path
-    from diag.agent.exitcodes import UsageError
+    from diag.formats.exitcodes import UsageError
 
     with pytest.raises(UsageError, match="another agent"):
         agents()

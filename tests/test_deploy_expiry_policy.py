@@ -1,6 +1,6 @@
 """The expiry account's admission policy (deploy/k8s/expiry/admission-policy.yaml), evaluated by a
 real CEL evaluator (tests/celadmission.py) against what `diag untaint --expired` really sends: the
-node after the JSON merge patch `agent/kube.py` builds from the expiry plan, the node's status
+node after the JSON merge patch `agent/taint/kube.py` builds from the expiry plan, the node's status
 after its condition patch, and its Event. Whatever else the account tries is refused: RBAC lets
 it patch every node, the policy lets it only take diag's taint off."""
 
@@ -15,8 +15,8 @@ import pytest
 import yaml
 from celadmission import admit, load_policies, merge_patch, status_merge
 
-from diag.agent.kube import event_body, node_patch, status_patch
-from diag.agent.taints import (
+from diag.agent.taint.kube import event_body, node_patch, status_patch
+from diag.agent.taint.planner import (
     CONDITION_TYPE,
     MAX_EXPIRY,
     RECORD_ANNOTATION,

@@ -15,7 +15,7 @@ import yaml
 from kustomizer import render
 
 from diag.agent import config as agent_config
-from diag.agent.taintconfig import TaintMode
+from diag.agent.taint.taintconfig import TaintMode
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -233,7 +233,7 @@ def test_podmonitor_in_the_base_is_the_shipped_one():
 
 
 def test_the_expiry_cronjob(rendered):
-    from diag.agent import untaintcmd
+    from diag.cli import untaintcmd
 
     docs = rendered["expiry"]
     (role,) = by_kind(docs, "ClusterRole")

@@ -2,7 +2,7 @@
 (cel-python) the way the API server does (tests/celadmission.py).
 
 The objects are what the agent really sends: the node after the JSON merge patch that
-`agent/kube.py` builds from a real plan, and the Event it posts."""
+`agent/taint/kube.py` builds from a real plan, and the Event it posts."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from celadmission import admit, load_policies, merge_patch
 
-from diag.agent.kube import node_patch
-from diag.agent.taints import (
+from diag.agent.taint.kube import node_patch
+from diag.agent.taint.planner import (
     CONDITION_TYPE,
     MAX_EXPIRY,
     RECORD_ANNOTATION,

@@ -1,6 +1,6 @@
-"""The trainer side of a drain, in process: the agreement period (diag.trainer.period), the drain
-configuration and stop file (diag.trainer.drain), the agreement itself over a real gloo group, and
-the storage save of diag.trainer.graceful on a real DeepSpeed engine."""
+"""The trainer side of a drain, in process: the agreement period (diag.trainer.control.period), the drain
+configuration and stop file (diag.trainer.graceful.stopflag), the agreement itself over a real gloo group, and
+the storage save of diag.trainer.graceful.gracefulexit on a real DeepSpeed engine."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 from jobrun import free_port
 
-from diag.trainer.commands import Agreement
-from diag.trainer.drain import (
+from diag.trainer.control.commands import Agreement
+from diag.trainer.control.period import AgreementPeriod, PeriodPolicy, propose
+from diag.trainer.graceful.stopflag import (
     DRAIN_EXIT_CODE,
     DrainConfig,
     DrainConfigError,
     consume_stop_file,
     stop_file_present,
 )
-from diag.trainer.period import AgreementPeriod, PeriodPolicy, propose
 
 # -- the period ---------------------------------------------------------------------------------
 
@@ -192,7 +192,7 @@ def test_stop_file(tmp_path: Path) -> None:
 def _agree_rank(rank: int, port: int, local: Agreement, q: mp.Queue) -> None:
     import torch.distributed as dist
 
-    from diag.trainer.commands import agree
+    from diag.trainer.control.commands import agree
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
     try:
@@ -236,8 +236,8 @@ def test_save_to_storage_writes_latest_last_and_only_forward(
     import torch
     import torch.distributed as dist
 
-    from diag.collector.snapshot import read_latest_step
-    from diag.trainer.graceful import save_to_storage
+    from diag.formats.snapshot import read_latest_step
+    from diag.trainer.graceful.gracefulexit import save_to_storage
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
@@ -278,7 +278,7 @@ def _resume_rank(port: int, save: str, q: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from diag.trainer.graceful import graceful_exit
+    from diag.trainer.graceful.gracefulexit import graceful_exit
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",

@@ -1,10 +1,10 @@
-"""Table tests of the agent's drain decisions (agent/drain.py): plain numbers for time."""
+"""Table tests of the agent's drain decisions (agent/drain/plan.py): plain numbers for time."""
 
 from __future__ import annotations
 
 import pytest
 
-from diag.agent.drain import (
+from diag.agent.drain.plan import (
     ActionKind,
     DrainSettings,
     JobView,
@@ -209,8 +209,8 @@ def test_waits_for_the_ranks_persist_requests_before_persisting_more() -> None:
 
 
 def test_the_agents_exit_command_asks_for_the_trainers_drain_exit_code() -> None:
-    from diag.agent import exitcodes
-    from diag.trainer.drain import DRAIN_EXIT_CODE
+    from diag.formats import exitcodes
+    from diag.trainer.graceful.stopflag import DRAIN_EXIT_CODE
 
     assert exitcodes.RANK_DRAINED == DRAIN_EXIT_CODE == 143
 

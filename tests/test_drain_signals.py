@@ -29,7 +29,7 @@ import pytest
 import torch
 from jobrun import free_port
 
-from diag.collector.snapshot import read_latest_step
+from diag.formats.snapshot import read_latest_step
 
 JOB = Path(__file__).with_name("drain_job.py")
 GRACE = 30.0  # Kubernetes' default terminationGracePeriodSeconds

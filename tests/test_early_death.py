@@ -23,10 +23,10 @@ from snapshot_helpers import captured, model_states, write_snapshot
 
 from diag.agent import config
 from diag.agent.daemon import Agent
-from diag.agent.hang import EventKind, VerdictKind
-from diag.agent.observation import Liveness
-from diag.collector.slotfile import SlotFile
-from diag.collector.snapshot import read_latest_step, slot_path
+from diag.agent.detect.hang import EventKind, VerdictKind
+from diag.agent.detect.observation import Liveness
+from diag.formats.slotfile import SlotFile
+from diag.formats.snapshot import read_latest_step, slot_path
 
 pytestmark = pytest.mark.timeout(120)
 

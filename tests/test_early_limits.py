@@ -14,13 +14,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from diag.agent.hang import Policy, WatchState, decide, overdue_ranks
-from diag.agent.observation import Liveness, Observation, OpView, Paced, RankSnapshot
-from diag.agent.observer import Observer
-from diag.agent.timeouts import TimeoutPolicy, settled_at
-from diag.collector.journal import JournalWriter
-from diag.collector.meta import JournalMeta, journal_path, write_meta
-from diag.collector.records import DType, OpCode, OpFlag, OpState, RecordKind
+from diag.agent.detect.hang import Policy, WatchState, decide, overdue_ranks
+from diag.agent.detect.observation import Liveness, Observation, OpView, Paced, RankSnapshot
+from diag.agent.detect.timeouts import TimeoutPolicy, settled_at
+from diag.agent.observe.observer import Observer
+from diag.formats.journal import JournalWriter
+from diag.formats.journalmeta import JournalMeta, journal_path, write_meta
+from diag.formats.records import DType, OpCode, OpFlag, OpState, RecordKind
 
 NOW = 1000.0
 DEFAULTS = TimeoutPolicy()  # floor 10 s, factor 5, ceiling 300 s, 2 warm-up steps

@@ -1,4 +1,4 @@
-"""diag.trainer.elastic: DeepSpeed's elastic batch rules, checked against DeepSpeed 0.19.7's own
+"""diag.trainer.elastic.batchsize: DeepSpeed's elastic batch rules, checked against DeepSpeed 0.19.7's own
 `compute_elastic_config` (run for real, from the isolated install bootstrap makes), and applied to
 a config that DeepSpeed 0.19.8 accepts."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from diag.trainer.elastic import (
+from diag.trainer.elastic.batchsize import (
     ElasticConfig,
     ElasticConfigError,
     ElasticError,
@@ -22,7 +22,7 @@ from diag.trainer.elastic import (
     elastic_batch,
     solve,
 )
-from diag.trainer.elastic_search import valid_world_sizes
+from diag.trainer.elastic.search import valid_world_sizes
 
 REFERENCE = Path(sys.prefix) / "ref" / "deepspeed-0.19.7"
 HERE = Path(__file__).parent
@@ -205,7 +205,7 @@ def test_bad_configs_are_named(block: dict, message: str) -> None:
 def test_cli(tmp_path: Path) -> None:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"elasticity": {"enabled": True, **DOC, "version": 0.1}}))
-    run = [sys.executable, "-m", "diag.trainer.elastic", str(path)]
+    run = [sys.executable, "-m", "diag.trainer.elastic.batchsize", str(path)]
     out = subprocess.run(run, capture_output=True, text=True, timeout=60, check=True)
     doc = json.loads(out.stdout)
     assert doc["train_batch_size"] == 1680 and len(doc["valid_world_sizes"]) == 32
@@ -329,7 +329,7 @@ def test_applied_config_initializes_deepspeed_0_19_8(tmp_path: Path) -> None:
         "import json, os, sys, torch, deepspeed, deepspeed.ops\n"
         "deepspeed.ops.__compatible_ops__['deepspeed_shm_comm'] = False\n"
         "import torch.distributed as dist\n"
-        "from diag.trainer.elastic import apply_elastic\n"
+        "from diag.trainer.elastic.batchsize import apply_elastic\n"
         "dist.init_process_group('gloo', init_method='file://' + sys.argv[1], rank=0, world_size=1)\n"
         "user = {'elasticity': {'enabled': True, 'max_train_batch_size': 12,\n"
         "        'micro_batch_sizes': [2, 3], 'version': 0.1},\n"

@@ -30,8 +30,8 @@ from pathlib import Path
 import jobrun
 import pytest
 
-from diag.collector.rundir import control_socket_path
-from diag.collector.snapshot import read_latest_step
+from diag.formats.rundir import control_socket_path
+from diag.formats.snapshot import read_latest_step
 
 JOB = Path(__file__).with_name("elastic_job.py")
 STAGES = (1, 2, 3)
@@ -104,7 +104,7 @@ def test_restarts_at_4_2_3_ranks_keep_the_batch_and_continue_the_loss(ws) -> Non
 
     agent_log = open(root / "agent.log", "ab")  # noqa: SIM115 - the agent owns it
     agent = subprocess.Popen(
-        [sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir),
+        [sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir),
          "--timeline", str(root / "timeline"), "--native-stacks", "false", "--interval", "0.25"],
         env=_env(run_dir), stdout=agent_log, stderr=subprocess.STDOUT,
     )  # fmt: skip

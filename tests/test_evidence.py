@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from diag.agent.procs import proc_state
-from diag.agent.pyspy import DumpTarget, dump_all
+from diag.agent.evidence.pyspy import DumpTarget, dump_all
+from diag.agent.observe.procs import proc_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -115,8 +115,8 @@ def test_native_pass_follows_the_memory_left(tmp_path: Path, room_mib: int, nati
     import datetime as dt
     import json
 
-    from diag.agent.evidence import EvidenceTarget, capture, verdict_document
-    from diag.agent.parallelism import ContainerLimits, MemoryLimit
+    from diag.agent.evidence.collection import EvidenceTarget, capture, verdict_document
+    from diag.agent.evidence.parallelism import ContainerLimits, MemoryLimit
 
     sleepers = [_python("import time\ndef idle():\n    time.sleep(60)\nidle()\n") for _ in range(2)]
     try:
@@ -154,8 +154,13 @@ def test_native_dumps_start_two_then_as_many_as_their_measured_size_allows(tmp_p
     import datetime as dt
     import json
 
-    from diag.agent.evidence import EvidenceTarget, capture, verdict_document
-    from diag.agent.parallelism import RESERVE_BYTES, ContainerLimits, DumpCost, MemoryLimit
+    from diag.agent.evidence.collection import EvidenceTarget, capture, verdict_document
+    from diag.agent.evidence.parallelism import (
+        RESERVE_BYTES,
+        ContainerLimits,
+        DumpCost,
+        MemoryLimit,
+    )
 
     sleepers = [_python("import time\ndef idle():\n    time.sleep(60)\nidle()\n") for _ in range(4)]
     try:
@@ -201,7 +206,7 @@ def test_pyspy_refused_by_the_kernel_still_leaves_an_incident(tmp_path: Path) ->
     import json
     import shutil
 
-    from diag.agent.pyspy import CAP_SYS_PTRACE, file_has_capability, pyspy_binary
+    from diag.agent.evidence.pyspy import CAP_SYS_PTRACE, file_has_capability, pyspy_binary
 
     if os.geteuid() != 0:
         pytest.skip("needs root to set a file capability and drop it from the bounding set")
@@ -222,8 +227,8 @@ from pathlib import Path
 libc = ctypes.CDLL(None, use_errno=True)
 if libc.prctl(24, {CAP_SYS_PTRACE}, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, as a container would
     sys.exit(f"PR_CAPBSET_DROP failed: errno {{ctypes.get_errno()}}")
-from diag.agent.evidence import EvidenceTarget, capture, verdict_document
-from diag.agent.pyspy import DumpTarget
+from diag.agent.evidence.collection import EvidenceTarget, capture, verdict_document
+from diag.agent.evidence.pyspy import DumpTarget
 doc = verdict_document(None, kind="manual", incident_id="t", job="j", node="n", world_size=1,
                        detected_at=dt.datetime.now(dt.UTC), summary="test")
 result = capture([EvidenceTarget(DumpTarget(0, 1, {sleeper.pid}))], Path({str(timeline)!r}),

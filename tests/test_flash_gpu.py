@@ -16,11 +16,11 @@ from snapshot_helpers import captured, new_slot
 from diag.agent.checkpoint.manager import CheckpointManager, CheckpointOptions
 from diag.agent.checkpoint.persist import persist_slot
 from diag.agent.checkpoint.service import ControlServer
-from diag.collector.rundir import control_socket_path
-from diag.collector.snapshot import SnapshotMeta, read_latest_step, step_tag
-from diag.trainer.capture import unpickle_state
-from diag.trainer.layout import plan_layout, write_files
-from diag.trainer.pinned import HostRegistry
+from diag.formats.rundir import control_socket_path
+from diag.formats.snapshot import SnapshotMeta, read_latest_step, step_tag
+from diag.trainer.flash.capture import unpickle_state
+from diag.trainer.flash.pinned import HostRegistry
+from diag.trainer.flash.slotlayout import plan_layout, write_files
 
 pytestmark = [
     pytest.mark.gpu,

@@ -25,10 +25,10 @@ from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
 from diag.agent.checkpoint.sessions import CommandKind
 from diag.agent.checkpoint.storage import marker_path
-from diag.agent.procs import stop_tree
-from diag.collector.rundir import control_socket_path
-from diag.collector.snapshot import find_slots, read_latest_step
-from diag.viewer.stacks import RankDump
+from diag.agent.observe.procs import stop_tree
+from diag.formats.rundir import control_socket_path
+from diag.formats.snapshot import find_slots, read_latest_step
+from diag.formats.stackdump import RankDump
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def agent_process(ws: Workspace):
 
     def start(job: str) -> subprocess.Popen:
         cmd = [
-            sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(ws.run_dir),
+            sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(ws.run_dir),
             "--job", job, "--timeline", str(ws.root / "timeline"), "--native-stacks", "false",
             "--interval", "0.25", "-v",
         ]  # fmt: skip

@@ -17,7 +17,7 @@ from flash_launch import Workspace
 from diag.agent.checkpoint.manager import CheckpointManager, CheckpointOptions
 from diag.agent.checkpoint.service import ControlServer
 from diag.agent.checkpoint.sessions import RankKey
-from diag.collector.rundir import control_socket_path
+from diag.formats.rundir import control_socket_path
 
 
 @pytest.fixture

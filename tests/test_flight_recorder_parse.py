@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from diag.collector.untrusted import UntrustedInput
-from diag.viewer import flightrec
+from diag.formats.untrusted import UntrustedInput
+from diag.viewer import frdumps as flightrec
 
 DATA = Path(__file__).with_name("flight_recorder_data")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from diag.agent.flightrec import FlightTarget, collect, take
-from diag.collector.flightrec import socket_path
+from diag.agent.evidence.frcapture import FlightTarget, collect, take
+from diag.collector.frserver import socket_path
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,7 +22,7 @@ JOB = r"""
 import ctypes, os, sys, datetime
 from pathlib import Path
 import torch, torch.distributed as dist
-from diag.collector.flightrec import FlightRecorderServer, enable_buffer
+from diag.collector.frserver import FlightRecorderServer, enable_buffer
 enable_buffer()
 journal = Path(sys.argv[1])
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0,

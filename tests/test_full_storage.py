@@ -20,8 +20,8 @@ from flash_launch import Workspace, wait_for
 from killsuite import incomplete
 
 from diag.agent.checkpoint.storage import MARKER_DIR, marker_path
-from diag.collector.rundir import control_socket_path
-from diag.collector.snapshot import find_slots, read_latest_step
+from diag.formats.rundir import control_socket_path
+from diag.formats.snapshot import find_slots, read_latest_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -56,7 +56,7 @@ def ws():
 @contextlib.contextmanager
 def agent(ws: Workspace, job: str, timeline: Path) -> Iterator[subprocess.Popen]:
     cmd = [
-        sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(ws.run_dir),
+        sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(ws.run_dir),
         "--job", job, "--timeline", str(timeline), "--native-stacks", "false",
         "--interval", "0.25", "-v",
     ]  # fmt: skip

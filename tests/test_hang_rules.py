@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from diag.agent.culprit import SuspectKind, find_suspects
-from diag.agent.hang import (
+from diag.agent.detect.culprit import SuspectKind, find_suspects
+from diag.agent.detect.hang import (
     ActionKind,
     EventKind,
     OnHang,
@@ -16,10 +16,10 @@ from diag.agent.hang import (
     WatchState,
     decide,
 )
-from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.agent.straggler import straggler_scores
-from diag.agent.timeouts import TimeoutPolicy, rank_limit
-from diag.collector.records import OpCode, OpState
+from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.agent.detect.straggler import straggler_scores
+from diag.agent.detect.timeouts import TimeoutPolicy, rank_limit
+from diag.formats.records import OpCode, OpState
 
 NOW = 1000.0
 POLICY = TimeoutPolicy(

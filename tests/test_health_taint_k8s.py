@@ -21,7 +21,7 @@ from jobrun import free_port
 from netlab import DIAG, FAST_FLAGS, netns_unavailable
 from vethpair import veth_pair
 
-from diag.agent.taints import CONDITION_TYPE, RECORD_ANNOTATION, TAINT_KEY
+from diag.agent.taint.planner import CONDITION_TYPE, RECORD_ANNOTATION, TAINT_KEY
 from tests.kubecluster import cluster
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -61,7 +61,7 @@ def test_agent_taints_its_node_from_its_health_monitors(tmp_path: Path) -> None:
         env = {**os.environ, "KUBECONFIG": kube.kubeconfig}
         with open(log, "wb") as out:
             agent = subprocess.Popen(
-                [sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir",
+                [sys.executable, "-m", "diag.cli.main", "agent", "--run-dir",
                  str(tmp_path / "run"), "--timeline", str(tmp_path / "timeline"), "--job",
                  "llm", "--node", name, "--control", "false", "--taint-mode", "on",
                  "--taint-watch-nics", nic.host, "--taint-nic-grace", "1",

@@ -1,6 +1,6 @@
 """diag.trainer.hf: the `graceful_exit` and `deepspeed_elastic` callbacks with a real
 `transformers.Trainer` (tiny GPT-2 from a config, DeepSpeed ZeRO-2 on CPU, torchrun), and the stop
-flag they build on (diag.trainer.drain)."""
+flag they build on (diag.trainer.graceful.stopflag)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import jobrun
 import pytest
 from transformers import TrainerControl, TrainerState
 
-from diag.trainer.drain import StopFlag
+from diag.trainer.graceful.stopflag import StopFlag
 from diag.trainer.hf import GracefulExitCallback, callbacks_map
 
 JOB = Path(__file__).with_name("hf_job.py")

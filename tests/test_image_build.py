@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from diag.agent.taints import TAINT_KEY
+from diag.agent.taint.planner import TAINT_KEY
 from tests.kubecluster import cluster
 from tests.test_taints_k8s import write_incident
 

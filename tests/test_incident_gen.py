@@ -9,8 +9,8 @@ import pytest
 from google.protobuf.message import DecodeError
 from incidentkit import gen
 
+from diag.formats.stackdump import RankDump
 from diag.proto import hosting_service_pb2
-from diag.viewer.stacks import RankDump
 
 
 @pytest.mark.parametrize("fmt", ["diag", "xpu", "pyspy", "mixed"])

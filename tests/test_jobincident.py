@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from diag.agent.jobincident import (
+from diag.agent.job.decisions import (
     Claim,
     Filing,
     Known,

@@ -10,14 +10,14 @@ import time
 from pathlib import Path
 
 from diag.agent.actions import IncidentReport
-from diag.agent.evidence import capture, verdict_document
-from diag.agent.hang import Policy, Verdict, VerdictKind, WatchState, decide
-from diag.agent.joblink import JobLink, job_incident_id
-from diag.agent.jobverdict import JOB_VERDICT_FILE, JobVerdictStore
-from diag.agent.nodeview import view_document
-from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.agent.timeouts import TimeoutPolicy
-from diag.collector.records import OpCode, OpState
+from diag.agent.detect.hang import Policy, Verdict, VerdictKind, WatchState, decide
+from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.agent.detect.timeouts import TimeoutPolicy
+from diag.agent.evidence.collection import capture, verdict_document
+from diag.agent.job.link import JobLink, job_incident_id
+from diag.agent.job.nodeview import view_document
+from diag.agent.job.verdict import JOB_VERDICT_FILE, JobVerdictStore
+from diag.formats.records import OpCode, OpState
 
 JOB = "j"
 POLICY = Policy(timeouts=TimeoutPolicy(floor=2.0, ceiling=30.0))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from diag.agent.jobincident import Claim
-from diag.agent.jobverdict import (
+from diag.agent.job.decisions import Claim
+from diag.agent.job.verdict import (
     JOB_VERDICT_FILE,
     JobVerdictStore,
     NodeReport,
@@ -194,9 +194,9 @@ def test_a_fallback_concludes_once_the_views_hold_every_rank(tmp_path: Path) -> 
     """No node blames its own rank: the claimant reads each view once as it comes and reaches
     the verdict as soon as the views hold every rank of the job, not at the end of its settle
     time; with a node's view missing it waits the settle time out."""
-    from diag.agent.nodeview import view_document
-    from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
-    from diag.collector.records import OpCode, OpState
+    from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
+    from diag.agent.job.nodeview import view_document
+    from diag.formats.records import OpCode, OpState
 
     def view(node: int, now: float) -> dict:
         done = OpView("0", 41, OpCode.ALL_REDUCE, OpState.COMPLETED, 64, now - 12, now - 11.9)

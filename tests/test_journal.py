@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from diag.collector.journal import (
+from diag.formats.journal import (
     HEADER_SIZE,
     JournalFormatError,
     JournalReader,
     JournalStatus,
     JournalWriter,
 )
-from diag.collector.records import SLOT_SIZE, OpCode, OpFlag, OpState, RecordKind
+from diag.formats.records import SLOT_SIZE, OpCode, OpFlag, OpState, RecordKind
 
 
 def _writer(path: Path, capacity: int = 64) -> JournalWriter:

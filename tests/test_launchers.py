@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from jobrun import free_port
 
-from diag.agent.demo import DemoOptions, run_demo
-from diag.collector.meta import read_meta
+from diag.cli.demo import DemoOptions, run_demo
+from diag.formats.journalmeta import read_meta
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
@@ -120,7 +120,7 @@ def _run_until_stopped(cmd: list[str], tmp_path: Path, log: str, stop: bool) -> 
         return proc.wait(170)
     finally:
         if proc.poll() is None:
-            from diag.agent.procs import stop_tree
+            from diag.agent.observe.procs import stop_tree
 
             stop_tree(proc.pid, grace=5)
             proc.wait(10)
@@ -134,7 +134,7 @@ def test_a_drained_worker_is_restarted_not_reported_as_success(name: str, tmp_pa
     pod's restart policy or the job's controller restarts it."""
     import json
 
-    from diag.collector.snapshot import read_latest_step
+    from diag.formats.snapshot import read_latest_step
 
     if name == "dlrover-run":
         pytest.importorskip("dlrover", reason="dlrover is installed by scripts/bootstrap.sh")

@@ -9,14 +9,14 @@ from dataclasses import replace
 import pytest
 from test_hang_rules import NOW, _decide, obs, op, rank
 
-from diag.agent.culprit import SuspectKind, find_suspects
-from diag.agent.hang import EventKind, VerdictKind
-from diag.agent.jobincident import NodeReport, Where, parse_name, pick_culprit
-from diag.agent.joblink import mine_of
-from diag.agent.leaver import find_leavers
-from diag.agent.nodeview import analyse, view_document
-from diag.agent.observation import Liveness, Observation, OpView
-from diag.collector.records import OpCode, OpState
+from diag.agent.detect.culprit import SuspectKind, find_suspects
+from diag.agent.detect.hang import EventKind, VerdictKind
+from diag.agent.detect.leaver import find_leavers
+from diag.agent.detect.observation import Liveness, Observation, OpView
+from diag.agent.job.decisions import NodeReport, Where, parse_name, pick_culprit
+from diag.agent.job.link import mine_of
+from diag.agent.job.nodeview import analyse, view_document
+from diag.formats.records import OpCode, OpState
 
 CLOSED = Liveness.CLOSED
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from mergekit import odd_one_out, py, thread, write_incident
 
+from diag.formats.stackdump import RankDump
 from diag.viewer import ranksets
 from diag.viewer.absent import find_absent, local_world_size, stand_ins
 from diag.viewer.classes import SILENT_SCORE, suspects
 from diag.viewer.merge import merge_incident
-from diag.viewer.stacks import RankDump
 
 
 def answered(ranks, world=16, **kw):

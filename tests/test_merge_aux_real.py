@@ -106,7 +106,7 @@ def ranks(tmp_path_factory):
 
 
 def diag_dump(timeline: Path, pids: list[int]) -> Path:
-    args = [sys.executable, "-m", "diag.agent.cli", "dump", "--timeline", str(timeline)]
+    args = [sys.executable, "-m", "diag.cli.main", "dump", "--timeline", str(timeline)]
     for pid in pids:
         args += ["--pid", str(pid)]
     done = subprocess.run(args, capture_output=True, text=True, timeout=240)

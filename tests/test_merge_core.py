@@ -12,7 +12,7 @@ from mergekit import C10D, common, native, odd_one_out, py, rank_dump, thread
 from diag.viewer import ranksets
 from diag.viewer.classes import equivalence_classes, suspects
 from diag.viewer.flame import FlameHeader, render_svg
-from diag.viewer.layout import OTHER, LayoutOptions, layout
+from diag.viewer.flamelayout import OTHER, LayoutOptions, layout
 from diag.viewer.tree import View, build_tree
 
 SVG = "{http://www.w3.org/2000/svg}"

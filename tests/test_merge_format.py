@@ -7,10 +7,10 @@ import json
 import pytest
 from mergekit import APP, native, py, rank_dump, thread
 
+from diag.formats.stackdump import Frame, FrameInterner, RankDump, parse_pyspy_json
 from diag.viewer import ranksets
 from diag.viewer.folded import folded_lines
 from diag.viewer.labels import FrameKind, frame_info, short_path
-from diag.viewer.stacks import Frame, FrameInterner, RankDump, parse_pyspy_json
 from diag.viewer.tree import View, build_tree
 
 

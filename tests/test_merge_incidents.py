@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mergekit import common, odd_one_out, py, rank_dump, thread, verdict, write_incident
 
-from diag.agent.cli import main as diag_main
+from diag.cli.main import main as diag_main
 from diag.viewer.incidents import IncidentError, find_incidents
 from diag.viewer.merge import merge_incident
 
@@ -145,7 +145,7 @@ def test_unreadable_verdict_is_noted_and_the_directory_taken_alone(tmp_path: Pat
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "diag.agent.cli", "merge", *args],
+        [sys.executable, "-m", "diag.cli.main", "merge", *args],
         capture_output=True,
         text=True,
         timeout=120,

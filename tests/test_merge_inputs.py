@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from mergekit import APP, Stacktrace, common, native, py, rank_dump, thread, write_incident
 
+from diag.formats.stackdump import FrameInterner
 from diag.viewer.merge import merge_incident
 from diag.viewer.sources import DumpFormat, dump_files, load_dump, load_dumps
-from diag.viewer.stacks import FrameInterner
 from diag.viewer.xpu_stacktrace import StacktraceError, parse_stacktrace
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from diag.collector.meta import journal_path, read_meta
-from diag.collector.rundir import control_socket_path
+from diag.formats.journalmeta import journal_path, read_meta
+from diag.formats.rundir import control_socket_path
 from diag.viewer.merge import merge_incident
 
 pytest.importorskip("torch")
@@ -123,7 +123,7 @@ def job(tmp_path_factory):
 
 
 def diag_dump(run_dir: Path, timeline: Path) -> Path:
-    args = [sys.executable, "-m", "diag.agent.cli", "dump", "--run-dir", str(run_dir)]
+    args = [sys.executable, "-m", "diag.cli.main", "dump", "--run-dir", str(run_dir)]
     args += ["--timeline", str(timeline), "--job", JOB]
     done = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr

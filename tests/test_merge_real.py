@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from mergekit import Stacktrace, verdict, write_incident
 
+from diag.formats.stackdump import RankDump, parse_pyspy_json
 from diag.viewer.flame import FOLDED_TIP
 from diag.viewer.merge import merge_incident
-from diag.viewer.stacks import RankDump, parse_pyspy_json
 
 WORLD = 7
 ODD = 4

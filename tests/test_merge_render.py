@@ -15,13 +15,13 @@ import pytest
 from incidentkit import gen
 from test_merge_browser import dom
 
+from diag.formats.stackdump import FrameInterner, RankDump, pyspy_threads
 from diag.viewer import ranksets
 from diag.viewer.analysis import About, analyse, draw
+from diag.viewer.flamelayout import LayoutOptions, is_helper, layout
 from diag.viewer.gather import gather_dumps
 from diag.viewer.labels import FrameKind
-from diag.viewer.layout import LayoutOptions, is_helper, layout
 from diag.viewer.merge import merge_incident
-from diag.viewer.stacks import FrameInterner, RankDump, pyspy_threads
 from diag.viewer.tree import View, build_tree
 
 SCREEN = 1080  # px: a laptop screen, roughly

@@ -8,10 +8,10 @@ import random
 from incidentkit import gen
 from mergekit import C10D, common, native, py, rank_dump, thread
 
+from diag.formats.stackdump import RankDump, ThreadStack
 from diag.viewer.classes import equivalence_classes, suspects
 from diag.viewer.journals import JournalThreads, journal_threads
 from diag.viewer.roles import Role, RoleCache, dump_roles, thread_label
-from diag.viewer.stacks import RankDump, ThreadStack
 from diag.viewer.tree import View, build_tree
 
 QUEUES = "/usr/lib/python3.11/multiprocessing/queues.py"

@@ -13,9 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from diag.agent import config as config_mod
 from diag.agent.actions import IncidentReport
-from diag.agent.evidence import EvidenceResult
-from diag.agent.exitcodes import UsageError
-from diag.agent.hang import Policy, Verdict, VerdictKind, WatchState, decide
+from diag.agent.detect.hang import Policy, Verdict, VerdictKind, WatchState, decide
+from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.agent.detect.timeouts import TimeoutPolicy
+from diag.agent.evidence.collection import EvidenceResult
 from diag.agent.metrics import families as f
 from diag.agent.metrics.checkpoint import CheckpointMetrics
 from diag.agent.metrics.collectives import bus_bandwidth, bus_factor, new_completions, op_kind
@@ -23,12 +24,11 @@ from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.exposition import TextWriter, render_text
 from diag.agent.metrics.gpu import GpuReading, gpu_families
 from diag.agent.metrics.host import HostCollector
-from diag.agent.metrics.precheck import PrecheckFileCollector
+from diag.agent.metrics.prechecktext import PrecheckFileCollector
 from diag.agent.metrics.rankstate import rank_metrics
 from diag.agent.metrics.xputimer import XpuTimerIdentity, render
-from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.agent.timeouts import TimeoutPolicy
-from diag.collector.records import OpCode, OpState
+from diag.formats.exitcodes import UsageError
+from diag.formats.records import OpCode, OpState
 
 NOW = 1000.0
 TIMEOUTS = TimeoutPolicy(ceiling=60.0, floor=2.0, factor=5.0, warmup_steps=2)

@@ -16,7 +16,7 @@ import pytest
 from children import terminate
 from prometheus_client.parser import text_string_to_metric_families
 
-from diag.agent import exitcodes
+from diag.formats import exitcodes
 
 
 def free_port() -> int:
@@ -27,7 +27,7 @@ def free_port() -> int:
 
 def agent_cmd(tmp: Path, port: int, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(tmp / "run"),
+        sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(tmp / "run"),
         "--timeline", str(tmp / "timeline"), "--interval", "0.2", "--metrics-host", "127.0.0.1",
         "--metrics-port", str(port), *extra,
     ]  # fmt: skip

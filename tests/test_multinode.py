@@ -38,7 +38,7 @@ def _taint_plans(tmp_path: Path, timeline: Path, culprit: str) -> dict[str, str]
         for short in ("a", "b"):
             name = kube.create_node(short)
             r = subprocess.run(
-                [sys.executable, "-m", "diag.agent.cli", "taint", "--node", name, "--job", "mn",
+                [sys.executable, "-m", "diag.cli.main", "taint", "--node", name, "--job", "mn",
                  "--timeline", str(timeline), "--no-gpu-probe", "--dry-run",
                  "--taint-culprit-threshold", "1"],
                 env={**os.environ, "KUBECONFIG": kube.kubeconfig}, capture_output=True,
@@ -71,7 +71,7 @@ def two_nodes(
             )
             log = open(tmp_path / f"agent-{node}.log", "wb")  # noqa: SIM115
             agents.append(subprocess.Popen(
-                [sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run),
+                [sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run),
                  "--timeline", str(timeline), "--job", "mn", "--node", node, "--hang-timeout",
                  "20", "--hang-floor", "3", "--warmup-timeout", "60", "--on-hang", "none",
                  "--until", "incident", "--interval", "0.25", "-v"],

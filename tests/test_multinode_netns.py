@@ -100,7 +100,7 @@ def two_nodes(tmp_path: Path, fault_rank: int, hang_floor: str = "3") -> Iterato
             log = open(tmp_path / f"agent-{node}.log", "wb")  # noqa: SIM115
             c.agents.append(subprocess.Popen(
                 c.lab.exec_in(node_rank, [
-                    sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run),
+                    sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run),
                     "--timeline", str(timeline), "--job", "mn", "--node", node, "--hang-timeout",
                     "20", "--hang-floor", hang_floor, "--warmup-timeout", "60", "--on-hang",
                     "none", "--until", "incident", "--interval", "0.25", "-v"]),
@@ -168,7 +168,7 @@ def test_job_verdict_names_the_hung_rank_across_namespaces(tmp_path: Path) -> No
         # The picture as a user makes it: `diag merge` on the timeline root merges the newest
         # incident, both nodes' directories of it, into one merged-<id> directory.
         r = subprocess.run(
-            [sys.executable, "-m", "diag.agent.cli", "merge", "--path", str(timeline)],
+            [sys.executable, "-m", "diag.cli.main", "merge", "--path", str(timeline)],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert r.returncode == 0, r.stderr

@@ -17,7 +17,17 @@ import pytest
 from netlab import netns_unavailable
 from vethpair import Veth, veth_pair
 
-from diag.agent.gpuhealth import (
+from diag.agent.health.monitors import (
+    LinkDown,
+    LinkReading,
+    NicMonitor,
+    PrecheckMonitor,
+    carrier_evidence,
+)
+from diag.agent.health.watch import HealthWatch, needs_plan, signature
+from diag.agent.precheck.measurements import DeviceHealth, NicState, Severity
+from diag.agent.precheck.report import NodeReport, Outcome, PrecheckReport
+from diag.agent.taint.gpuhealth import (
     XID_CRITICAL_EVENT,
     EccReading,
     NvmlMonitor,
@@ -26,17 +36,7 @@ from diag.agent.gpuhealth import (
     xid_event,
     xid_evidence,
 )
-from diag.agent.healthwatch import HealthWatch, needs_plan, signature
-from diag.agent.nodehealth import (
-    LinkDown,
-    LinkReading,
-    NicMonitor,
-    PrecheckMonitor,
-    carrier_evidence,
-)
-from diag.agent.precheck.evidence import DeviceHealth, NicState, Severity
-from diag.agent.precheck.report import NodeReport, Outcome, PrecheckReport
-from diag.agent.taints import (
+from diag.agent.taint.planner import (
     NO_EXECUTE,
     Action,
     Evidence,
@@ -313,7 +313,7 @@ def test_health_options_flags_over_env_over_file(tmp_path: Path) -> None:
     import argparse
 
     from diag.agent import config as agent_config
-    from diag.agent.exitcodes import UsageError
+    from diag.formats.exitcodes import UsageError
 
     conf = tmp_path / "agent.toml"
     conf.write_text(

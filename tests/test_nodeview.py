@@ -7,19 +7,19 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from diag.agent.culprit import SuspectKind, find_suspects
-from diag.agent.hang import Policy, WatchState, decide
-from diag.agent.jobverdict import JobVerdictStore, NodeReport, Where
-from diag.agent.nodeview import (
+from diag.agent.detect.culprit import SuspectKind, find_suspects
+from diag.agent.detect.hang import Policy, WatchState, decide
+from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.agent.detect.timeouts import TimeoutPolicy
+from diag.agent.job.nodeview import (
     analyse,
     fold_rank_lists,
     groups_from,
     snapshots_from,
     view_document,
 )
-from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.agent.timeouts import TimeoutPolicy
-from diag.collector.records import OpCode, OpState
+from diag.agent.job.verdict import JobVerdictStore, NodeReport, Where
+from diag.formats.records import OpCode, OpState
 
 
 def _rank(r: int, node: str, now: float, *, pending: bool, last: float) -> RankSnapshot:

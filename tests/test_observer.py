@@ -13,12 +13,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from diag.agent import observer as observer_mod
-from diag.agent.observation import Liveness
-from diag.agent.observer import Observer
-from diag.collector.journal import JournalWriter
-from diag.collector.meta import JournalMeta, journal_path, write_meta
-from diag.collector.records import RecordKind
+from diag.agent.detect.observation import Liveness
+from diag.agent.observe import observer as observer_mod
+from diag.agent.observe.observer import Observer
+from diag.formats.journal import JournalWriter
+from diag.formats.journalmeta import JournalMeta, journal_path, write_meta
+from diag.formats.records import RecordKind
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -143,8 +143,8 @@ def test_rank_in_another_pid_namespace_is_not_taken_for_dead(tmp_path: Path, cap
 
 
 def _failing_writer(run_dir: str, rank: int) -> None:
-    from diag.collector.journal import JournalStatus
-    from diag.collector.rundir import pid_namespace
+    from diag.formats.journal import JournalStatus
+    from diag.formats.rundir import pid_namespace
 
     path = journal_path(Path(run_dir), "obs", rank)
     w = JournalWriter(path, rank=rank, world_size=2, local_rank=rank)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diag.agent.parallelism import ContainerLimits, DumpCost, MemoryLimit, dump_parallelism
+from diag.agent.evidence.parallelism import ContainerLimits, DumpCost, MemoryLimit, dump_parallelism
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -62,7 +62,7 @@ def test_dump_parallelism(
 
 
 def test_a_measured_dump_replaces_the_assumed_cost_only_upwards() -> None:
-    from diag.agent.parallelism import learned_cost
+    from diag.agent.evidence.parallelism import learned_cost
 
     model = DumpCost(each=176 * MiB, shared=192 * MiB)
     # As measured on CPU ranks: 349 MiB resident, of which the shared libraries' pages.
@@ -73,7 +73,7 @@ def test_a_measured_dump_replaces_the_assumed_cost_only_upwards() -> None:
 
 @pytest.mark.parametrize(("planned", "first"), [(8, 2), (2, 2), (1, 1), (0, 0)])
 def test_the_first_wave_of_native_dumps(planned: int, first: int) -> None:
-    from diag.agent.parallelism import Parallelism, first_wave
+    from diag.agent.evidence.parallelism import Parallelism, first_wave
 
     got = first_wave(Parallelism(planned, "memory"))
     assert got.count == first

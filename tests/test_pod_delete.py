@@ -36,8 +36,8 @@ import psutil
 import pytest
 from jobrun import free_port
 
-from diag.collector.rundir import control_socket_path
-from diag.collector.snapshot import read_latest_step
+from diag.formats.rundir import control_socket_path
+from diag.formats.snapshot import read_latest_step
 from tests.metadata_server import Metadata, aws_action
 
 JOB_SCRIPT = Path(__file__).with_name("pod_job.py")
@@ -71,7 +71,7 @@ class Pod:
 
     def start_agent(self, *extra: str) -> None:
         cmd = [
-            sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(self.run_dir),
+            sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(self.run_dir),
             "--job", JOB, "--timeline", str(self.root / "timeline"), "--native-stacks", "false",
             "--interval", "0.25", "--termination-grace", str(GRACE), "-v", *extra,
         ]  # fmt: skip

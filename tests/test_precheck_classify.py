@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from diag.agent.precheck.classify import Observations, classify
-from diag.agent.precheck.config import DevicePairs
-from diag.agent.precheck.evidence import (
+from diag.agent.precheck.grading import Thresholds
+from diag.agent.precheck.liveness import BeatTracker, pair_limit_s, round_limit_s
+from diag.agent.precheck.measure import busbw
+from diag.agent.precheck.measurements import (
     Check,
     ComputeResult,
     CopyResult,
@@ -19,9 +21,7 @@ from diag.agent.precheck.evidence import (
     Severity,
     merge_sides,
 )
-from diag.agent.precheck.grading import Thresholds
-from diag.agent.precheck.liveness import BeatTracker, pair_limit_s, round_limit_s
-from diag.agent.precheck.measure import busbw
+from diag.agent.precheck.precheckconfig import DevicePairs
 from diag.agent.precheck.units import fmt_flops, fmt_rate, parse_rate, parse_size
 
 TH = Thresholds()

@@ -7,7 +7,7 @@ import pytest
 from jobrun import free_port
 from netlab import Cluster
 
-from diag.agent import exitcodes
+from diag.formats import exitcodes
 
 pytestmark = pytest.mark.gpu
 

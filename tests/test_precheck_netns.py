@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from netlab import Cluster, NetLab, netns_unavailable
 
-from diag.agent import exitcodes
+from diag.formats import exitcodes
 
 pytestmark = pytest.mark.netns
 

@@ -10,20 +10,20 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from diag.agent import exitcodes
-from diag.agent.cli import main
 from diag.agent.precheck.classify import Observations, classify
-from diag.agent.precheck.evidence import (
+from diag.agent.precheck.grading import Thresholds
+from diag.agent.precheck.measurements import (
     ComputeResult,
     LocalEvidence,
     NicState,
     PairResult,
     Severity,
 )
-from diag.agent.precheck.grading import Thresholds
-from diag.agent.precheck.metrics import FAMILIES, registry_for, write_textfile
+from diag.agent.precheck.promfile import FAMILIES, registry_for, write_textfile
 from diag.agent.precheck.report import Outcome, PrecheckReport, build_report, error_report
 from diag.agent.precheck.table import render
+from diag.cli.main import main
+from diag.formats import exitcodes
 
 TH = Thresholds()
 
@@ -212,11 +212,11 @@ def test_cli_usage_errors(argv, env, words, monkeypatch, capsys):
 
 def test_pure_modules_do_not_import_torch():
     modules = [
-        "diag.agent.precheck.cli",
+        "diag.cli.precheckcmd",
         "diag.agent.precheck.report",
         "diag.agent.precheck.classify",
         "diag.agent.precheck.rounds",
-        "diag.agent.precheck.metrics",
+        "diag.agent.precheck.promfile",
         "diag.agent.precheck.table",
         "diag.agent.precheck.session",
         "diag.agent.precheck.coordinator",

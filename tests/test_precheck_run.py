@@ -10,7 +10,7 @@ from jobrun import free_port
 from netlab import Cluster
 from prometheus_client.parser import text_string_to_metric_families
 
-from diag.agent import exitcodes
+from diag.formats import exitcodes
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The early reclaim notice (agent/notice.py): the parsers on the documented answers, and the
+"""The early reclaim notice (agent/drain/notice.py): the parsers on the documented answers, and the
 watcher polling a local HTTP server that answers as AWS's (IMDSv2 with a session token, and
 IMDSv1) and GCE's metadata servers do. The agent draining on a notice, end to end, is in
 tests/test_pod_delete.py."""
@@ -11,8 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from diag.agent import config as config_mod
-from diag.agent.exitcodes import UsageError
-from diag.agent.notice import (
+from diag.agent.drain.notice import (
     GCE_NOTICE_S,
     Notice,
     NoticeFormatError,
@@ -23,6 +22,7 @@ from diag.agent.notice import (
     parse_aws,
     parse_gce,
 )
+from diag.formats.exitcodes import UsageError
 from tests.metadata_server import ACTION, Metadata
 
 

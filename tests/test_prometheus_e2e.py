@@ -24,8 +24,8 @@ import pytest
 import yaml
 from children import terminate
 
-from diag.agent.demo import DemoOptions, DemoResult, run_demo
-from diag.collector.rundir import node_name
+from diag.cli.demo import DemoOptions, DemoResult, run_demo
+from diag.formats.rundir import node_name
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "diag-alerts.yaml"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from diag.agent.pyspy import CAP_SYS_PTRACE, file_has_capability, pyspy_binary
+from diag.agent.evidence.pyspy import CAP_SYS_PTRACE, file_has_capability, pyspy_binary
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("setcap") or not shutil.which("setpriv"),
@@ -94,7 +94,7 @@ def test_can_trace_as_the_agent_user(bindir, which, extra, expected):
     capable, plain = bindir
     path = capable if which == "capable" else plain
     env = dict(os.environ, PATH=f"{path}:/usr/bin:/bin")
-    code = "from diag.agent.pyspy import can_trace; print(can_trace())"
+    code = "from diag.agent.evidence.pyspy import can_trace; print(can_trace())"
     r = subprocess.run(
         as_user(AGENT_UID, sys.executable, "-c", code, extra=extra),
         env=env, capture_output=True, text=True, timeout=60,

@@ -24,10 +24,10 @@ from flash_launch import wait_for
 from jobrun import free_port
 
 from diag.agent.checkpoint.storage import done_ranks
-from diag.agent.procs import stop_tree
-from diag.collector.rundir import control_socket_path
-from diag.collector.slotfile import read_snapshots
-from diag.collector.snapshot import find_slots, read_latest_step
+from diag.agent.observe.procs import stop_tree
+from diag.formats.rundir import control_socket_path
+from diag.formats.slotfile import read_snapshots
+from diag.formats.snapshot import find_slots, read_latest_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -66,7 +66,7 @@ def test_readme_example_without_attach_survives_a_sigkill() -> None:
     agent_log = root / "agent.log"
     # The README's command line (run dir and timeline of this test).
     agent_cmd = [
-        sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir),
+        sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir),
         "--timeline", str(root / "timeline"), "--hang-timeout", "300", "--on-hang", "stop", "-v",
     ]  # fmt: skip
     with open(agent_log, "wb") as out:

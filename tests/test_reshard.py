@@ -1,4 +1,4 @@
-"""diag.trainer.reshard: what tells the data-parallel size of a saved step, and how a conversion is
+"""diag.trainer.elastic.reshard: what tells the data-parallel size of a saved step, and how a conversion is
 built, reused and cleaned up (a real conversion and load at another size run in
 test_elastic_resume.py and test_hf_callbacks.py)."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from diag.trainer.reshard import (
+from diag.trainer.elastic.reshard import (
     LATEST_UNIVERSAL,
     ReshardError,
     convert,

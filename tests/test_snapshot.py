@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from snapshot_helpers import captured, model_states, new_slot, write_snapshot
 
-from diag.collector.slotfile import SlotFile, read_snapshots
-from diag.collector.snapshot import (
+from diag.formats.slotfile import SlotFile, read_snapshots
+from diag.formats.snapshot import (
     ShmSpaceError,
     SlotView,
     SnapshotMeta,
@@ -26,7 +26,7 @@ from diag.collector.snapshot import (
     tag_step,
     write_order,
 )
-from diag.trainer.slots import RankSlots, SlotOwner
+from diag.trainer.flash.slots import RankSlots, SlotOwner
 
 
 @pytest.fixture

@@ -22,14 +22,14 @@ from children import stop_jobs_and_agents
 from jobrun import free_port
 
 from diag.agent.actions import IncidentReport
-from diag.agent.evidence import EvidenceResult
-from diag.agent.hang import Verdict, VerdictKind
-from diag.agent.jobverdict import JobVerdictStore, NodeReport, Where
-from diag.agent.nodetaint import NodeTainter
-from diag.agent.taintconfig import TaintMode, TaintSettings
-from diag.agent.taintevidence import culprit_history, from_job_verdicts
-from diag.agent.taints import RECORD_ANNOTATION, TAINT_KEY, Signal, TaintPolicy
-from diag.viewer.stacks import RankDump
+from diag.agent.detect.hang import Verdict, VerdictKind
+from diag.agent.evidence.collection import EvidenceResult
+from diag.agent.job.verdict import JobVerdictStore, NodeReport, Where
+from diag.agent.taint.evidencesources import culprit_history, from_job_verdicts
+from diag.agent.taint.planner import RECORD_ANNOTATION, TAINT_KEY, Signal, TaintPolicy
+from diag.agent.taint.step import NodeTainter
+from diag.agent.taint.taintconfig import TaintMode, TaintSettings
+from diag.formats.stackdump import RankDump
 from tests.kubecluster import cluster
 
 JOB = "mn"
@@ -165,7 +165,7 @@ def test_agent_on_the_culprit_node_taints_it_from_the_job_verdict(tmp_path: Path
                 )  # fmt: skip
                 log = open(tmp_path / f"agent-{node}.log", "wb")  # noqa: SIM115
                 agents.append(subprocess.Popen(
-                    [sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run),
+                    [sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run),
                      "--timeline", str(timeline), "--job", JOB, "--node", node,
                      "--hang-timeout", "20", "--hang-floor", "3", "--warmup-timeout", "60", "--on-hang", "none",
                      "--until", "incident", "--interval", "0.25", "--native-stacks", "false",

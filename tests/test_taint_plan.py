@@ -1,10 +1,10 @@
-"""Table tests of the taint planner (agent/taints.py): plain numbers for time."""
+"""Table tests of the taint planner (agent/taint/planner.py): plain numbers for time."""
 
 from __future__ import annotations
 
 import pytest
 
-from diag.agent.taints import (
+from diag.agent.taint.planner import (
     CONDITION_TYPE,
     NO_EXECUTE,
     NO_SCHEDULE,

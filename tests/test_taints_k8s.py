@@ -17,13 +17,11 @@ from pathlib import Path
 import pytest
 from jobrun import free_port
 
-from diag.agent import exitcodes
-from diag.agent.kube import apply_plan, connect
-from diag.agent.precheck.evidence import NicState, Severity
+from diag.agent.precheck.measurements import NicState, Severity
 from diag.agent.precheck.report import NodeReport, Outcome, PrecheckReport
-from diag.agent.taintconfig import TaintSettings
-from diag.agent.taintflow import taint
-from diag.agent.taints import (
+from diag.agent.taint.flow import taint
+from diag.agent.taint.kube import apply_plan, connect
+from diag.agent.taint.planner import (
     CONDITION_TYPE,
     RECORD_ANNOTATION,
     TAINT_KEY,
@@ -33,6 +31,8 @@ from diag.agent.taints import (
     TaintPolicy,
     plan_taint,
 )
+from diag.agent.taint.taintconfig import TaintSettings
+from diag.formats import exitcodes
 from tests.kubecluster import cluster
 
 pytestmark = pytest.mark.k8s
@@ -58,7 +58,7 @@ def diag(kube, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "KUBECONFIG": kube.kubeconfig}
     env.pop("NODE_NAME", None)
     return subprocess.run(
-        [sys.executable, "-m", "diag.agent.cli", *args],
+        [sys.executable, "-m", "diag.cli.main", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -416,7 +416,7 @@ def test_bad_input_is_a_clear_error(kube, tmp_path):
 def test_agent_taints_its_node_after_an_incident(kube, tmp_path):
     """A real agent watching a real 2-rank job whose rank 1 hangs: the incident names rank 1,
     which runs on this node, so the agent taints its node with the incident as evidence."""
-    from diag.agent.procs import stop_tree
+    from diag.agent.observe.procs import stop_tree
 
     name = kube.create_node("agent", conditions=[READY])
     other = kube.create_node("bystander", conditions=[READY])
@@ -431,7 +431,7 @@ def test_agent_taints_its_node_after_an_incident(kube, tmp_path):
     )  # fmt: skip
     try:
         agent = subprocess.run(
-            [sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir),
+            [sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir),
              "--timeline", str(timeline), "--job", "taintjob", "--node", name,
              "--until", "incident", "--hang-timeout", "8", "--hang-floor", "3",
              "--warmup-timeout", "20", "--native-stacks", "false", "--control", "false",

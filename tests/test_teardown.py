@@ -1,6 +1,6 @@
 """Leaving a rank's process: exit_process keeps the code and runs the handlers; a job that ends
 normally (or by SystemExit) after diag joined it is not aborted by gloo's worker threads during
-the interpreter's finalization (diag.trainer.teardown)."""
+the interpreter's finalization (diag.trainer.graceful.teardown)."""
 
 from __future__ import annotations
 

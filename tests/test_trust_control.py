@@ -25,11 +25,11 @@ from polling import wait_for
 from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
 from diag.agent.checkpoint.sessions import CommandKind
-from diag.collector.rundir import control_socket_path
+from diag.formats.rundir import control_socket_path
 from diag.proto import control_pb2 as pb
 from diag.proto import control_pb2_grpc as pb_grpc
-from diag.trainer.agentpeer import PeerConfigError, parse_uid
-from diag.trainer.control import ClientIdentity, ControlClient
+from diag.trainer.control.client import ClientIdentity, ControlClient
+from diag.trainer.control.peer import PeerConfigError, parse_uid
 
 JOB = "trust"
 NOBODY = 65534
@@ -133,7 +133,7 @@ def test_an_agent_served_by_another_user_is_not_obeyed(
 ) -> None:
     """`nobody` serves the socket; its file is left to `nobody` or chowned to root (so only
     the listener's SO_PEERCRED can tell). The rank sends it nothing and obeys nothing."""
-    caplog.set_level(logging.WARNING, logger="diag.trainer.control")
+    caplog.set_level(logging.WARNING, logger="diag.trainer.control.client")
     fake, socket = impostor(run_dir / "evil")
     if socket_owner == "root":
         os.chown(socket, 0, 0)
@@ -178,7 +178,7 @@ def test_a_symlink_in_place_of_the_socket_is_refused(
 ) -> None:
     """A trusted agent's socket elsewhere, reached through a symlink at the rank's socket path:
     whoever made the link chose where the rank connects, so the rank does not."""
-    caplog.set_level(logging.WARNING, logger="diag.trainer.control")
+    caplog.set_level(logging.WARNING, logger="diag.trainer.control.client")
     elsewhere = shm_dir("elsewhere")
     manager = CheckpointManager(elsewhere, None)
     server = ControlServer(control_socket_path(elsewhere, JOB), manager).start()

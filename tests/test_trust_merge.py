@@ -87,7 +87,7 @@ def test_premade_merged_directory_symlink_is_refused_nothing_written_outside(tmp
     assert (root / "merged-inc-1").is_symlink()  # refused, not removed: not ours to delete
     # the CLI says so in one line and exits 2
     done = subprocess.run(
-        [sys.executable, "-m", "diag.agent.cli", "merge", "--path", str(root)],
+        [sys.executable, "-m", "diag.cli.main", "merge", "--path", str(root)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -252,7 +252,7 @@ def test_escape_sequences_in_names_reach_no_output(tmp_path: Path):
     )
     d = write_incident(tmp_path / "inc", dumps, verdict("esc\x1b[1m", world))
     done = subprocess.run(
-        [sys.executable, "-m", "diag.agent.cli", "merge", "--path", str(d)],
+        [sys.executable, "-m", "diag.cli.main", "merge", "--path", str(d)],
         capture_output=True,
         text=True,
         timeout=120,

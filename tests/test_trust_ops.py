@@ -29,14 +29,15 @@ from pathlib import Path
 import pytest
 from children import terminate
 
-from diag.agent import config, exitcodes
-from diag.agent.cli import configure_logging
-from diag.agent.exitcodes import UsageError
+from diag.agent import config
 from diag.agent.metrics.server import MetricsServer
 from diag.agent.prune import prune_incidents, prune_job_verdicts
 from diag.agent.retention import Entry, Retention, to_remove
-from diag.agent.taintledger import HISTORY, TaintLedger
-from diag.agent.taintmodel import Action, Reason, TaintPlan, TaintRecord
+from diag.agent.taint.ledger import HISTORY, TaintLedger
+from diag.agent.taint.model import Action, Reason, TaintPlan, TaintRecord
+from diag.cli.main import configure_logging
+from diag.formats import exitcodes
+from diag.formats.exitcodes import UsageError
 
 DAY = 86400.0
 
@@ -116,7 +117,7 @@ def test_values_inside_the_ranges_still_load(tmp_path: Path) -> None:
 
 def run_cli(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "diag.agent.cli", *argv],
+        [sys.executable, "-m", "diag.cli.main", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -227,7 +228,7 @@ def half_sent(port: int, n: int) -> list[socket.socket]:
 def test_idle_half_sent_requests_hold_no_agent_threads(tmp_path: Path) -> None:
     port = free_port()
     cmd = [
-        sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(tmp_path / "run"),
+        sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(tmp_path / "run"),
         "--timeline", str(tmp_path / "tl"), "--metrics-host", "127.0.0.1",
         "--metrics-port", str(port), "--control", "false",
     ]  # fmt: skip
@@ -392,7 +393,7 @@ def test_agent_applies_retention_at_start_up(tmp_path: Path) -> None:
     tl = tmp_path / "tl"
     dirs = [make_incident(tl, f"2026010{i}-000000-hang-n1@job-{i}", 9 - i) for i in range(5)]
     cmd = [
-        sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(tmp_path / "run"),
+        sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(tmp_path / "run"),
         "--timeline", str(tl), "--control", "false", "--keep-incidents", "2",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -428,7 +429,7 @@ def test_taint_history_is_trimmed_to_its_retention(tmp_path: Path) -> None:
 
 
 def test_taint_history_keeps_what_the_rate_limit_reads(tmp_path: Path) -> None:
-    from diag.agent import taintconfig
+    from diag.agent.taint import taintconfig
 
     p = argparse.ArgumentParser()
     taintconfig.add_arguments(p)

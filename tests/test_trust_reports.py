@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from reportshapes import JOB, as_json_doc, node_report, precheck_report
 
-from diag.agent.jobfiles import MAX_REPORT_BYTES
-from diag.agent.jobverdict import CLAIM_FILE, JOB_VERDICT_FILE, REPORTS_DIR, JobVerdictStore
-from diag.agent.metrics.precheck import PrecheckFileCollector
-from diag.agent.notice import NoticeFormatError, NoticeSettings, NoticeWatcher, Provider
-from diag.agent.precheck.metrics import write_textfile
-from diag.agent.taintevidence import from_timeline
+from diag.agent.drain.notice import NoticeFormatError, NoticeSettings, NoticeWatcher, Provider
+from diag.agent.job.files import MAX_REPORT_BYTES
+from diag.agent.job.verdict import CLAIM_FILE, JOB_VERDICT_FILE, REPORTS_DIR, JobVerdictStore
+from diag.agent.metrics.prechecktext import PrecheckFileCollector
+from diag.agent.precheck.promfile import write_textfile
+from diag.agent.taint.evidencesources import from_timeline
 
 INCIDENT = "a0-hang-pg0-seq42"
 NODES = 3
@@ -59,7 +59,7 @@ def test_report_with_garbage_or_huge_ranks_is_skipped_with_a_warning(
     huge["view"]["groups"] = {"0": [[0, 10**12]]}
     bad = _plant(store, "rx.R.node-5~e5", json.dumps(garbage).encode())
     big = _plant(store, "rx.R.node-6~e6", json.dumps(huge).encode())
-    caplog.set_level(logging.WARNING, "diag.agent.jobverdict")
+    caplog.set_level(logging.WARNING, "diag.agent.job.verdict")
     v = store.conclude(JOB, INCIDENT, first_seen=0.0, now_wall=time.time(), force=True)
     assert v is not None and (v.culprit, v.culprit_node) == (7, "node-0"), v
     assert str(bad) in caplog.text and "must be a" in caplog.text

@@ -23,13 +23,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from diag.agent.exitcodes import USAGE, UsageError
-from diag.agent.observer import Observer
-from diag.agent.rankproof import ProcFacts, RankClaim, RankProver, claim_of, file_id, judge
-from diag.agent.rundircheck import RunDirStat, TrainerUsers, prepare
-from diag.agent.rundircheck import judge as judge_dir
-from diag.collector.journal import JournalWriter
-from diag.collector.meta import (
+from diag.agent.observe.observer import Observer
+from diag.agent.observe.rankproof import ProcFacts, RankClaim, RankProver, claim_of, file_id, judge
+from diag.agent.observe.rundircheck import RunDirStat, TrainerUsers, prepare
+from diag.agent.observe.rundircheck import judge as judge_dir
+from diag.formats.exitcodes import USAGE, UsageError
+from diag.formats.journal import JournalWriter
+from diag.formats.journalmeta import (
     GroupInfo,
     JournalMeta,
     journal_path,
@@ -37,13 +37,13 @@ from diag.collector.meta import (
     read_meta,
     write_meta,
 )
-from diag.collector.records import DType, OpCode, OpFlag
-from diag.collector.untrusted import Owners, UntrustedInput
+from diag.formats.records import DType, OpCode, OpFlag
+from diag.formats.untrusted import Owners, UntrustedInput
 
 pytestmark = pytest.mark.timeout(90)
 
 NOBODY = 65534
-DIAG = [sys.executable, "-m", "diag.agent.cli"]
+DIAG = [sys.executable, "-m", "diag.cli.main"]
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 
 
@@ -276,8 +276,8 @@ def test_agent_survives_a_meta_with_a_bad_pid(tmp_path: Path) -> None:
 _RANK = """
 import os, sys, time, psutil
 from pathlib import Path
-from diag.collector.journal import JournalWriter
-from diag.collector.meta import JournalMeta, journal_path, write_meta
+from diag.formats.journal import JournalWriter
+from diag.formats.journalmeta import JournalMeta, journal_path, write_meta
 path = journal_path(Path(sys.argv[1]), "job", 1)
 w = JournalWriter(path, rank=1, world_size=2, local_rank=1)
 write_meta(path, JournalMeta(job="job", rank=1, world_size=2, local_rank=1, local_world_size=2,
@@ -447,8 +447,8 @@ def test_drain_stops_only_processes_shown_to_be_ranks(
     signals only a process that maps its rank's journal or slot."""
     from diag.agent.checkpoint.manager import CheckpointManager
     from diag.agent.checkpoint.sessions import RankKey
-    from diag.agent.drain import DrainSettings
-    from diag.agent.drainer import Drainer
+    from diag.agent.drain.executor import Drainer
+    from diag.agent.drain.plan import DrainSettings
 
     w = _journal(tmp_path, 0)  # mapped by this process: rank 0 is us
     manager = CheckpointManager(tmp_path, None)

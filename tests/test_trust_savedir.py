@@ -24,7 +24,7 @@ from diag.agent.checkpoint.savedir import (
     refusal,
     rule_for,
 )
-from diag.collector.untrusted import Owners
+from diag.formats.untrusted import Owners
 
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")

@@ -22,11 +22,11 @@ from snapshot_helpers import captured, model_states, new_slot, write_snapshot
 
 from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.persist import persist_slot
-from diag.collector.slotfile import SlotFile, read_snapshots
-from diag.collector.snapshot import find_slots, slot_path
-from diag.trainer.capture import CapturedFile, unpickle_state
-from diag.trainer.restore import Place, memory_index
-from diag.trainer.unpickler import RefusedGlobal
+from diag.formats.slotfile import SlotFile, read_snapshots
+from diag.formats.snapshot import find_slots, slot_path
+from diag.trainer.flash.capture import CapturedFile, unpickle_state
+from diag.trainer.flash.restore import Place, memory_index
+from diag.trainer.flash.unpickler import RefusedGlobal
 
 NOBODY = 65534
 MODEL = "global_step5/mp_rank_00_model_states.pt"
@@ -306,7 +306,7 @@ def test_agent_drain_with_planted_slots_writes_nothing_outside(tmp_path: Path, r
         shutil.rmtree(staging, ignore_errors=True)
     log = tmp_path / "agent.log"
     cmd = [
-        sys.executable, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir),
+        sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir),
         "--timeline", str(tmp_path / "timeline"), "--native-stacks", "false",
         "--interval", "0.2", "--termination-grace", "20", "-v",
     ]  # fmt: skip

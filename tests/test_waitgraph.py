@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from diag.agent.culprit import SuspectKind, find_suspects
-from diag.agent.deadlock import find_deadlocks
-from diag.agent.hang import Policy, VerdictKind, WatchState, decide
-from diag.agent.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.agent.timeouts import TimeoutPolicy
-from diag.agent.waitgraph import Blocked, blocked_ranks, cycles, path, waiting_behind
-from diag.collector.records import OpCode, OpState
+from diag.agent.detect.culprit import SuspectKind, find_suspects
+from diag.agent.detect.deadlock import find_deadlocks
+from diag.agent.detect.hang import Policy, VerdictKind, WatchState, decide
+from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.agent.detect.timeouts import TimeoutPolicy
+from diag.agent.detect.waitgraph import Blocked, blocked_ranks, cycles, path, waiting_behind
+from diag.formats.records import OpCode, OpState
 
 NOW = 1000.0
 S, R = OpCode.SEND, OpCode.RECV

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from diag.agent.checkpoint.writers import WatchOutcome, Writer, WriterWatch
-from diag.collector.rundir import pid_namespace
+from diag.formats.rundir import pid_namespace
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jobrun import free_port
 
-from diag.agent.procs import stop_tree
+from diag.agent.observe.procs import stop_tree
 
 JOB_SCRIPT = Path(__file__).with_name("wait_job.py")
 JOB = "waits"
@@ -64,7 +64,7 @@ def run(
     )  # fmt: skip
     py = sys.executable
     agent_cmd = [
-        py, "-m", "diag.agent.cli", "agent", "--run-dir", str(run_dir), "--timeline",
+        py, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir), "--timeline",
         str(timeline), "--job", JOB, "--on-hang", "stop", "--until", "incident", "--interval",
         "0.25", "--stop-grace", "5", "--native-stacks", "false", "-v",
         *agent_args,

@@ -1,13 +1,15 @@
-"""Trainer-side API of diag: attach the collector, phases and steps, flash checkpoints.
-Elsewhere in the package: diag.trainer.elastic (elastic batch config), diag.trainer.reshard
-(resume at another data-parallel size), diag.trainer.drain (the stop flag), diag.trainer.hf
-(HuggingFace Trainer callbacks), diag.trainer.graceful (save and leave on a stop request). Never
-imports diag.agent."""
+"""Trainer-side API of diag: attach the collector, phases and steps, flash checkpoints, graceful
+exit, elastic batch sizes.
+
+Rooms: `control` (the rank's end of the agent's control channel), `flash` (flash checkpoints in
+shared memory), `graceful` (save and leave when told to go), `elastic` (batch sizes and resharding).
+May import: collector, formats, proto. Never agent, viewer or cli.
+"""
 
 from diag.trainer.attach import Session, attach, current, mark, phase, step
-from diag.trainer.flash import FlashCheckpointer, FlashCheckpointError, FlashStats
-from diag.trainer.graceful import GracefulExit, graceful_exit
-from diag.trainer.teardown import exit_process
+from diag.trainer.flash.checkpointer import FlashCheckpointer, FlashCheckpointError, FlashStats
+from diag.trainer.graceful.gracefulexit import GracefulExit, graceful_exit
+from diag.trainer.graceful.teardown import exit_process
 
 __all__ = [
     "FlashCheckpointError",

@@ -23,10 +23,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from diag.collector.flightrec import FlightRecorderServer, enable_buffer
-from diag.collector.journal import DEFAULT_CAPACITY, CloseReason, JournalStatus, JournalWriter
-from diag.collector.meta import GroupInfo, JournalMeta, journal_path, write_meta
-from diag.collector.rundir import (
+from diag.collector.frserver import FlightRecorderServer, enable_buffer
+from diag.formats.journal import DEFAULT_CAPACITY, CloseReason, JournalStatus, JournalWriter
+from diag.formats.journalmeta import GroupInfo, JournalMeta, journal_path, write_meta
+from diag.formats.rundir import (
     RankIdentity,
     default_run_dir,
     job_name,
@@ -34,7 +34,7 @@ from diag.collector.rundir import (
     node_name,
     pid_namespace,
 )
-from diag.trainer.teardown import quiesce_at_exit
+from diag.trainer.graceful.teardown import quiesce_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def attach(
 
 
 def _start_control(session: Session, run_dir: Path, ident: RankIdentity) -> None:
-    from diag.trainer.control import ClientIdentity, shared_client
+    from diag.trainer.control.client import ClientIdentity, shared_client
 
     m = session.meta
     client_ident = ClientIdentity(

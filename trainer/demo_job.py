@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from diag.trainer.teardown import exit_process
+    from diag.trainer.graceful.teardown import exit_process
 
-    # Not sys.exit: see diag.trainer.teardown (a gloo teardown race aborts ZeRO-3 ranks).
+    # Not sys.exit: see diag.trainer.graceful.teardown (a gloo teardown race aborts ZeRO-3 ranks).
     exit_process(main())

@@ -8,12 +8,12 @@
     trainer.train(resume_from_checkpoint=last_checkpoint)     # at any valid world size
 
 - `deepspeed_elastic(args)` resolves the DeepSpeed config's `elasticity` block for this world
-  size (diag.trainer.elastic) into the batch settings of the arguments and of the DeepSpeed
+  size (diag.trainer.elastic.batchsize) into the batch settings of the arguments and of the DeepSpeed
   config, before the Trainer reads them, and makes `resume_from_checkpoint` load a checkpoint saved
-  at another data-parallel size through DeepSpeed's universal checkpoint (diag.trainer.reshard).
+  at another data-parallel size through DeepSpeed's universal checkpoint (diag.trainer.elastic.reshard).
 - `graceful_exit()` turns SIGTERM, SIGINT, SIGUSR1, SIGUSR2 and the stop file into a stop
-  request (diag.trainer.drain); at step ends the ranks agree on it (one small all-reduce over a
-  CPU group, as often as diag.trainer.period allows), save a checkpoint at that same step, and
+  request (diag.trainer.graceful.stopflag); at step ends the ranks agree on it (one small all-reduce over a
+  CPU group, as often as diag.trainer.control.period allows), save a checkpoint at that same step, and
   stop training. At the end of `train()` the process then leaves with the drain exit code (143,
   DIAG_DRAIN_EXIT_CODE), so that torchrun, dlrover-run and the deepspeed launcher restart it
   rather than report a job that stopped half-way as a success (ms-swift's `--callbacks
@@ -33,10 +33,12 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from diag.collector.rundir import default_run_dir
-from diag.trainer import reshard
-from diag.trainer.commands import Agreement, agree, command_group
-from diag.trainer.drain import (
+from diag.formats.rundir import default_run_dir
+from diag.trainer.control.commands import Agreement, agree, command_group
+from diag.trainer.control.period import AgreementPeriod
+from diag.trainer.elastic import reshard
+from diag.trainer.elastic.batchsize import ElasticConfigError, ElasticPlan, apply_elastic
+from diag.trainer.graceful.stopflag import (
     DRAIN_SIGNALS,
     DrainConfig,
     StopFlag,
@@ -45,9 +47,7 @@ from diag.trainer.drain import (
     stop_file_present,
     stop_flag,
 )
-from diag.trainer.elastic import ElasticConfigError, ElasticPlan, apply_elastic
-from diag.trainer.period import AgreementPeriod
-from diag.trainer.teardown import quiesce_at_exit
+from diag.trainer.graceful.teardown import quiesce_at_exit
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from diag.formats.stackdump import RankDump
 from diag.viewer import ranksets
-from diag.viewer.stacks import RankDump
 from diag.viewer.tree import NO_DUMP, Collected, View
 
 

@@ -16,8 +16,8 @@ from functools import cache
 from pathlib import Path
 
 from diag.viewer import ranksets
+from diag.viewer.flamelayout import OTHER, Cell, LayoutOptions, layout
 from diag.viewer.labels import FrameKind
-from diag.viewer.layout import OTHER, Cell, LayoutOptions, layout
 from diag.viewer.tree import StackTree
 
 PAD = 10  # left and right margins, px

@@ -18,11 +18,11 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from diag.formats.stackdump import FrameInterner, RankDump
 from diag.viewer import ranksets
 from diag.viewer.journals import JournalThreads, read_journal_threads
 from diag.viewer.roles import RoleCache
 from diag.viewer.sources import DumpFile, load_dump, map_chunks
-from diag.viewer.stacks import FrameInterner, RankDump
 from diag.viewer.tree import Collected, View, collect
 from diag.viewer.xpu_stacktrace import StacktraceReader
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from diag.collector.untrusted import UntrustedInput, bounded_int, read_json
-from diag.viewer.inputs import MAX_WORLD, VERDICT_MAX_BYTES, clean
+from diag.formats.inputcaps import MAX_WORLD, VERDICT_MAX_BYTES, clean
+from diag.formats.untrusted import UntrustedInput, bounded_int, read_json
 from diag.viewer.sources import DumpFile, has_dumps, scan
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from diag.collector.untrusted import UntrustedInput
-from diag.viewer import fastjson
-from diag.viewer.inputs import JOURNAL_TAIL_MAX_BYTES, MAX_WORLD, clean, read_capped
+from diag.formats import fastjson
+from diag.formats.inputcaps import JOURNAL_TAIL_MAX_BYTES, MAX_WORLD, clean, read_capped
+from diag.formats.untrusted import UntrustedInput
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import enum
 import re
 from dataclasses import dataclass
 
-from diag.viewer.stacks import ADDRESS, UNRESOLVED, Frame
+from diag.formats.stackdump import ADDRESS, UNRESOLVED, Frame
 
 
 class FrameKind(enum.StrEnum):

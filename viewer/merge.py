@@ -15,7 +15,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from diag.viewer import flightrec, ranksets
+from diag.formats.inputcaps import MAX_RANKS_PER_FILE, clean
+from diag.formats.stackdump import RankDump
+from diag.viewer import frdumps as flightrec
+from diag.viewer import ranksets
 from diag.viewer.absent import Absent, local_world_size
 from diag.viewer.analysis import About, analyse, draw
 from diag.viewer.classes import RankClass, Suspect
@@ -23,11 +26,9 @@ from diag.viewer.flame import FlameOptions
 from diag.viewer.folded import write_folded
 from diag.viewer.gather import Gathered, gather
 from diag.viewer.incidents import Incident, IncidentError, find_incidents, pick_incident
-from diag.viewer.inputs import MAX_RANKS_PER_FILE, clean
 from diag.viewer.journals import journal_local_sizes
 from diag.viewer.outputs import OutputDir
 from diag.viewer.sources import DumpFile, default_workers
-from diag.viewer.stacks import RankDump
 from diag.viewer.summary import MergeReport, ViewReport, to_json, to_text
 from diag.viewer.tree import View
 

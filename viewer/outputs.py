@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from diag.collector.untrusted import UntrustedInput, create_new, walk_beneath, write_replace
+from diag.formats.inputcaps import clean
+from diag.formats.untrusted import UntrustedInput, create_new, walk_beneath, write_replace
 from diag.viewer.incidents import IncidentError
-from diag.viewer.inputs import clean
 
 DIR_MODE = 0o755  # as before: a merge's pictures are for whoever reads the timeline
 FILE_MODE = 0o644

@@ -27,8 +27,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from diag.formats.stackdump import Frame, RankDump, ThreadStack
 from diag.viewer.journals import JournalThreads
-from diag.viewer.stacks import Frame, RankDump, ThreadStack
 
 
 class Role(enum.StrEnum):

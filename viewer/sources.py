@@ -25,11 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from diag.collector.untrusted import UntrustedInput
-from diag.viewer import fastjson
-from diag.viewer.inputs import DUMP_MAX_BYTES, MAX_WORLD, clean, clean_lines, read_capped
+from diag.formats import fastjson
+from diag.formats.inputcaps import DUMP_MAX_BYTES, MAX_WORLD, clean, clean_lines, read_capped
+from diag.formats.stackdump import (
+    STACK_FORMAT,
+    STACK_SUFFIX,
+    FrameInterner,
+    RankDump,
+    pyspy_threads,
+)
+from diag.formats.untrusted import UntrustedInput
 from diag.viewer.journals import JOURNAL_SUFFIX, tail_name
-from diag.viewer.stacks import STACK_FORMAT, STACK_SUFFIX, FrameInterner, RankDump, pyspy_threads
 from diag.viewer.xpu_stacktrace import StacktraceError, StacktraceReader
 
 log = logging.getLogger(__name__)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diag.collector.untrusted import printable
-from diag.viewer import flightrec, ranksets
+from diag.formats.untrusted import printable
+from diag.viewer import frdumps as flightrec
+from diag.viewer import ranksets
 from diag.viewer.absent import Absent
 from diag.viewer.classes import RankClass, Suspect
 from diag.viewer.tree import View

@@ -24,6 +24,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from diag.formats.stackdump import Frame, RankDump, ThreadStack
 from diag.viewer import ranksets
 from diag.viewer.labels import (
     ROOT_INFO,
@@ -38,7 +39,6 @@ from diag.viewer.labels import (
     unresolved_run,
 )
 from diag.viewer.roles import Role, RoleCache, dump_roles, thread_label
-from diag.viewer.stacks import Frame, RankDump, ThreadStack
 
 
 class View(enum.StrEnum):

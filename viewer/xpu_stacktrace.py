@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from google.protobuf.message import DecodeError
 
+from diag.formats.inputcaps import clean, clean_lines
+from diag.formats.stackdump import Frame, FrameInterner, RankDump, ThreadStack, parse_pyspy_json
 from diag.proto.stacktrace_view_pb2 import Stacktrace as _Stacktrace
-from diag.viewer.inputs import clean, clean_lines
-from diag.viewer.stacks import Frame, FrameInterner, RankDump, ThreadStack, parse_pyspy_json
 
 
 class StacktraceError(ValueError):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import psutil
 
-from diag.collector.slotfile import open_slot
-from diag.collector.snapshot import SnapshotError, find_slots
-from diag.collector.untrusted import Owners
+from diag.formats.slotfile import open_slot
+from diag.formats.snapshot import SnapshotError, find_slots
+from diag.formats.untrusted import Owners
 
 
 @dataclass(frozen=True)

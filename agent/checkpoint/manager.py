@@ -33,9 +33,9 @@ from diag.agent.checkpoint.sessions import CommandReport, RankKey, Sessions
 from diag.agent.checkpoint.stats import CheckpointStats, RankCheckpointStats
 from diag.agent.checkpoint.storage import has_part
 from diag.agent.checkpoint.writers import WatchOutcome, Writer, WriterWatch
-from diag.collector.slotfile import Snapshot, read_snapshots, run_dir_owners
-from diag.collector.snapshot import find_slots, read_latest_step
-from diag.collector.untrusted import Owners
+from diag.formats.slotfile import Snapshot, read_snapshots, run_dir_owners
+from diag.formats.snapshot import find_slots, read_latest_step
+from diag.formats.untrusted import Owners
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ class CheckpointManager:
         return out
 
     def jobs_in_run_dir(self) -> set[str]:
-        from diag.collector.snapshot import parse_slot_name
+        from diag.formats.snapshot import parse_slot_name
 
         jobs = set()
         for p in find_slots(self.run_dir, self.job):

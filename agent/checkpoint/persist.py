@@ -23,9 +23,9 @@ from pathlib import Path
 from diag.agent.checkpoint import storage
 from diag.agent.checkpoint.savedir import Base, SaveDirRefused, SaveDirRule, advice, rule_for
 from diag.agent.checkpoint.torchzip import write_torch_file
-from diag.collector.slotfile import SlotFile, run_dir_owners, warn_once
-from diag.collector.snapshot import FileEntry, SnapshotError, step_tag
-from diag.collector.untrusted import Owners, UntrustedInput
+from diag.formats.slotfile import SlotFile, run_dir_owners, warn_once
+from diag.formats.snapshot import FileEntry, SnapshotError, step_tag
+from diag.formats.untrusted import Owners, UntrustedInput
 
 log = logging.getLogger(__name__)
 

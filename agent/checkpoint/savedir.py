@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from diag.collector.untrusted import UntrustedInput, open_dir, walk_beneath
+from diag.formats.untrusted import UntrustedInput, open_dir, walk_beneath
 
 DIR_MODE = 0o755
 

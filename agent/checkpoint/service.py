@@ -8,7 +8,7 @@ socket (`context.peer()` is "unix:", and the auth context of local credentials c
 "transport_security_type": "local", no uid), so the server cannot check its clients' SO_PEERCRED
 per call. It relies on the socket's mode instead: 0600, bound in a private directory and renamed
 into place, so only the socket's owner and root can connect. The ranks check the server's side
-(diag.trainer.agentpeer).
+(diag.trainer.control.peer).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import grpc
 
 from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.sessions import CommandReport, RankKey
-from diag.agent.exitcodes import UsageError
-from diag.collector.meta import safe_job_name
-from diag.collector.snapshot import read_latest_step
-from diag.collector.untrusted import Owners
+from diag.formats.exitcodes import UsageError
+from diag.formats.journalmeta import safe_job_name
+from diag.formats.snapshot import read_latest_step
+from diag.formats.untrusted import Owners
 from diag.proto import control_pb2 as pb
 from diag.proto import control_pb2_grpc as pb_grpc
 

@@ -35,15 +35,15 @@ from diag.agent.checkpoint.savedir import (
     beneath,
     open_save_dir,
 )
-from diag.collector.locks import EXCLUSIVE, UNLOCK, ofd_lock
-from diag.collector.snapshot import (
+from diag.formats.locks import EXCLUSIVE, UNLOCK, ofd_lock
+from diag.formats.snapshot import (
     LATEST_FILE,
     TRACKER_FILE,
     read_latest_step,
     step_tag,
     tag_step,
 )
-from diag.collector.untrusted import (
+from diag.formats.untrusted import (
     KIB,
     UntrustedInput,
     create_new,

@@ -8,7 +8,7 @@
     <archive>/version                 "3"
     <archive>/.data/serialization_id  an identifier of this file
 
-The trainer pickles the structure exactly as torch.save would (trainer/capture.py), so the agent
+The trainer pickles the structure exactly as torch.save would (trainer/flash/capture.py), so the agent
 only moves bytes: from shared memory to the file with os.write, the CRC-32 of each record
 computed on a second thread while it is being written. ZIP64 records are used when a record or
 an offset passes 4 GiB. torch.load and Python's zipfile read the result.

@@ -19,8 +19,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from diag.agent.procs import same_process
-from diag.collector.rundir import pid_namespace
+from diag.agent.observe.procs import same_process
+from diag.formats.rundir import pid_namespace
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from diag.agent.observation import OpView
-from diag.collector.records import OpCode
+from diag.agent.detect.observation import OpView
+from diag.formats.records import OpCode
 
 # Variants of one collective (coalesced, _base, single) share a kind: fewer series, same meaning.
 _KINDS: dict[OpCode, str] = {

@@ -27,19 +27,19 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from diag.agent.actions import IncidentReport
-from diag.agent.hang import Verdict, VerdictKind, WatchState
+from diag.agent.detect.hang import Verdict, VerdictKind, WatchState
+from diag.agent.detect.observation import Observation, OpView
+from diag.agent.detect.straggler import straggler_scores
+from diag.agent.detect.timeouts import TimeoutPolicy
 from diag.agent.metrics import families as f
 from diag.agent.metrics.checkpoint import CheckpointMetrics
 from diag.agent.metrics.collectives import Bandwidth, bus_bandwidth, new_completions, op_kind
 from diag.agent.metrics.exposition import TextWriter
 from diag.agent.metrics.gpu import GpuCollector, Nvml, open_nvml
 from diag.agent.metrics.host import HostCollector
-from diag.agent.metrics.precheck import PrecheckFileCollector
+from diag.agent.metrics.prechecktext import PrecheckFileCollector
 from diag.agent.metrics.rankstate import RankMetrics, rank_metrics
 from diag.agent.metrics.xputimer import XpuTimerIdentity, render
-from diag.agent.observation import Observation, OpView
-from diag.agent.straggler import straggler_scores
-from diag.agent.timeouts import TimeoutPolicy
 
 log = logging.getLogger(__name__)
 

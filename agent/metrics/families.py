@@ -3,7 +3,7 @@
 Labels stay bounded: `job`, `node`, `rank`, `local_rank`, the op kind (`op`, a dozen values),
 the incident kind, the evidence stage, the GPU index. Nothing unbounded (op sequence numbers,
 group names, PIDs, paths) ever becomes a label. The precheck's own `diag_precheck_*` families are
-declared in `diag.agent.precheck.metrics` and re-exported as they are.
+declared in `diag.agent.precheck.promfile` and re-exported as they are.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diag.agent.hang import Verdict, VerdictKind, overdue_ranks
-from diag.agent.observation import Observation
-from diag.agent.straggler import StragglerScore
-from diag.agent.timeouts import TimeoutPolicy
+from diag.agent.detect.hang import Verdict, VerdictKind, overdue_ranks
+from diag.agent.detect.observation import Observation
+from diag.agent.detect.straggler import StragglerScore
+from diag.agent.detect.timeouts import TimeoutPolicy
 
 
 @dataclass(frozen=True)

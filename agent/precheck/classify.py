@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from diag.agent.precheck.evidence import (
+from diag.agent.precheck.grading import Grade, Grading, Thresholds, grade_pairs, median
+from diag.agent.precheck.measurements import (
     Check,
     Finding,
     LocalEvidence,
@@ -29,7 +30,6 @@ from diag.agent.precheck.evidence import (
     Severity,
     worst,
 )
-from diag.agent.precheck.grading import Grade, Grading, Thresholds, grade_pairs, median
 from diag.agent.precheck.rounds import required_partners
 from diag.agent.precheck.units import fmt_flops, fmt_rate
 

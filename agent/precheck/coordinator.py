@@ -16,15 +16,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from diag.agent.checkedjson import Fields
 from diag.agent.precheck import keys
 from diag.agent.precheck.classify import Observations, classify
-from diag.agent.precheck.config import LocalCheck, PrecheckConfig
-from diag.agent.precheck.evidence import LocalEvidence, PairResult, PairSide, merge_sides
 from diag.agent.precheck.liveness import BeatTracker, PhaseDeadline, round_limit_s
+from diag.agent.precheck.measurements import LocalEvidence, PairResult, PairSide, merge_sides
+from diag.agent.precheck.precheckconfig import LocalCheck, PrecheckConfig
 from diag.agent.precheck.report import PrecheckReport, build_report
 from diag.agent.precheck.rounds import plan_round
-from diag.collector.untrusted import MIB, UntrustedInput, parse_json
+from diag.formats.checkedjson import Fields
+from diag.formats.untrusted import MIB, UntrustedInput, parse_json
 
 log = logging.getLogger(__name__)
 

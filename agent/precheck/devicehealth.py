@@ -9,7 +9,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from diag.agent.precheck.evidence import DeviceHealth
+from diag.agent.precheck.measurements import DeviceHealth
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from diag.agent.precheck.evidence import PairResult
+from diag.agent.precheck.measurements import PairResult
 
 
 class Grade(enum.StrEnum):

@@ -9,9 +9,9 @@ import logging
 import socket
 import threading
 
-from diag.agent.precheck.config import LocalCheck, Measure
 from diag.agent.precheck.devicehealth import NvmlWatch
-from diag.agent.precheck.evidence import LocalEvidence, NicState
+from diag.agent.precheck.measurements import LocalEvidence, NicState
+from diag.agent.precheck.precheckconfig import LocalCheck, Measure
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from diag.agent.precheck.evidence import ComputeResult, CopyResult, PairSide
+from diag.agent.precheck.measurements import ComputeResult, CopyResult, PairSide
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from diag.agent.precheck.evidence import NicState
+from diag.agent.precheck.measurements import NicState
 
 SYSFS_NET = Path("/sys/class/net")
 _NO_CARRIER_STATES = ("down", "lowerlayerdown", "notpresent")

@@ -12,10 +12,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from diag.agent import exitcodes
-from diag.agent.checkedjson import NAME, TEXT, Fields
 from diag.agent.precheck.classify import Assessment, Observations, classify
-from diag.agent.precheck.evidence import (
+from diag.agent.precheck.grading import Thresholds, grade_pairs
+from diag.agent.precheck.measurements import (
     MAX_ITEMS,
     MAX_NODES,
     Check,
@@ -29,8 +28,9 @@ from diag.agent.precheck.evidence import (
     local_evidence,
     nic_state,
 )
-from diag.agent.precheck.grading import Thresholds, grade_pairs
-from diag.collector.untrusted import MIB, UntrustedInput, read_json
+from diag.formats import exitcodes
+from diag.formats.checkedjson import NAME, TEXT, Fields
+from diag.formats.untrusted import MIB, UntrustedInput, read_json
 
 REPORT_VERSION = 1
 # What `--report` writes: 12 KiB a node of 8 GPUs in a real run, 190 MiB for 16,000 nodes.

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from diag.agent.precheck.evidence import PairResult
 from diag.agent.precheck.grading import Grade, Thresholds, grade_pairs
+from diag.agent.precheck.measurements import PairResult
 
 Pair = tuple[int, int]
 

@@ -22,16 +22,16 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from diag.agent.checkedjson import TEXT, Fields
 from diag.agent.precheck import keys, nic
-from diag.agent.precheck.config import PrecheckConfig
 from diag.agent.precheck.coordinator import Coordinator
-from diag.agent.precheck.evidence import MAX_NODES, LocalEvidence, NicState
 from diag.agent.precheck.liveness import round_limit_s
 from diag.agent.precheck.localchecks import run_local_checks
+from diag.agent.precheck.measurements import MAX_NODES, LocalEvidence, NicState
+from diag.agent.precheck.precheckconfig import PrecheckConfig
 from diag.agent.precheck.report import PrecheckReport, error_report
 from diag.agent.precheck.storeclient import BoundedStore, LostRendezvous
-from diag.collector.untrusted import UntrustedInput, parse_json
+from diag.formats.checkedjson import TEXT, Fields
+from diag.formats.untrusted import UntrustedInput, parse_json
 
 log = logging.getLogger(__name__)
 

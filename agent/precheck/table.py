@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diag.agent.precheck.evidence import Severity
+from diag.agent.precheck.measurements import Severity
 from diag.agent.precheck.report import Outcome, PrecheckReport
 from diag.agent.precheck.units import fmt_flops, fmt_rate
 

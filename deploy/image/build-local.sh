@@ -174,7 +174,7 @@ if run --entrypoint python3 "$agent" -c "import torch" 2>/dev/null; then
     die "torch is importable in $agent"
 fi
 run --entrypoint python3 "$agent" -c "
-from diag.agent.pyspy import CAP_SYS_PTRACE, file_has_capability, pyspy_binary
+from diag.agent.evidence.pyspy import CAP_SYS_PTRACE, file_has_capability, pyspy_binary
 assert file_has_capability(pyspy_binary(), CAP_SYS_PTRACE), 'py-spy lacks cap_sys_ptrace'
 " || die "py-spy in $agent lacks its file capability cap_sys_ptrace"
 # A stack dump of a sleeping Python process in the same container, as the non-root user: py-spy

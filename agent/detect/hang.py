@@ -1,0 +1,427 @@
+"""The agent's decision core: observation and state in, verdict and actions out.
+
+Pure: no clocks (time comes in the observation), no I/O, no logging. The daemon executes the
+actions and logs the events. Rules:
+- a rank died (or failed) without closing its journal: an incident at once;
+- a rank closed its journal (ended, or left the process group) while others went on to ops that
+  need it: an incident at once, naming it, before any rank that failed after it (leaver.py);
+- a rank's oldest pending op is older than its limit: a hang;
+- a rank outside any collective made no progress for longer than the ceiling: no-progress (a
+  rank that others wait for is caught sooner, through their pending ops);
+- a rank waiting in a collective inherits the longest limit among the members it waits for, so
+  ranks waiting at a barrier while rank 0 evaluates are not called hung; its own phase does not
+  lengthen a wait for members outside any phase (a rank in its flash save waiting for one that
+  stopped before its own is held to the adaptive limit);
+- one incident at a time: a new one may open only after progress resumes or the ranks restart.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+from diag.agent.detect.culprit import Suspect, SuspectKind, Wait, find_suspects, waits
+from diag.agent.detect.deadlock import NO_ONE_STANDS_OUT
+from diag.agent.detect.leaver import Leaver, find_leavers
+from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.agent.detect.timeouts import (
+    PG_TIMEOUT_MARGIN,
+    Limit,
+    TimeoutPolicy,
+    effective_ceiling,
+    rank_limit,
+    settled_at,
+    stepless,
+    waits_outside_phases,
+)
+
+
+class VerdictKind(enum.Enum):
+    HANG = "hang"  # ranks wait in a collective beyond the limit
+    NO_PROGRESS = "no_progress"  # no rank waits in a collective, yet nothing moves
+    RANK_EXITED = "rank_exited"  # a rank died while the others run
+
+
+class OnHang(enum.Enum):
+    NONE = "none"  # evidence only
+    STOP = "stop"  # evidence, then SIGTERM the local ranks (SIGKILL after a grace period)
+
+
+class ActionKind(enum.Enum):
+    CAPTURE_EVIDENCE = "capture-evidence"
+    PERSIST_CHECKPOINT = "persist-checkpoint"
+    STOP_RANKS = "stop-ranks"
+
+
+class EventKind(enum.Enum):
+    INCIDENT = "incident"
+    RECOVERED = "recovered"  # progress resumed after an incident
+    NEW_ATTEMPT = "new-attempt"  # the ranks restarted
+    JOB_ENDED = "job-ended"
+    NO_STEPS = "no-steps"  # ranks mark no steps: their op pace ended warm-up (once per attempt)
+
+
+class OverdueKind(enum.Enum):
+    PENDING_OP = "pending-op"
+    NO_PROGRESS = "no-progress"
+
+
+@dataclass(frozen=True)
+class Overdue:
+    rank: int
+    kind: OverdueKind
+    age: float
+    limit: Limit
+    op: OpView | None = None
+
+    def describe(self) -> str:
+        what = f"in {self.op.describe()}" if self.op else "without progress"
+        return (
+            f"rank {self.rank} {what} for {self.age:.1f} s > limit {self.limit.seconds:.1f} s "
+            f"({self.limit.basis})"
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: VerdictKind
+    incident_id: str
+    at: float  # monotonic time of the decision
+    culprit: int | None
+    suspects: tuple[Suspect, ...]
+    overdue: tuple[Overdue, ...]
+    waits: tuple[Wait, ...]
+    summary: str
+    expired_at: float | None = None  # when the first limit ran out (for latency accounting)
+
+
+@dataclass(frozen=True)
+class Policy:
+    timeouts: TimeoutPolicy = field(default_factory=TimeoutPolicy)
+    on_hang: OnHang = OnHang.NONE
+    persist_on_incident: bool = False
+
+
+@dataclass(frozen=True)
+class WatchState:
+    attempt: int = -1
+    incident: Verdict | None = None
+    activity_at_incident: tuple[tuple[int, float], ...] = ()
+    job_ended: bool = False
+    warned_no_steps: bool = False
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    verdict: Verdict
+    ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: EventKind
+    message: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: WatchState
+    verdict: Verdict | None = None
+    actions: tuple[Action, ...] = ()
+    events: tuple[Event, ...] = ()
+
+
+def decide(state: WatchState, obs: Observation, policy: Policy) -> Decision:
+    events: list[Event] = []
+    if obs.attempt != state.attempt:
+        if state.attempt >= 0:
+            events.append(Event(EventKind.NEW_ATTEMPT, f"ranks restarted (attempt {obs.attempt})"))
+        state = WatchState(attempt=obs.attempt)
+    if not obs.ranks:
+        return Decision(state, events=tuple(events))
+    if not state.warned_no_steps:
+        warning = _no_steps_warning(obs, policy.timeouts)
+        if warning is not None:
+            events.append(warning)
+            state = replace(state, warned_no_steps=True)
+
+    if state.incident is not None:
+        if _progressed_since(state, obs):
+            events.append(Event(EventKind.RECOVERED, "progress resumed after the incident"))
+            state = replace(state, incident=None, activity_at_incident=())
+        else:
+            return Decision(_job_end(state, obs, events), events=tuple(events))
+
+    verdict = _rank_exit_verdict(obs) or _hang_verdict(obs, policy)
+    if verdict is None:
+        return Decision(_job_end(state, obs, events), events=tuple(events))
+
+    events.append(Event(EventKind.INCIDENT, verdict.summary))
+    actions = [Action(ActionKind.CAPTURE_EVIDENCE, verdict)]
+    if policy.persist_on_incident:
+        actions.append(Action(ActionKind.PERSIST_CHECKPOINT, verdict))
+    alive = tuple(sorted(r.rank for r in obs.ranks if r.alive))
+    if policy.on_hang == OnHang.STOP and alive:
+        actions.append(Action(ActionKind.STOP_RANKS, verdict, alive))
+    state = replace(
+        state,
+        incident=verdict,
+        activity_at_incident=tuple((r.rank, r.last_activity) for r in obs.ranks),
+    )
+    return Decision(state, verdict, tuple(actions), tuple(events))
+
+
+def _no_steps_warning(obs: Observation, timeouts: TimeoutPolicy) -> Event | None:
+    """Said once: a job that marks no steps is judged on the pace of its ops, not on steps."""
+    ranks = [r for r in obs.ranks if r.alive and stepless(r)]
+    if not ranks:
+        return None
+    first = ranks[0]
+    limit = rank_limit(first, timeouts, obs.pg_timeout, settled_at(obs.ranks, timeouts), obs.now)
+    held = first.cadence.steady_over if first.cadence is not None else 0.0
+    which = (
+        f"ranks {','.join(str(r.rank) for r in ranks)}" if len(ranks) > 1 else f"rank {first.rank}"
+    )
+    return Event(
+        EventKind.NO_STEPS,
+        f"{which} mark no training steps (no engine given to diag.trainer.attach(), no "
+        f"diag.trainer.step()); their ops have completed at a steady pace for {held:.0f} s, so "
+        f"the {timeouts.warmup_timeout:g} s warm-up limit no longer applies: hang limit of rank "
+        f"{first.rank} now {limit.seconds:.1f} s ({limit.basis}). Call diag.trainer.step() at "
+        "each step boundary for limits based on steps",
+    )
+
+
+def _progressed_since(state: WatchState, obs: Observation) -> bool:
+    """A live rank moved after the incident, and no dead rank is still in view (the observer
+    stops showing ranks that ended a while ago, so a relaunched job can recover), nor a rank
+    that left while the others need it."""
+    before = dict(state.activity_at_incident)
+    moved = any(r.alive and r.last_activity > before.get(r.rank, float("-inf")) for r in obs.ranks)
+    if not moved or any(r.liveness == Liveness.DIED for r in obs.ranks):
+        return False
+    return (
+        state.incident is None
+        or state.incident.culprit is None
+        or not any(lv.rank.rank == state.incident.culprit for lv in find_leavers(obs))
+    )
+
+
+def _job_end(state: WatchState, obs: Observation, events: list[Event]) -> WatchState:
+    if not state.job_ended and all(not r.alive for r in obs.ranks):
+        events.append(Event(EventKind.JOB_ENDED, _end_message(obs)))
+        return replace(state, job_ended=True)
+    return state
+
+
+def _end_message(obs: Observation) -> str:
+    counts: dict[str, int] = {}
+    for r in obs.ranks:
+        counts[r.liveness.value] = counts.get(r.liveness.value, 0) + 1
+    return "all local ranks ended: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+
+
+def _incident_id(obs: Observation, kind: VerdictKind, ws: list[Wait]) -> str:
+    # Agents on other nodes see the same stuck collective, so (group, seq) makes the id they
+    # share; directories of one incident are grouped by it when merged.
+    where = f"pg{ws[0].group}-seq{ws[0].group_seq}" if ws else "noop"
+    if ws and ws[0].pair is not None:
+        where += f"-p2p{ws[0].pair[0]}-{ws[0].pair[1]}"
+    return f"a{obs.attempt}-{kind.value}-{where}"
+
+
+def _rank_exit_verdict(obs: Observation) -> Verdict | None:
+    leavers = [lv for lv in find_leavers(obs) if obs.rank(lv.rank.rank) is not None]
+    if leavers:
+        return _leaver_verdict(obs, leavers[0])
+    dead = [r for r in obs.ranks if r.liveness in (Liveness.DIED, Liveness.FAILED)]
+    if not dead:
+        return None
+    first = min(dead, key=lambda r: (r.exited_at if r.exited_at is not None else obs.now, r.rank))
+    suspects = [s for s in find_suspects(obs) if s.rank != first.rank]
+    how = "failed with an uncaught exception" if first.liveness == Liveness.FAILED else "died"
+    lead = Suspect(
+        first.rank,
+        SuspectKind.DIED,
+        f"rank {first.rank} (pid {first.pid}) {how} first"
+        + (
+            f", during {first.pending[0].describe()}" if first.pending else f" at step {first.step}"
+        ),
+    )
+    others = [r.rank for r in dead if r is not first]
+    tail = f"; ranks {','.join(map(str, others))} ended after it" if others else ""
+    return _exit_verdict(obs, first.rank, (lead, *suspects), f"rank {first.rank} {how}{tail}",
+                         first.exited_at)  # fmt: skip
+
+
+def _leaver_verdict(obs: Observation, lv: Leaver) -> Verdict:
+    """A local rank left while others went on to ops that need it: whatever happens to them next
+    (they fail, hang or are killed) is its consequence, so it is named at once, as a death is."""
+    suspects = find_suspects(obs)
+    lead = next(s for s in suspects if s.rank == lv.rank.rank)
+    dead = [r.rank for r in obs.ranks if r.liveness in (Liveness.DIED, Liveness.FAILED)]
+    tail = f"; ranks {','.join(map(str, dead))} ended after it" if dead else ""
+    rest = tuple(s for s in suspects if s is not lead)
+    return _exit_verdict(obs, lv.rank.rank, (lead, *rest), lead.reason + tail, lv.ended_at)
+
+
+def _exit_verdict(
+    obs: Observation,
+    culprit: int,
+    suspects: tuple[Suspect, ...],
+    summary: str,
+    expired_at: float | None,
+) -> Verdict:
+    return Verdict(
+        kind=VerdictKind.RANK_EXITED,
+        # One id per attempt, not per rank: when ranks on several nodes die in one cascade,
+        # each node's agent names the same incident whichever rank it saw die first.
+        incident_id=f"a{obs.attempt}-{VerdictKind.RANK_EXITED.value}",
+        at=obs.now,
+        culprit=culprit,
+        suspects=suspects,
+        overdue=(),
+        waits=tuple(waits(obs)),
+        summary=summary,
+        expired_at=expired_at,
+    )
+
+
+def _limits(obs: Observation, policy: TimeoutPolicy) -> dict[int, Limit]:
+    settled = settled_at(obs.ranks, policy)
+    return {
+        r.rank: rank_limit(r, policy, obs.pg_timeout, settled, obs.now)
+        for r in obs.ranks
+        if r.alive
+    }
+
+
+def _overdue(
+    r: RankSnapshot, obs: Observation, limits: dict[int, Limit], policy: TimeoutPolicy
+) -> Overdue | None:
+    limit = limits[r.rank]
+    op = r.oldest_pending
+    if op is not None:
+        members = obs.groups.get(op.group, ())
+        if r.phase and waits_outside_phases(r, op, members, obs):
+            # Its own phase covers its own work in it, not a wait for ranks outside any phase:
+            # a flash save's agreement each step would otherwise hold a rank that stopped
+            # before its save to the phase's limit (capped by the collective timeout only).
+            own = rank_limit(
+                replace(r, phase="", phase_since=None),
+                policy,
+                obs.pg_timeout,
+                settled_at(obs.ranks, policy),
+                obs.now,
+            )
+            limit = Limit(own.seconds, f"{own.basis}; waiting in phase {r.phase!r}")
+        # Waiting for members that are in a phase or warming up: their longer limit applies.
+        for m in members:
+            other = limits.get(m) if m != r.rank else None
+            if other is not None and other.seconds > limit.seconds:
+                limit = Limit(other.seconds, f"{other.basis} on rank {m}, which it waits for")
+        # Whatever the limit, act before torch aborts this group's collective: the stacks would
+        # no longer show where the ranks were stuck.
+        torch_timeout = obs.group_timeouts.get(op.group, 0.0)
+        if torch_timeout > 0 and limit.seconds > torch_timeout * PG_TIMEOUT_MARGIN:
+            limit = Limit(
+                torch_timeout * PG_TIMEOUT_MARGIN,
+                f"{PG_TIMEOUT_MARGIN:.0%} of group {op.group}'s collective timeout",
+            )
+        # The wait is stuck only while the members it waits for are: any sign of progress from
+        # one of them (it left a phase, issued an op, joined this one) restarts the clock. A
+        # rank leaving a long eval and then joining the barrier is not a hang of the others.
+        start = op.t_enqueue
+        for m in members:
+            other_rank = obs.find(m) if m != r.rank else None
+            if other_rank is not None and other_rank.alive:
+                start = max(start, min(other_rank.last_activity, obs.now))
+        age = obs.now - start
+        if age > limit.seconds:
+            return Overdue(r.rank, OverdueKind.PENDING_OP, age, limit, op)
+        return None
+    # A rank outside any collective blocks nobody until the others wait for it, and then their
+    # pending ops trip the adaptive limit. On its own it may legitimately compute, save or log
+    # for a long time, so it is held to the ceiling (or its phase limit, if longer).
+    ceiling = effective_ceiling(policy, obs.pg_timeout)
+    if limit.seconds < ceiling:
+        limit = Limit(ceiling, "ceiling (no collective in flight)")
+    age = obs.now - r.last_activity
+    if age > limit.seconds:
+        return Overdue(r.rank, OverdueKind.NO_PROGRESS, age, limit)
+    return None
+
+
+def overdue_ranks(
+    obs: Observation, timeouts: TimeoutPolicy
+) -> tuple[dict[int, Limit], tuple[Overdue, ...]]:
+    """Every live rank's current limit, and the ranks over it: what the hang rule sees now."""
+    limits = _limits(obs, timeouts)
+    overdue = tuple(o for r in obs.ranks if r.alive if (o := _overdue(r, obs, limits, timeouts)))
+    return limits, overdue
+
+
+def _no_one_stands_out(suspects: list[Suspect]) -> bool:
+    """The leading suspects are the ranks of one deadlock, none of which stands out."""
+    return (
+        bool(suspects)
+        and suspects[0].kind == SuspectKind.DEADLOCK
+        and (NO_ONE_STANDS_OUT in suspects[0].reason)
+    )
+
+
+def _span(ranks: list[int]) -> str:
+    """ranks 2, 3 / ranks 8-15 / rank 4: short for a whole remote node."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _hang_verdict(obs: Observation, policy: Policy) -> Verdict | None:
+    _, overdue = overdue_ranks(obs, policy.timeouts)
+    if not overdue:
+        return None
+    ws = waits(obs)
+    suspects = find_suspects(obs)
+    if not suspects:
+        # Nobody waits for anybody: the ranks without progress are the suspects themselves.
+        suspects = [
+            Suspect(o.rank, SuspectKind.BEHIND_IDLE, o.describe())
+            for o in sorted(overdue, key=lambda o: -o.age)
+        ]
+    kind = VerdictKind.HANG if ws else VerdictKind.NO_PROGRESS
+    culprit = suspects[0].rank if suspects else None
+    first = max(overdue, key=lambda o: o.age - o.limit.seconds)
+    lead = suspects[0].reason if suspects else first.describe()
+    if suspects and suspects[0].kind == SuspectKind.REMOTE:
+        # Only ranks on other nodes can be behind: which of them, this node cannot tell. The
+        # job verdict weighs every node's view of its ranks and names it.
+        culprit = None
+        remote = sorted(s.rank for s in suspects if s.kind == SuspectKind.REMOTE)
+        where = f" in {ws[0].describe()}" if ws else ""
+        lead = (
+            f"the local ranks wait{where} for ranks on other nodes ({_span(remote)}): "
+            "the job verdict names the culprit"
+        )
+    elif _no_one_stands_out(suspects):
+        # A deadlock of ranks that all did the same thing (each receives before it sends):
+        # naming one of them would send the reader after the wrong rank.
+        culprit = None
+        lead = f"no single culprit: {lead}"
+    summary = f"{kind.value}: " + (
+        f"rank {culprit} is the likely culprit: {lead}" if culprit is not None else lead
+    )
+    return Verdict(
+        kind=kind,
+        incident_id=_incident_id(obs, kind, ws),
+        at=obs.now,
+        culprit=culprit,
+        suspects=tuple(suspects),
+        overdue=tuple(sorted(overdue, key=lambda o: o.rank)),
+        waits=tuple(ws),
+        summary=summary,
+        expired_at=obs.now - (first.age - first.limit.seconds),
+    )

@@ -1,0 +1,408 @@
+"""The job verdict's decisions, pure: which incident of the job a node's incident belongs to,
+whether the node files a report for it, and the culprit from the reports filed.
+
+The file adapter (`jobverdict.py`) lists and reads; the node's side (`joblink.py`) runs the
+steps at their times. Nothing here touches a file or a clock: times come in as arguments.
+
+Incident ids are the decision core's (`hang.py`): `a<attempt>-<kind>-...`. A death has one id
+per attempt (`a<attempt>-rank_exited`), so every node whose ranks die in one cascade lands in
+the same incident whatever order their agents see it in. An id seen again in a later run of the
+job (a pod restart starts again at attempt 0) gets a generation, `<id>~2`, `<id>~3`...: an
+incident whose claim is older than the node's ranks belongs to an earlier run.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any
+
+from diag.agent.job.nodeview import MAX_RANKS
+from diag.formats.untrusted import printable
+
+JOB_VERDICT_FORMAT = "diag.job-verdict/1"
+DEATH = "rank_exited"  # the decision core's kind for a rank that died
+# Clocks of the nodes (and of the file server that stamps files) agree to well within this.
+CLOCK_SKEW = 2.0
+# A later run of the job (pods restarted: attempts count from 0 again) attaches its ranks at
+# least this long after the earlier run's last incident: restart, imports, rendezvous.
+RUN_GAP = 10.0
+
+
+class Where(enum.Enum):
+    LOCAL = "L"  # the blamed rank runs on the reporting node: that node knows it first-hand
+    REMOTE = "R"  # the blamed rank runs elsewhere (or the report blames nobody)
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """One node's view of one incident."""
+
+    node: str
+    culprit: int | None
+    where: Where
+    evidence: str  # the node's incident directory
+    kind: str = ""
+    summary: str = ""
+    wall: float = 0.0  # when the node filed it (its clock)
+    view: dict[str, Any] | None = None  # its ranks at the verdict (nodeview.view_document)
+    first_sign_wall: float = 0.0  # when its first rank died (deaths), else its verdict's time
+
+    def name(self) -> str:
+        rank = "x" if self.culprit is None else str(self.culprit)
+        # The evidence directory's own name rides along, so one listing gives every node's.
+        evidence = safe_name(self.evidence.rstrip("/").rsplit("/", 1)[-1])
+        return f"r{rank}.{self.where.value}.{safe_name(self.node)[:63]}~{evidence}"
+
+
+@dataclass(frozen=True)
+class ReportName:
+    """What a report's file name says, without reading it."""
+
+    node: str
+    culprit: int | None
+    where: Where
+    file: str
+    evidence_name: str = ""
+
+
+_NAME = re.compile(r"^r(x|\d+)\.([LR])\.([A-Za-z0-9_.-]+)~([A-Za-z0-9_.@-]*)$")
+
+
+def parse_name(name: str) -> ReportName | None:
+    """What a file name in the reports directory says; None when it is not a report's name
+    (or names a rank no job has, or an evidence directory that is not a plain name)."""
+    m = _NAME.match(name)
+    if m is None or m.group(4) in ("", ".", ".."):
+        return None
+    if m.group(1) != "x" and (len(m.group(1)) > 7 or int(m.group(1)) >= MAX_RANKS):
+        return None
+    rank = None if m.group(1) == "x" else int(m.group(1))
+    return ReportName(
+        node=m.group(3), culprit=rank, where=Where(m.group(2)), file=name, evidence_name=m.group(4)
+    )
+
+
+def safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.@-]+", "_", text)[:160] or "node"
+
+
+@dataclass(frozen=True)
+class JobVerdict:
+    incident_id: str
+    job: str
+    culprit: int | None
+    culprit_node: str  # "" when no node reported the culprit as its own
+    basis: str  # why this rank: first-hand, or the most nodes' opinion
+    nodes: tuple[str, ...]  # the nodes whose reports it names: first-hand ones, the culprit's
+    evidence: tuple[str, ...]  # their incident directories, in the order of `nodes`
+    first_hand: NodeReport | None
+    decided_wall: float
+    # Every node's incident directory of this incident, those of nodes that filed nothing
+    # included: one listing of the timeline (incident.py names them after the incident).
+    evidence_glob: str = ""
+    reports: int = 0  # how many nodes filed a report
+
+
+# -- which incident, and whether to file ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a claim file says: who claimed the incident, and whether first-hand."""
+
+    node: str
+    where: Where
+    culprit: int | None
+    first_sign_wall: float
+
+    def text(self) -> str:
+        rank = "x" if self.culprit is None else str(self.culprit)
+        return f"{self.node} {self.where.value} {rank} {self.first_sign_wall:.3f}\n"
+
+    @classmethod
+    def parse(cls, text: str) -> Claim | None:
+        """None for what is not a claim: one from an older agent (the node name only), a torn
+        one, or one with a rank or time out of bounds."""
+        parts = text.split()
+        if len(parts) != 4 or parts[1] not in ("L", "R") or len(parts[0]) > 256:
+            return None
+        try:
+            rank = None if parts[2] == "x" else int(parts[2])
+            wall = float(parts[3])
+        except ValueError:
+            return None
+        if (rank is not None and not 0 <= rank < MAX_RANKS) or not math.isfinite(wall):
+            return None
+        return cls(printable(parts[0]), Where(parts[1]), rank, wall)
+
+
+@dataclass(frozen=True)
+class Known:
+    """One incident of the job as a listing of the job's directory and its claim show it."""
+
+    incident_id: str
+    claimed_wall: float  # the claim's time (its file's mtime), or the directory's
+    claim: Claim | None = None
+    # Looked at only when it matters (a waiting node at the end of its settle time):
+    verdict: bool = False  # job-verdict.json is in place
+    marked: bool = False  # a first-hand report came after a waiting node's claim
+
+    @property
+    def first_hand(self) -> bool:
+        return self.marked or (self.claim is not None and self.claim.where == Where.LOCAL)
+
+
+@dataclass(frozen=True)
+class Mine:
+    """This node's incident, as its own verdict has it."""
+
+    incident_id: str  # the decision core's id, no generation
+    where: Where
+    first_sign_wall: float  # its first rank's death, or its verdict's time
+    decided_wall: float
+    since_wall: float  # its ranks started then: incidents claimed before are an earlier run's
+
+    @property
+    def death(self) -> bool:
+        return kind_of(self.incident_id) == DEATH
+
+    @property
+    def attempt(self) -> int | None:
+        return attempt_of(self.incident_id)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The incident this node's incident belongs to."""
+
+    incident_id: str  # with its generation
+    known: Known | None  # None: nobody filed it yet
+    adopted: bool  # another incident than the one this node's verdict named
+    consequence: bool  # explained by what another node saw first: this node files nothing
+    reason: str
+
+
+_ID = re.compile(r"^a(\d+)-([a-z_]+)")
+
+
+def generation(incident_id: str) -> tuple[str, int]:
+    base, sep, gen = incident_id.rpartition("~")
+    if sep and gen.isdigit():
+        return base, int(gen)
+    return incident_id, 1
+
+
+def with_generation(base: str, gen: int) -> str:
+    return base if gen <= 1 else f"{base}~{gen}"
+
+
+def attempt_of(incident_id: str) -> int | None:
+    m = _ID.match(incident_id)
+    return int(m.group(1)) if m else None
+
+
+def kind_of(incident_id: str) -> str:
+    m = _ID.match(incident_id)
+    return m.group(2) if m else ""
+
+
+def death_id(attempt: int) -> str:
+    return f"a{attempt}-{DEATH}"
+
+
+def fresh(claimed_wall: float, since_wall: float) -> bool:
+    """Claimed in this run of the job, not an earlier one's."""
+    return claimed_wall >= since_wall - RUN_GAP
+
+
+def _fresh(k: Known, mine: Mine) -> bool:
+    return fresh(k.claimed_wall, mine.since_wall)
+
+
+def own_incident(mine: Mine, known: list[Known]) -> tuple[str, Known | None]:
+    """This node's own id with its generation: the newest one, unless an earlier run claimed it
+    (then the next)."""
+    gens = [(generation(k.incident_id)[1], k) for k in known]
+    gens = [(g, k) for g, k in gens if generation(k.incident_id)[0] == mine.incident_id]
+    if not gens:
+        return mine.incident_id, None
+    g, k = max(gens, key=lambda gk: gk[0])
+    if _fresh(k, mine):
+        return k.incident_id, k
+    return with_generation(mine.incident_id, g + 1), None
+
+
+def choose(mine: Mine, known: list[Known], window: float) -> Target:
+    """The incident this node's incident is part of, from the job's incidents `known` (one
+    listing). In one attempt of the job:
+    - a death explains everything after it (a dead rank does not come back in that attempt):
+      an incident of this node that comes later joins it, and files nothing;
+    - a node that only waits for ranks elsewhere joins an incident of the attempt that another
+      node claimed within `window` seconds before (a first-hand one first), rather than opening
+      a second one for the same stall;
+    - otherwise the node's own id, in the current generation."""
+    own_id, own = own_incident(mine, known)
+    current = [
+        k for k in known
+        if _fresh(k, mine) and attempt_of(k.incident_id) == mine.attempt
+        and k.incident_id != own_id
+    ]  # fmt: skip
+    if mine.death:
+        # Deaths share the id: ours is a consequence when the one claimed came first.
+        lead = own.claim if own is not None else None
+        later = lead is not None and lead.first_sign_wall <= mine.first_sign_wall
+        return Target(
+            own_id, own, adopted=False, consequence=later, reason=_after(lead) if later else ""
+        )
+    deaths = sorted(
+        (k for k in current if kind_of(k.incident_id) == DEATH),
+        key=lambda k: k.claimed_wall,
+    )
+    deaths = [k for k in deaths if k.claimed_wall <= mine.decided_wall + CLOCK_SKEW]
+    if deaths:
+        k = deaths[0]
+        return Target(k.incident_id, k, adopted=True, consequence=True, reason=_after(k.claim))
+    if mine.where == Where.LOCAL:
+        return Target(own_id, own, adopted=False, consequence=False, reason="")
+    if own is not None and own.first_hand:
+        return Target(own_id, own, adopted=False, consequence=True, reason=_after(own.claim))
+    near = [k for k in current if k.claimed_wall >= mine.decided_wall - window]
+    near.sort(key=lambda k: (not k.first_hand, k.claimed_wall, k.incident_id))
+    if near and (own is None or near[0].first_hand):
+        k = near[0]
+        return Target(
+            k.incident_id, k, adopted=True, consequence=k.first_hand,
+            reason=_after(k.claim) if k.first_hand else "",
+        )  # fmt: skip
+    return Target(own_id, own, adopted=False, consequence=False, reason="")
+
+
+def _after(claim: Claim | None) -> str:
+    if claim is None:
+        return "another node reported it first"
+    rank = "" if claim.culprit is None else f"rank {claim.culprit} on "
+    how = "first-hand" if claim.where == Where.LOCAL else "from its view"
+    return f"{rank}node {claim.node} reported it first ({how})"
+
+
+class Filing(enum.Enum):
+    NOW = "now"  # a first-hand report: file at once
+    WAIT = "wait"  # look again at the end of the settle time
+    NONE = "none"  # someone else's report covers it
+
+
+def filing(mine: Mine, target: Target, *, settled: bool) -> Filing:
+    """Whether this node files its report. First-hand reports go at once. A node that only
+    waits for ranks elsewhere files nothing while a first-hand report or a verdict covers the
+    incident; at the end of the settle time it files its view only if none does (the culprit's
+    node saw nothing, or its agent is gone), or if others are filing theirs for want of one."""
+    if target.consequence:
+        return Filing.NONE
+    if mine.where == Where.LOCAL:
+        return Filing.NOW  # a verdict already in place takes it in late (add_late_reports)
+    if target.known is not None and (target.known.verdict or target.known.first_hand):
+        return Filing.NONE
+    if not settled:
+        return Filing.WAIT
+    return Filing.NOW
+
+
+def as_consequence(summary: str, target: Target) -> str:
+    why = f": {target.reason}" if target.reason else ""
+    return f"{summary} (part of job incident {target.incident_id}{why})"
+
+
+# -- the claimant's side ---------------------------------------------------------------------
+
+
+def ready(
+    names: list[ReportName],
+    first_seen: float,
+    now: float,
+    settle: float,
+    *,
+    cascade: float = 0.0,
+) -> bool:
+    """The verdict can be assembled once a node has reported the culprit as its own rank (for a
+    death, `cascade` seconds after the first report, so that an earlier death reported a moment
+    later still leads), or `settle` seconds after the first report (a culprit whose node saw
+    nothing)."""
+    if now - first_seen >= settle:
+        return True
+    first_hand = any(n.where == Where.LOCAL and n.culprit is not None for n in names)
+    return first_hand and now - first_seen >= cascade
+
+
+def pick_culprit(
+    names: list[ReportName], read: dict[str, NodeReport] | None = None
+) -> tuple[int | None, str, str]:
+    """(rank, node, basis). A node that blames one of its own ranks knows it first-hand (it saw
+    the rank die or sit outside the collective); of several, the earliest death, else the rank
+    most of them blame; without any, the rank most nodes blame."""
+    local = [n for n in names if n.where == Where.LOCAL and n.culprit is not None]
+    if local:
+        signs = {
+            n.file: read[n.file].first_sign_wall
+            for n in local
+            if read is not None and n.file in read and read[n.file].first_sign_wall > 0
+        }
+        if len(signs) > 1 and len(signs) == len(local):
+            first = min(local, key=lambda n: (signs[n.file], n.culprit, n.node))
+            return (
+                first.culprit,
+                first.node,
+                f"first-hand: the culprit's own node blamed it, the first of {len(local)} "
+                "nodes whose ranks died",
+            )
+        count = Counter(n.culprit for n in local)
+        rank, _ = max(count.items(), key=lambda kv: (kv[1], -kv[0]))  # type: ignore[operator]
+        node = min(n.node for n in local if n.culprit == rank)
+        return rank, node, "first-hand: the culprit's own node blamed it"
+    blamed = Counter(n.culprit for n in names if n.culprit is not None)
+    if not blamed:
+        return None, "", "no node named a single culprit"
+    rank, votes = max(blamed.items(), key=lambda kv: (kv[1], -kv[0]))  # type: ignore[operator]
+    return rank, "", f"named by {votes} of {len(names)} nodes; its own node did not report"
+
+
+def assemble(
+    incident_id: str,
+    job: str,
+    names: list[ReportName],
+    read: dict[str, NodeReport],
+    evidence: dict[str, str],
+    now_wall: float,
+    pick: tuple[int | None, str, str] | None = None,
+    evidence_glob: str = "",
+) -> JobVerdict:
+    """The verdict names the first-hand reports and the culprit's node's, not every node that
+    filed (in a fallback, all of them): the rest are found through `evidence_glob`."""
+    rank, node, basis = pick if pick is not None else pick_culprit(names, read)
+    first = None
+    for n in names:
+        if n.node == node and n.culprit == rank and n.file in read:
+            first = replace(read[n.file], view=None)  # the verdict stays small
+            break
+    named = {
+        n.node: evidence[n.file]
+        for n in sorted(names, key=lambda n: (n.node, n.file), reverse=True)
+        if n.where == Where.LOCAL or (node and n.node == node)
+    }
+    nodes = tuple(sorted(named))
+    return JobVerdict(
+        incident_id=incident_id,
+        job=job,
+        culprit=rank,
+        culprit_node=node,
+        basis=basis,
+        nodes=nodes,
+        evidence=tuple(named[n] for n in nodes),
+        first_hand=first,
+        decided_wall=now_wall,
+        evidence_glob=evidence_glob,
+        reports=len({n.node for n in names}),
+    )

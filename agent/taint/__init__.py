@@ -1,0 +1,5 @@
+"""Node taints with evidence: the evidence sources (incidents, GPU health, node monitors), the pure
+planner (`planner`, `model`), the job's taint ledger, and the Kubernetes adapter that applies a plan.
+
+May import: formats, agent.detect, agent.health. `planner` and `model` are pure.
+"""

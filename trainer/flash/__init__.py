@@ -1,0 +1,5 @@
+"""Flash checkpoints: DeepSpeed checkpoints captured in memory, copied into shared-memory slots the
+agent persists, and loaded back from them.
+
+May import: formats, trainer.control, trainer.graceful, trainer.elastic.
+"""

@@ -1,0 +1,182 @@
+"""Loading a flash checkpoint back from shared memory, through DeepSpeed's own `load_checkpoint`.
+
+DeepSpeed finds checkpoint files by name (it globs the model-states files and checks that they
+exist) and reads them through its checkpoint engine. So we lay out empty placeholder files with
+the snapshot's names in a private directory of the run dir, and serve their contents from shared
+memory with a loading engine; everything else is DeepSpeed's unchanged logic, for every ZeRO stage.
+
+Slots are read only when this rank's user (or root) owns them, and their pickles resolve only the
+globals a checkpoint holds (trainer.unpickler): a slot that fails either is left out, with a
+warning naming it, exactly like a torn one, so the ranks resume from storage instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diag.formats.journalmeta import safe_job_name
+from diag.formats.slotfile import SlotFile, Snapshot, read_snapshots, warn_once
+from diag.formats.snapshot import FileEntry, SnapshotError, find_slots, step_tag
+from diag.formats.untrusted import Owners, UntrustedInput, create_new, open_dir, walk_beneath
+from diag.trainer.elastic import reshard
+from diag.trainer.flash.capture import loading_engine, relative, swapped_engine, unpickle_state
+from diag.trainer.flash.unpickler import check_globals
+
+log = logging.getLogger(__name__)
+
+LOAD_LOCK_TIMEOUT_S = 30.0
+
+# relative path -> (slot file holding it, its entry)
+FileIndex = dict[str, tuple[Path, FileEntry]]
+
+
+class RestoreError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Place:
+    """Who and where this rank is, as far as finding its snapshots goes."""
+
+    run_dir: Path
+    job: str
+    node: str
+    rank: int
+    world_size: int
+    save_dir: str
+
+
+def needed_files(engine: Any, save_dir: str, tag: str) -> set[str]:
+    """The files DeepSpeed's load_checkpoint reads on this rank, relative to the save dir."""
+    needed = {relative(save_dir, engine._get_ckpt_name(save_dir, tag))}
+    if engine.zero_optimization():
+        if getattr(engine, "zero_elastic_checkpoint", lambda: False)():
+            return {"<every rank's optimizer states>"}  # never all on one node
+        needed.add(relative(save_dir, engine._get_zero_ckpt_name(save_dir, tag)))
+    return needed
+
+
+def memory_index(place: Place, needed: Callable[[str], set[str]]) -> dict[int, FileIndex]:
+    """step -> file index, for the snapshots this rank could load: complete, of this job layout,
+    with every file it needs held on this node (its own, or a local rank's)."""
+    local = [
+        s for s in read_snapshots(find_slots(place.run_dir, place.job), Owners.this_process())
+        if s.meta.node == place.node and s.meta.world_size == place.world_size
+        and s.meta.save_dir == place.save_dir and _loadable(s)
+    ]  # fmt: skip
+    out: dict[int, FileIndex] = {}
+    for step in {s.meta.step for s in local if s.meta.rank == place.rank}:
+        index: FileIndex = {}
+        # Own files win over node-local copies of the same path.
+        for s in sorted(local, key=lambda s: s.meta.rank != place.rank):
+            if s.meta.step == step:
+                for f in s.meta.files:
+                    if f.kind == "torch":
+                        index.setdefault(f.path, (s.path, f))
+        if needed(step_tag(step)) <= set(index):
+            out[step] = index
+    return out
+
+
+def _loadable(snap: Snapshot) -> bool:
+    """Every pickle of the snapshot names allowed globals only (checked without loading)."""
+    try:
+        slot = SlotFile.open(snap.path, owners=Owners.this_process())
+    except (OSError, ValueError):
+        return False  # gone meanwhile, or refused (read_snapshots warned)
+    try:
+        if slot.header().gen != snap.header.gen:
+            return False  # rewritten since it was read
+        for f in snap.meta.files:
+            if f.kind == "torch" and f.pickle is not None:
+                try:
+                    check_globals(slot.view(f.pickle.offset, f.pickle.length))
+                except pickle.UnpicklingError as e:
+                    warn_once(snap.path, f"step {snap.meta.step}, {f.path}: {e}")
+                    return False
+        return True
+    except (SnapshotError, ValueError):
+        return False
+    finally:
+        slot.close()
+
+
+def _remove_shadow(run_dir: Path, name: str) -> None:
+    """Removes run_dir/name, whatever it is, without following a symlink."""
+    base = open_dir(run_dir)
+    try:
+        with contextlib.suppress(OSError, UntrustedInput):
+            with walk_beneath(base, (name,)):
+                pass  # a real directory, not a link to one
+            shutil.rmtree(name, dir_fd=base)  # ours, left by a load that was killed
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            os.unlink(name, dir_fd=base)  # a file or a symlink: removed, never followed
+    finally:
+        os.close(base)
+
+
+def _fresh_shadow(run_dir: Path, name: str) -> None:
+    """Makes run_dir/name an empty private directory, whatever was planted under that name."""
+    _remove_shadow(run_dir, name)
+    os.mkdir(run_dir / name, 0o700)
+
+
+def load_from_memory(engine: Any, place: Place, step: int, index: FileIndex) -> tuple[Any, Any]:
+    """engine.load_checkpoint of `step`, with the bytes served from shared memory."""
+    name = f".{safe_job_name(place.job)}-rank{place.rank:05d}.load"
+    shadow = place.run_dir / name
+    opened: dict[Path, SlotFile] = {}
+    try:
+        _fresh_shadow(place.run_dir, name)
+        base = open_dir(shadow)
+        try:
+            for path, entry in index.values():
+                # DeepSpeed globs and checks names; we serve the bytes
+                with walk_beneath(base, entry.parts[:-1], create=True) as d:
+                    os.close(create_new(entry.parts[-1], dir_fd=d))
+                if path not in opened:
+                    opened[path] = _open_for_load(path)
+        finally:
+            os.close(base)
+
+        def load(rel: str, map_location: Any) -> Any:
+            path, entry = index[rel]
+            slot = opened[path]
+            h = slot.header()
+            if not h.complete or h.step != step or entry.pickle is None:
+                raise RestoreError(f"{path} no longer holds step {step}")
+            spans = {s.key: s for s in entry.storages}
+            try:
+                return unpickle_state(
+                    slot.view(entry.pickle.offset, entry.pickle.length),
+                    lambda key: slot.view(spans[key].offset, spans[key].nbytes),
+                    map_location,
+                )
+            except (pickle.UnpicklingError, KeyError) as e:
+                raise RestoreError(f"snapshot slot {path}, {rel}: {e}") from None
+
+        with swapped_engine(engine, loading_engine(str(shadow), load)), reshard.direct():
+            return engine.load_checkpoint(str(shadow), tag=step_tag(step))
+    finally:
+        for slot in opened.values():
+            slot.close()
+        _remove_shadow(place.run_dir, name)
+
+
+def _open_for_load(path: Path) -> SlotFile:
+    try:
+        slot = SlotFile.open(path, owners=Owners.this_process())
+    except (OSError, SnapshotError, UntrustedInput) as e:
+        raise RestoreError(f"cannot load snapshot slot {path}: {e}") from None
+    if not slot.lock_shared(LOAD_LOCK_TIMEOUT_S):
+        slot.close()
+        raise RestoreError(f"{path} stayed locked by a writer")
+    return slot
