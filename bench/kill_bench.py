@@ -1,6 +1,6 @@
 """Random SIGKILLs of the trainer ranks, the agent or both during save, copy, persist and commit,
-for ZeRO 1, 2 and 3, on real 2-rank DeepSpeed jobs (gloo, CPU) and a real agent (tests/killsuite.py
-does the work; tests/test_kill_suite.py is the short version). Prints one line per kill and the
+for ZeRO 1, 2 and 3, on real 2-rank DeepSpeed jobs (gloo, CPU) and a real agent (tests/support/killsuite.py
+does the work; tests/system/test_kill_suite.py is the short version). Prints one line per kill and the
 figures: kills per stage, target and phase; torn, lost or backwards checkpoints; how far back the
 restored step was from the newest step trained and from the newest step complete at the kill.
 
@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 
 from faults import PHASES  # noqa: E402
 from killsuite import TARGETS, KillResult, KillSuite  # noqa: E402

@@ -48,7 +48,7 @@ quiet_pip -e "$root[dev]"
 # at run time (psutil, grpcio, protobuf, deprecated) is already there.
 quiet_pip --no-deps "dlrover==0.6.1"
 # DeepSpeed 0.19.7, the last release with `elasticity`, apart from the venv's packages: the tests
-# compare diag.trainer.elastic.batchsize with its compute_elastic_config (tests/elastic_reference.py).
+# compare diag.trainer.elastic.batchsize with its compute_elastic_config (tests/support/elastic_reference.py).
 ref="$venv/ref/deepspeed-0.19.7"
 if [[ ! -d "$ref/deepspeed/elasticity" ]]; then
     quiet_pip --no-deps --upgrade --target "$ref" "deepspeed==0.19.7"

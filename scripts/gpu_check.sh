@@ -134,8 +134,8 @@ step device 90 "$py" bench/gpu_device.py --json "$work/device.json" --matmul-siz
 # NCCL flight recorder the agent took; NVML, precheck, node health, pinned copies).
 step tests_gpu 200 "$py" -m pytest -m gpu -q -p no:cacheprovider --timeout 180 \
     --basetemp "$work/pytest" --junitxml "$work/junit-gpu.xml" \
-    tests/test_collector_gpu.py tests/test_metrics_gpu.py tests/test_precheck_gpu.py \
-    tests/test_node_health.py "tests/test_flash_gpu.py::test_device_storages_land_in_pinned_shared_memory"
+    tests/collector/test_collector_gpu.py tests/agent/metrics/test_metrics_gpu.py tests/agent/precheck/test_precheck_gpu.py \
+    tests/agent/health/test_node_health.py "tests/trainer/flash/test_flash_gpu.py::test_device_storages_land_in_pinned_shared_memory"
 
 # The hang test's incident, merged: the stacks and the journal tails beside each other.
 incident_timeline="$(find "$work/pytest" -type d -name timeline -path '*collective_held*' 2> /dev/null | head -1)"
@@ -150,7 +150,7 @@ fi
 # run cut short by its budget loses figures, not checks).
 step tests_gpu_resume 200 "$py" -m pytest -m gpu -q -p no:cacheprovider --timeout 200 \
     --basetemp "$work/pytest-resume" --junitxml "$work/junit-gpu-resume.xml" \
-    tests/test_flash_gpu.py -k resumes
+    tests/trainer/flash/test_flash_gpu.py -k resumes
 
 
 # 4. Flash checkpoint on CUDA: ~3.2 GB of ZeRO-2 state (200 M parameters, fp32 Adam), against

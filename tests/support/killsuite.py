@@ -1,0 +1,432 @@
+"""The kill suite: a real 2-rank DeepSpeed job (gloo, CPU) that flash-checkpoints every step and a
+real `diag agent` persisting each step; the trainer ranks, the agent or both are SIGKILLed at a
+chosen instant of save, copy, persist or commit (faults.py), restarted, and checked:
+
+- `latest` never names an incomplete step (every rank's marker and files there, sizes as marked)
+  and never moves backwards (a watcher thread reads it every few milliseconds, and after each
+  kill);
+- the ranks hold the same steps in memory (saves are all or none), but for the one being copied;
+- after a trainer kill the step restored is not older than the newest step every rank held
+  complete in memory, or that `latest` named, at the kill; the steps trained again after it give
+  the same losses to the bit (a torn or mixed restore would not);
+- after an agent kill, the restarted agent commits a step newer than what memory held at the kill;
+- a node kill (ranks and agent, and the node's shared memory lost with it, as when a node dies and
+  the job comes back elsewhere) restores from storage, never older than what `latest` named at
+  the kill.
+
+Each restart is prepared ahead: the next generation of ranks and the next agent are started and
+have imported everything; a go file releases them. Used by tests/system/test_kill_suite.py and
+bench/kill_bench.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from faults import PLAN_FILE, Fired, Plan, write_json_atomic
+
+from diag.agent.checkpoint.storage import MARKER_DIR, marker_path
+from diag.formats.slotfile import read_snapshots
+from diag.formats.snapshot import find_slots, read_latest_step, step_tag
+
+TESTS = Path(__file__).parent
+WORLD = 2
+TARGETS = ("trainer", "agent", "both", "node")
+
+
+def wait_for(pred: Callable[[], object], timeout: float, every: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(every)
+    return bool(pred())
+
+
+@dataclass
+class KillResult:
+    zero: int
+    target: str
+    planned: str
+    phase: str  # where the firing thread was at the kill
+    mode: str
+    latest_at_kill: int | None
+    memory_at_kill: int | None  # newest step every rank held complete in shared memory
+    trained_at_kill: int  # newest step whose loss was logged
+    restored: int | None = None  # the step the relaunched trainer loaded
+    source: str = ""
+    committed_after: int | None = None  # agent kills: the step the restarted agent committed
+    memory_by_rank: dict[int, list[int]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    memory_lost: bool = False  # a node kill: the node's shared memory went with it
+
+    @property
+    def bound(self) -> int | None:
+        memory = None if self.memory_lost else self.memory_at_kill
+        known = [s for s in (self.latest_at_kill, memory) if s is not None]
+        return max(known) if known else None
+
+
+class LatestWatch:
+    """Reads `latest` every few milliseconds: never backwards, never an incomplete step."""
+
+    def __init__(self, save_dir: Path, zero: int) -> None:
+        self.save_dir = save_dir
+        self.zero = zero
+        self.problems: list[str] = []
+        self.seen: list[int] = []
+        self.highest: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="latest-watch", daemon=True)
+
+    def start(self) -> LatestWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def check(self) -> int | None:
+        step = read_latest_step(self.save_dir)
+        if step is None:
+            if self.highest is not None:
+                self.problems.append(f"latest vanished after naming step {self.highest}")
+            return None
+        if self.highest is not None and step < self.highest:
+            self.problems.append(f"latest moved backwards: {self.highest} -> {step}")
+        if self.highest is None or step > self.highest:
+            self.highest = step
+            self.seen.append(step)
+            missing = incomplete(self.save_dir, step, self.zero)
+            # A newer commit may prune this step meanwhile: only a step still named counts.
+            if missing and read_latest_step(self.save_dir) == step:
+                self.problems.append(f"latest names step {step}, incomplete: {missing}")
+        return step
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            with contextlib.suppress(OSError, ValueError):
+                self.check()
+
+
+def incomplete(save_dir: Path, step: int, zero: int) -> str:
+    """What is missing for DeepSpeed to load `step` from `save_dir` ("" when nothing)."""
+    files: set[str] = set()
+    runs: set[str] = set()
+    for rank in range(WORLD):
+        try:
+            doc = json.loads(marker_path(save_dir, step, rank).read_text())
+        except (OSError, ValueError) as e:
+            return f"rank {rank}'s marker: {e}"
+        size = 0
+        for name in doc["files"]:
+            try:
+                size += (save_dir / name).stat().st_size
+            except OSError as e:
+                return f"{name}: {e}"
+        if size != doc["bytes"]:
+            return f"rank {rank}'s files hold {size} bytes, its marker says {doc['bytes']}"
+        files.update(doc["files"])
+        runs.add(str(doc.get("run", "")))
+    if len(runs) > 1:
+        return f"parts from different launches of the trainer: {sorted(runs)}"
+    tag = step_tag(step)
+    model = (
+        {f"{tag}/zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(WORLD)}
+        if zero == 3
+        else {f"{tag}/mp_rank_00_model_states.pt"}
+    )
+    optim = {f"{tag}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(WORLD)}
+    lacking = (model | optim) - files
+    return f"not written: {sorted(lacking)}" if lacking else ""
+
+
+def memory_steps(run_dir: Path, job: str) -> dict[int, list[int]]:
+    """Rank -> the steps it holds complete in shared memory."""
+    by_rank: dict[int, list[int]] = {}
+    for snap in read_snapshots(find_slots(run_dir, job)):
+        by_rank.setdefault(snap.meta.rank, []).append(snap.meta.step)
+    return {r: sorted(s) for r, s in sorted(by_rank.items())}
+
+
+def memory_step(by_rank: dict[int, list[int]]) -> int | None:
+    """The newest step every rank holds complete in shared memory."""
+    if len(by_rank) < WORLD:
+        return None
+    common = set.intersection(*(set(s) for s in by_rank.values()))
+    return max(common) if common else None
+
+
+class KillSuite:
+    """One ZeRO stage: one long job, its agent, and kills one after another."""
+
+    def __init__(self, root: Path, zero: int, *, log: Callable[[str], None] = print) -> None:
+        self.root = root
+        self.zero = zero
+        self.log = log
+        self.job = f"kill-z{zero}"
+        self.ctl = root / "ctl"
+        self.save_dir = root / "ckpt"
+        self.timeline = root / "timeline"
+        self.run_dir = Path(tempfile.mkdtemp(prefix="diag-kill-", dir="/dev/shm"))
+        self.ctl.mkdir(parents=True, exist_ok=True)
+        self.env = dict(
+            os.environ, DIAG_RUN_DIR=str(self.run_dir), OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        )  # fmt: skip
+        self.gen = 0
+        self.agent_gen = 0
+        self.ranks: list[subprocess.Popen] = []
+        self.next_ranks: list[subprocess.Popen] = []
+        self.agent: subprocess.Popen | None = None
+        self.next_agent: subprocess.Popen | None = None
+        self.plan_id = 0
+        self.losses: dict[int, str] = {}
+        self._loss_pos: dict[int, int] = {}
+        self.problems: list[str] = []
+        self.watch = LatestWatch(self.save_dir, zero)
+        self.results: list[KillResult] = []
+
+    # -- processes --------------------------------------------------------------------------------
+
+    def _spawn_ranks(self, gen: int) -> list[subprocess.Popen]:
+        procs = []
+        for rank in range(WORLD):
+            env = dict(
+                self.env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                LOCAL_WORLD_SIZE=str(WORLD),
+            )  # fmt: skip
+            cmd = [
+                sys.executable, str(TESTS / "kill_job.py"), "--zero", str(self.zero),
+                "--job", self.job, "--save-dir", str(self.save_dir), "--ctl", str(self.ctl),
+                "--gen", str(gen),
+            ]  # fmt: skip
+            with open(self.root / f"ranks-{gen}.log", "ab") as out:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
+        return procs
+
+    def _spawn_agent(self, gen: int) -> subprocess.Popen:
+        cmd = [
+            sys.executable, str(TESTS / "fault_agent.py"), "--ctl", str(self.ctl),
+            "--go", str(self.ctl / f"agent-go-{gen}"), "--", "agent",
+            "--run-dir", str(self.run_dir), "--job", self.job, "--timeline", str(self.timeline),
+            "--native-stacks", "false", "--interval", "0.5", "--keep-last", "3", "-v",
+        ]  # fmt: skip
+        with open(self.root / "agent.log", "ab") as out:
+            return subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+
+    def _release_agent(self) -> None:
+        assert self.next_agent is not None
+        self.agent, self.next_agent = self.next_agent, None
+        write_json_atomic(self.ctl / f"agent-go-{self.agent_gen}", "go")
+        self.agent_gen += 1
+        self.next_agent = self._spawn_agent(self.agent_gen)
+
+    def _release_ranks(self) -> None:
+        self.ranks, self.next_ranks = self.next_ranks, []
+        write_json_atomic(self.ctl / f"go-{self.gen}", str(self.ctl / f"store-{self.gen}"))
+        self.gen += 1
+        self.next_ranks = self._spawn_ranks(self.gen)
+
+    def start(self, warm_steps: int = 3) -> None:
+        self.next_agent = self._spawn_agent(0)
+        self.next_ranks = self._spawn_ranks(0)
+        self._release_agent()
+        self._release_ranks()
+        self.watch.start()
+        self._steady(0, warm_steps, timeout=900)
+
+    def _steady(self, since: int, steps: int, timeout: float) -> None:
+        """Waits until the running generation trained `steps` steps past `since` and storage
+        committed one of them."""
+
+        def ready() -> bool:
+            self._read_losses()
+            latest = read_latest_step(self.save_dir) or 0
+            done = max(self._gen_steps(self.gen - 1), default=0)
+            return done >= since + steps and latest > since
+
+        if not wait_for(ready, timeout, every=0.05):
+            raise RuntimeError(
+                f"ZeRO-{self.zero}: the job made no progress past step {since} in {timeout:.0f} s "
+                f"(latest={read_latest_step(self.save_dir)})\n{self.tail()}"
+            )
+
+    def _gen_steps(self, gen: int) -> list[int]:
+        path = self.ctl / f"loss-{gen}.jsonl"
+        with contextlib.suppress(FileNotFoundError):
+            return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.endswith("}")]
+        return []
+
+    def _read_losses(self) -> None:
+        """Adds every generation's logged losses; a step logged twice must match."""
+        for gen in range(self.gen):
+            path = self.ctl / f"loss-{gen}.jsonl"
+            try:
+                with open(path) as f:
+                    f.seek(self._loss_pos.get(gen, 0))
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            lines = data.split("\n")
+            complete, rest = lines[:-1], lines[-1]
+            self._loss_pos[gen] = self._loss_pos.get(gen, 0) + len(data) - len(rest)
+            for line in complete:
+                try:
+                    doc = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by the kill
+                step, loss = doc["step"], doc["loss"]
+                old = self.losses.setdefault(step, loss)
+                if old != loss:
+                    self.problems.append(
+                        f"step {step} trained again (generation {gen}) gives loss {loss}, "
+                        f"before {old}: the restored state differs"
+                    )
+
+    def tail(self) -> str:
+        out = []
+        for name in ("agent.log", f"ranks-{max(self.gen - 1, 0)}.log"):
+            with contextlib.suppress(OSError):
+                out.append(f"--- {name}\n" + (self.root / name).read_text(errors="replace")[-3000:])
+        return "\n".join(out)
+
+    # -- one kill ---------------------------------------------------------------------------------
+
+    def kill(self, target: str, phase: str, mode: str, fraction: float) -> KillResult:
+        t0 = time.monotonic()
+        assert self.agent is not None
+        rank_pids = [p.pid for p in self.ranks]
+        if target not in TARGETS:
+            raise ValueError(f"unknown kill target {target!r}: one of {', '.join(TARGETS)}")
+        pids = {"trainer": rank_pids, "agent": [self.agent.pid]}.get(
+            target, [*rank_pids, self.agent.pid]
+        )
+        self.plan_id += 1
+        plan = Plan(self.plan_id, phase, tuple(pids), mode, fraction)
+        write_json_atomic(self.ctl / PLAN_FILE, plan.to_json())
+        fired_path = self.ctl / f"fired-{plan.id}.json"
+        if not wait_for(fired_path.exists, 8):
+            # A phase shorter than the timers' reach: kill at its sub-operations instead.
+            plan = Plan(plan.id, phase, plan.pids, "tick", fraction)
+            write_json_atomic(self.ctl / PLAN_FILE, plan.to_json())
+            if not wait_for(fired_path.exists, 60):
+                raise RuntimeError(f"no {phase} phase in 68 s\n{self.tail()}")
+        fired = Fired.load(fired_path)
+        killed_ranks = target in ("trainer", "both", "node")
+        killed_agent = target in ("agent", "both", "node")
+        procs = (self.ranks if killed_ranks else []) + ([self.agent] if killed_agent else [])
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.problems.append(f"pid {p.pid} outlived its SIGKILL")
+        # Dead writers cannot change their slots: this is memory as it was at the kill. Latest
+        # may only have moved forward since (the agent persisting the dead ranks' snapshots).
+        self._read_losses()
+        held = memory_steps(self.run_dir, self.job)
+        result = KillResult(
+            self.zero, target, phase, fired.phase, fired.mode,
+            latest_at_kill=read_latest_step(self.save_dir),
+            memory_at_kill=memory_step(held),
+            trained_at_kill=max(self._gen_steps(self.gen - 1), default=0),
+            memory_by_rank=held,
+        )  # fmt: skip
+        newest = [max(steps) for steps in held.values()]
+        if killed_ranks and len(newest) == WORLD and result.memory_at_kill != min(newest):
+            # Saves are collective: a rank's newest step is held by every rank, except the one
+            # step a rank may have finished copying before the other was killed copying it.
+            result.problems.append(f"the ranks hold different steps in memory: {held}")
+        if target == "node":
+            self._lose_memory()
+            result.memory_lost = True
+        if killed_agent:
+            self._release_agent()
+        if killed_ranks:
+            self._release_ranks()
+            start = self.ctl / f"start-{self.gen - 1}.json"
+            if not wait_for(start.exists, 600, every=0.05):
+                raise RuntimeError(f"generation {self.gen - 1} never loaded\n{self.tail()}")
+            doc = json.loads(start.read_text())
+            result.restored, result.source = doc["step"], doc["from"]
+            if result.memory_lost and result.restored and result.source != "storage":
+                result.problems.append(
+                    f"step {result.restored} restored from {result.source!r} after the node's "
+                    "memory was lost"
+                )
+            bound = result.bound
+            if bound is not None and (result.restored or 0) < bound:
+                result.problems.append(
+                    f"restored step {result.restored} ({result.source}) is older than step "
+                    f"{bound} (memory {result.memory_at_kill}, latest {result.latest_at_kill})"
+                )
+            self._steady(result.restored or 0, 2, timeout=600)
+        else:
+            # The trainer kept running: the new agent must commit something newer than memory
+            # held at the kill (the trainer's pending persists reach it on reconnect).
+            want = max(result.memory_at_kill or 0, result.latest_at_kill or 0)
+            if not wait_for(lambda: (read_latest_step(self.save_dir) or 0) > want, 300, 0.05):
+                result.problems.append(
+                    f"the restarted agent committed nothing newer than step {want} in 300 s"
+                )
+            result.committed_after = read_latest_step(self.save_dir)
+            self._steady(result.trained_at_kill, 1, timeout=300)
+        self.watch.check()
+        result.problems += self.watch.problems + self.problems
+        self.watch.problems.clear()
+        self.problems.clear()
+        result.seconds = time.monotonic() - t0
+        self.results.append(result)
+        return result
+
+    def _lose_memory(self) -> None:
+        """The node's shared memory goes with the node: every slot and journal of the run
+        directory (the ranks and agent started next, waiting for their go file, open theirs
+        only once released)."""
+        for p in self.run_dir.iterdir():
+            if p.is_file() or p.is_symlink():
+                p.unlink(missing_ok=True)
+
+    # -- the end ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        (self.ctl / "stop").write_text("stop")
+        self.watch.stop()
+        for p in [*self.ranks, *self.next_ranks]:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        for p in (self.agent, self.next_agent):
+            if p is None or p.poll() is not None:
+                continue
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def leftovers(self) -> list[str]:
+        """Temporary files in the save directory outside step directories and markers."""
+        return [
+            p.name
+            for p in self.save_dir.iterdir()
+            if p.name.startswith(".") and p.name != MARKER_DIR
+        ]

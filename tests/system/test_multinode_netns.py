@@ -1,0 +1,235 @@
+"""Two nodes as two network namespaces: a 4-rank job under two torchrun launchers (2 ranks each),
+each launcher and its node's `diag agent` inside its own namespace, the ranks talking over the
+veth links (gloo on eth0) rather than loopback, the nodes sharing the timeline as a cluster shares
+a volume.
+
+- Rank 3, on node-b, hangs. The job gets one job verdict (rank 3 on node-b) from node-b's report,
+  both nodes' incident directories carry the same incident id, `diag merge` makes one picture of
+  all four ranks, and `diag taint --dry-run` plans a taint for node-b only.
+- Rank 1 dies on node-a while node-b's ranks wait for it in a collective: one incident (node-b's
+  hang is recognised as a consequence of the death), one job verdict naming rank 1 on node-a."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+from children import stop_jobs_and_agents
+from netlab import NetLab, netns_unavailable
+from test_multinode import _taint_plans
+
+from diag.viewer.merge import merge_incident
+
+pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(300)]
+
+# The rendezvous store listens in node-a's own namespace, where nothing else runs: any port is
+# free there, and no other suite on the host can take it.
+PORT = 29500
+NODES = ("node-a", "node-b")
+
+
+def _exec_into_python(proc: subprocess.Popen[bytes]) -> None:
+    """Waits until `ip netns exec` has exec'd its command. It execs, rather than forking, so then
+    the PID is the Python process itself, and stopping it (or its tree) reaches the launcher or
+    agent, not a wrapper that would leave them running."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            cmdline = psutil.Process(proc.pid).cmdline()
+        except psutil.NoSuchProcess:
+            return  # exited already: nothing left to stop
+        if cmdline[:1] == [sys.executable] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert cmdline[:1] == [sys.executable], cmdline
+
+
+@dataclass
+class Cluster:
+    lab: NetLab
+    tmp: Path
+    timeline: Path
+    agents: list[subprocess.Popen[bytes]]
+    jobs: list[subprocess.Popen[bytes]]
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}"
+            for f in sorted(self.tmp.glob("*.log"))
+        )
+
+    def verdicts(self) -> dict[str, tuple[Path, dict]]:
+        out = {}
+        for d in self.timeline.iterdir():
+            if (d / "verdict.json").exists():
+                v = json.loads((d / "verdict.json").read_text())
+                out[v["node"]] = (d, v)
+        return out
+
+
+@contextmanager
+def two_nodes(tmp_path: Path, fault_rank: int, hang_floor: str = "3") -> Iterator[Cluster]:
+    """Agents and launchers on two namespaces; rank `fault_rank` hangs at step 4."""
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    timeline = tmp_path / "timeline"
+    c = Cluster(NetLab(2), tmp_path, timeline, [], [])
+    try:
+        c.lab.build()  # inside try: a half-built lab is torn down too
+        for node_rank, node in enumerate(NODES):
+            run = tmp_path / f"run-{node}"
+            env = dict(
+                os.environ,
+                DIAG_RUN_DIR=str(run),
+                DIAG_JOB="mn",
+                DIAG_NODE=node,
+                OMP_NUM_THREADS="1",
+            )
+            log = open(tmp_path / f"agent-{node}.log", "wb")  # noqa: SIM115
+            c.agents.append(subprocess.Popen(
+                c.lab.exec_in(node_rank, [
+                    sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run),
+                    "--timeline", str(timeline), "--job", "mn", "--node", node, "--hang-timeout",
+                    "20", "--hang-floor", hang_floor, "--warmup-timeout", "60", "--on-hang",
+                    "none", "--until", "incident", "--interval", "0.25", "-v"]),
+                env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+            # gloo otherwise binds the address the host name resolves to (127.0.0.1 here, from
+            # /etc/hosts, shared by both namespaces): the other node cannot reach it and the
+            # full mesh times out. eth0 is the veth, the node's only address on the lab's subnet.
+            job_env = dict(env, GLOO_SOCKET_IFNAME="eth0")
+            job_log = open(tmp_path / f"torchrun-{node}.log", "wb")  # noqa: SIM115
+            c.jobs.append(subprocess.Popen(
+                c.lab.exec_in(node_rank, [
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                    "--node-rank", str(node_rank), "--nproc-per-node", "2", "--master-addr",
+                    c.lab.addr(0), "--master-port", str(PORT), "-m", "diag.trainer.demo_job",
+                    "--fault", "hang", "--fault-rank", str(fault_rank), "--fault-step", "4",
+                    "--steps", "40"]),
+                env=job_env, stdout=job_log, stderr=subprocess.STDOUT,
+                start_new_session=True))  # fmt: skip
+        for p in (*c.agents, *c.jobs):
+            _exec_into_python(p)
+        yield c
+    finally:
+        try:
+            stop_jobs_and_agents(c.jobs, c.agents)
+        finally:
+            c.lab.close()
+
+
+def test_job_verdict_names_the_hung_rank_across_namespaces(tmp_path: Path) -> None:
+    with two_nodes(tmp_path, fault_rank=3) as c:
+        timeline, agents, jobs, logs = c.timeline, c.agents, c.jobs, c.logs
+        # The agents stop at the incident; the launchers run on (rank 3 hangs, --on-hang none).
+        # A launcher that exits first failed to start the job (a rendezvous or gloo that cannot
+        # reach the other namespace): say so now, not at the timeout.
+        deadline = time.monotonic() + 200
+        while any(a.poll() is None for a in agents):
+            exited = [n for n, j in zip(NODES, jobs, strict=True) if j.poll() is not None]
+            assert not exited, f"torchrun exited on {exited} before the incident:\n{logs()}"
+            assert time.monotonic() < deadline, f"agents still running:\n{logs()}"
+            time.sleep(0.5)
+        verdicts = c.verdicts()
+        assert set(verdicts) == set(NODES), logs()
+        # node-a's own verdict is left alone: remote culprits are the job verdict's to name.
+        assert verdicts["node-b"][1]["culprit"] == 3, verdicts["node-b"][1]["summary"]
+        assert verdicts["node-a"][1]["incident_id"] == verdicts["node-b"][1]["incident_id"]
+
+        # One job verdict for the incident: rank 3 on node-b, with both nodes' evidence.
+        job_verdicts = list((timeline / ".jobs").glob("*/*/job-verdict.json"))
+        assert len(job_verdicts) == 1, logs()
+        jv = json.loads(job_verdicts[0].read_text())
+        assert (jv["culprit"], jv["culprit_node"]) == (3, "node-b"), jv
+        # Only node-b filed (first-hand); node-a, which only waited for it, wrote nothing for
+        # the job verdict. Every node's directory is still found, by its name.
+        assert (jv["nodes"], jv["reports"]) == (["node-b"], 1), jv
+        assert jv["evidence"] == [str(verdicts["node-b"][0])]
+        dirs = sorted(glob.glob(jv["evidence_glob"]))
+        assert dirs == sorted(str(d) for d, _ in verdicts.values()), jv["evidence_glob"]
+        reports = list((timeline / ".jobs").glob("*/*/reports/*"))
+        assert [p.name.split("~")[0] for p in reports] == ["r3.L.node-b"], reports
+
+        merged = merge_incident(timeline)
+        assert len(merged.sources) == 2 and merged.world_size == 4
+        assert merged.suspects[0].rank == 3
+
+        # The picture as a user makes it: `diag merge` on the timeline root merges the newest
+        # incident, both nodes' directories of it, into one merged-<id> directory.
+        r = subprocess.run(
+            [sys.executable, "-m", "diag.cli.main", "merge", "--path", str(timeline)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        out_dir = Path(r.stdout.split("wrote into ", 1)[1].split(":\n", 1)[0])
+        assert out_dir == merged.out_dir and out_dir.parent == timeline, r.stdout
+        assert [p.name for p in timeline.glob("merged-*")] == [out_dir.name]
+        svg = out_dir / "py_stack.svg"
+        assert svg.is_file() and svg.stat().st_size > 0, r.stdout
+
+        # One taint plan, for the job verdict's culprit node only (threshold 1: this single
+        # incident is enough), against the in-memory API.
+        plans = _taint_plans(tmp_path, timeline, jv["culprit_node"])
+        assert "+ taint" in plans[jv["culprit_node"]] and "dry run" in plans[jv["culprit_node"]]
+        assert "+ taint" not in plans["node-a"], plans
+
+
+def _rank_pid(launcher: subprocess.Popen[bytes], rank: int) -> int:
+    for p in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if p.environ().get("RANK") == str(rank) and "diag.trainer.demo_job" in p.cmdline():
+                return p.pid
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no process of rank {rank} under the launcher {launcher.pid}")
+
+
+def test_a_death_and_the_hang_it_causes_elsewhere_make_one_incident(tmp_path: Path) -> None:
+    """Rank 1 dies on node-a while node-b's ranks wait for it in a collective. With gloo the
+    peers of a dead rank see its sockets close and fail at once; NCCL ranks hang instead. To
+    get the hang, node-a's cable is cut first (as when a node loses its network), then rank 1
+    is killed: node-a's agent sees a death (`rank_exited`), node-b's a hang seconds later. They
+    are one fault: one incident id on both nodes, one job verdict (rank 1 on node-a)."""
+    # A floor well above the time between rank 1's stall and its death: node-a's agent must see
+    # the death, not a hang, and node-b's hang comes seconds after the death is filed.
+    with two_nodes(tmp_path, fault_rank=1, hang_floor="6") as c:
+        deadline = time.monotonic() + 150
+        log_a = tmp_path / "torchrun-node-a.log"
+        while b"diag-demo: injecting hang" not in log_a.read_bytes():
+            assert all(j.poll() is None for j in c.jobs), c.logs()
+            assert time.monotonic() < deadline, c.logs()
+            time.sleep(0.1)
+        c.lab.link_down(0)
+        os.kill(_rank_pid(c.jobs[0], 1), signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while any(a.poll() is None for a in c.agents):
+            assert time.monotonic() < deadline, f"agents still running:\n{c.logs()}"
+            time.sleep(0.5)
+        verdicts = c.verdicts()
+        assert set(verdicts) == set(NODES), c.logs()
+        (a_dir, a), (b_dir, b) = verdicts["node-a"], verdicts["node-b"]
+        assert (a["kind"], a["culprit"]) == ("rank_exited", 1), a["summary"]
+        # node-b saw a hang of its own ranks, waiting for ranks on node-a; it is the death's.
+        assert (b["kind"], b["culprit"]) == ("hang", None), b["summary"]
+        assert a["incident_id"] == b["incident_id"] == "mn-a0-rank_exited", (a, b)
+        assert "part of job incident a0-rank_exited: rank 1 on node node-a" in b["summary"]
+
+        job_verdicts = list((c.timeline / ".jobs").glob("*/*/job-verdict.json"))
+        assert len(job_verdicts) == 1, c.logs()
+        jv = json.loads(job_verdicts[0].read_text())
+        assert (jv["culprit"], jv["culprit_node"], jv["reports"]) == (1, "node-a", 1), jv
+        assert sorted(glob.glob(jv["evidence_glob"])) == sorted([str(a_dir), str(b_dir)])
+        merged = merge_incident(c.timeline)
+        assert sorted(merged.sources) == sorted([a_dir, b_dir])
+        assert merged.world_size == 4
