@@ -1,4 +1,5 @@
-"""Exit codes of the `diag` commands. Listed in the README; keep the two in step.
+"""Exit codes of the `diag` commands. The docs site's exit codes page is generated from this file,
+each constant with its comment (a trailing one, else the lines just above it).
 
 Kubeflow's `restartPolicy: ExitCode` treats 1-127 as permanent and 128-255 as retryable, so
 codes that ask for a restart of the pod sit at 128 and above.

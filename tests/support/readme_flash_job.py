@@ -1,9 +1,9 @@
-"""The README's flash-checkpoint example as a job, line for line (without `attach`), on a small
-DeepSpeed ZeRO-2 model with gloo on CPU:
+"""The flash-checkpoint example of the README's quick start and the docs' Flash checkpoints page as
+a job, line for line (without `attach`), on a small DeepSpeed ZeRO-2 model with gloo on CPU:
 
     torchrun --nproc-per-node 2 tests/support/readme_flash_job.py SAVE_DIR --steps 14 --kill-step 12
 
-The save pattern is the README's with a persist every 10 steps (`persist=step % 10 == 0`).
+The save pattern is the documented one with a persist every 10 steps (`persist=step % 10 == 0`).
 --kill-step K: rank --kill-rank SIGKILLs itself in step K, after `engine.step()` (its memory then
 holds steps K-1 and, pinned by its persist, 10). --stock-load TAG:
 instead of training, load TAG from SAVE_DIR with DeepSpeed's own `load_checkpoint` and write what
@@ -74,7 +74,7 @@ def main() -> None:
         out.write_text(json.dumps({"path": path, "global_steps": engine.global_steps}))
         return
 
-    # -- the README's example -------------------------------------------------------------------
+    # -- the documented example -----------------------------------------------------------------
     ckpt = diag.trainer.FlashCheckpointer(engine, args.save_dir)  # on every rank
     start = ckpt.load() or 0  # newest step every rank holds in memory, else from storage
     for step in range(start + 1, total_steps + 1):

@@ -1,12 +1,13 @@
-"""The README's flash-checkpoint example survives a SIGKILL: a real 2-rank DeepSpeed job (torchrun,
-gloo on CPU) runs the example exactly as documented, without `attach` (so no op journal: the
-checkpointer's registration over the control channel is all the agent knows of the ranks), next to
-a real `diag agent` started as the README shows. Rank 1 is SIGKILLed in step 12; the save of step
-10 asked for a persist, step 11 was saved to memory only. The agent sees the death through the
-registered PID and persists what the ranks left in memory: step 10 is on storage, committed, and
-stock DeepSpeed loads it; the dead rank's newest snapshot (step 11) is on storage too, and
-`latest` names the newest step every rank held complete in memory at the kill. Without the death
-being seen, only the requested step 10 would be there."""
+"""The flash-checkpoint example of the README's quick start (the same lines as the docs' Flash
+checkpoints page; tests/docs/test_docs_examples.py keeps the three in step) survives a SIGKILL: a
+real 2-rank DeepSpeed job (torchrun, gloo on CPU) runs the example exactly as documented, without
+`attach` (so no op journal: the checkpointer's registration over the control channel is all the
+agent knows of the ranks), next to a real `diag agent` started as the README's quick start shows.
+Rank 1 is SIGKILLed in step 12; the save of step 10 asked for a persist, step 11 was saved to
+memory only. The agent sees the death through the registered PID and persists what the ranks left
+in memory: step 10 is on storage, committed, and stock DeepSpeed loads it; the dead rank's newest
+snapshot (step 11) is on storage too, and `latest` names the newest step every rank held complete
+in memory at the kill. Without the death being seen, only the requested step 10 would be there."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_readme_example_without_attach_survives_a_sigkill() -> None:
         DIAG_JOB="readme",
     )  # fmt: skip
     agent_log = root / "agent.log"
-    # The README's command line (run dir and timeline of this test).
+    # The README's quick-start command line (run dir and timeline of this test).
     agent_cmd = [
         sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir),
         "--timeline", str(root / "timeline"), "--hang-timeout", "300", "--on-hang", "stop", "-v",
