@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-from diag.formats.untrusted import UntrustedInput, printable
+from diag.formats.refusals import UntrustedInput, printable
 
 E = TypeVar("E", bound=enum.Enum)
 
