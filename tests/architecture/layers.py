@@ -76,6 +76,7 @@ PURE_STDLIB = frozenset(
         "__future__",
         "abc",
         "bisect",
+        "builtins",  # the types only, named where a method shadows one (Fields.int)
         "collections",
         "collections.abc",
         "copy",
