@@ -16,7 +16,7 @@ only the rank's user can enter), and the agent asks it. The agent checks that th
 other end is the rank (SO_PEERCRED) before it believes the answer.
 
 Both sides name the socket from the journal path alone: nothing read from a meta decides where
-the agent connects. Never imports the agent.
+the agent connects (`diag.formats.frsocket`). Never imports the agent.
 """
 
 from __future__ import annotations
@@ -26,41 +26,16 @@ import logging
 import os
 import tempfile
 from collections.abc import MutableMapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diag.formats.journalmeta import JOURNAL_SUFFIX
+from diag.formats.frsocket import socket_path
 
 log = logging.getLogger(__name__)
 
-SOCKET_SUFFIX = ".fr.sock"
 # Ring size when the job sets none. torch reads it once, when the first process group is made.
 DEFAULT_BUFFER = 2000
 BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-
-
-@dataclass(frozen=True)
-class Handler:
-    """One of the worker server's flight recorder endpoints, and the file its dump goes to."""
-
-    name: str  # the path after /handler/
-    backend: str  # what it records: "nccl" or "cpu" (gloo and the other CPU backends)
-    suffix: str  # the incident file: {rank:05d}-{world:05d}<suffix>
-
-
-# NCCL first: on a GPU job it holds the collectives that matter.
-HANDLERS = (
-    Handler("dump_nccl_trace_json", "nccl", ".nccl.json"),
-    Handler("fr_trace_json", "cpu", ".json"),
-)
-
-
-def socket_path(journal: Path) -> Path:
-    """Where the rank of `journal` serves its flight recorder."""
-    name = journal.name
-    stem = name[: -len(JOURNAL_SUFFIX)] if name.endswith(JOURNAL_SUFFIX) else name
-    return journal.with_name(stem + SOCKET_SUFFIX)
 
 
 def enable_buffer(env: MutableMapping[str, str] = os.environ) -> bool:

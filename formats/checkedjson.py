@@ -9,12 +9,13 @@ so the caller refuses the whole document in one line instead of a traceback late
 
 from __future__ import annotations
 
+import builtins
 import enum
 import math
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-from diag.formats.untrusted import UntrustedInput, printable
+from diag.formats.refusals import UntrustedInput, printable
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -28,30 +29,32 @@ class Fields:
 
     __slots__ = ("d", "source", "where")
 
-    def __init__(self, obj: object, source: str, where: str = "") -> None:
+    def __init__(self, obj: object, source: builtins.str, where: builtins.str = "") -> None:
         if not isinstance(obj, dict):
             raise UntrustedInput(source, f"{where or 'the document'} is not a JSON object")
-        self.d: dict[str, Any] = obj
+        self.d: dict[builtins.str, Any] = obj
         self.source = source
         self.where = where
 
-    def _name(self, key: str) -> str:
+    def _name(self, key: builtins.str) -> builtins.str:
         return f"{self.where}.{key}" if self.where else key
 
-    def fail(self, key: str, problem: str) -> UntrustedInput:
+    def fail(self, key: builtins.str, problem: builtins.str) -> UntrustedInput:
         return UntrustedInput(self.source, f"{self._name(key)} {problem}")
 
-    def _get(self, key: str, default: Any) -> Any:
+    def _get(self, key: builtins.str, default: Any) -> Any:
         if key in self.d:
             return self.d[key]
         if default is _MISSING:
             raise self.fail(key, "is missing")
         return default
 
-    def has(self, key: str) -> bool:
+    def has(self, key: builtins.str) -> builtins.bool:
         return self.d.get(key) is not None
 
-    def int(self, key: str, lo: int, hi: int, default: Any = _MISSING) -> int:
+    def int(
+        self, key: builtins.str, lo: builtins.int, hi: builtins.int, default: Any = _MISSING
+    ) -> builtins.int:
         v = self.d.get(key, default)
         if type(v) is int and lo <= v <= hi:  # the common case, first
             return v
@@ -62,12 +65,16 @@ class Fields:
             raise self.fail(key, f"{v} is out of range [{lo}, {hi}]")
         return v
 
-    def opt_int(self, key: str, lo: int, hi: int) -> int | None:
+    def opt_int(self, key: builtins.str, lo: builtins.int, hi: builtins.int) -> builtins.int | None:
         return None if self.d.get(key) is None else self.int(key, lo, hi)
 
     def float(
-        self, key: str, default: Any = _MISSING, lo: float = -math.inf, hi: float = math.inf
-    ) -> float:
+        self,
+        key: builtins.str,
+        default: Any = _MISSING,
+        lo: builtins.float = -math.inf,
+        hi: builtins.float = math.inf,
+    ) -> builtins.float:
         v = self.d.get(key, default)
         if type(v) is float and lo <= v <= hi and math.isfinite(v):
             return v
@@ -82,7 +89,9 @@ class Fields:
             raise self.fail(key, f"{f} is out of range")
         return f
 
-    def opt_float(self, key: str, lo: float = -math.inf, hi: float = math.inf) -> float | None:
+    def opt_float(
+        self, key: builtins.str, lo: builtins.float = -math.inf, hi: builtins.float = math.inf
+    ) -> builtins.float | None:
         v = self.d.get(key)
         if v is None:
             return None
@@ -90,16 +99,18 @@ class Fields:
             return v
         return self.float(key, lo=lo, hi=hi)
 
-    def bool(self, key: str, default: Any = _MISSING) -> bool:
+    def bool(self, key: builtins.str, default: Any = _MISSING) -> builtins.bool:
         v = self._get(key, default)
         if not isinstance(v, bool):
             raise self.fail(key, f"must be true or false, got {type(v).__name__}")
         return v
 
-    def opt_bool(self, key: str) -> bool | None:
+    def opt_bool(self, key: builtins.str) -> builtins.bool | None:
         return None if self.d.get(key) is None else self.bool(key)
 
-    def str(self, key: str, default: Any = _MISSING, max_len: int = NAME) -> str:
+    def str(
+        self, key: builtins.str, default: Any = _MISSING, max_len: builtins.int = NAME
+    ) -> builtins.str:
         v = self._get(key, default)
         if not isinstance(v, str):
             raise self.fail(key, f"must be a string, got {type(v).__name__}")
@@ -107,10 +118,10 @@ class Fields:
             raise self.fail(key, f"is {len(v)} characters, over the limit of {max_len}")
         return printable(v)
 
-    def opt_str(self, key: str, max_len: int = NAME) -> str | None:
+    def opt_str(self, key: builtins.str, max_len: builtins.int = NAME) -> builtins.str | None:
         return None if self.d.get(key) is None else self.str(key, max_len=max_len)
 
-    def enum(self, key: str, kind: type[E], default: Any = _MISSING) -> E:
+    def enum(self, key: builtins.str, kind: type[E], default: Any = _MISSING) -> E:
         v = self._get(key, default)
         if isinstance(v, kind):
             return v
@@ -119,7 +130,7 @@ class Fields:
         except (ValueError, TypeError):
             raise self.fail(key, f"is not one of {', '.join(str(e.value) for e in kind)}") from None
 
-    def list(self, key: str, max_items: int, default: Any = ()) -> list[Any]:
+    def list(self, key: builtins.str, max_items: builtins.int, default: Any = ()) -> list[Any]:
         v = self._get(key, default)
         if isinstance(v, tuple):  # a default
             v = list(v)
@@ -129,14 +140,18 @@ class Fields:
             raise self.fail(key, f"has {len(v)} items, over the limit of {max_items}")
         return v
 
-    def ints(self, key: str, lo: int, hi: int, max_items: int) -> tuple[int, ...]:
+    def ints(
+        self, key: builtins.str, lo: builtins.int, hi: builtins.int, max_items: builtins.int
+    ) -> tuple[builtins.int, ...]:
         items = self.list(key, max_items)
         for i, v in enumerate(items):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise self.fail(f"{key}[{i}]", f"must be an integer in [{lo}, {hi}]")
         return tuple(items)
 
-    def strs(self, key: str, max_items: int, max_len: int = TEXT) -> tuple[str, ...]:
+    def strs(
+        self, key: builtins.str, max_items: builtins.int, max_len: builtins.int = TEXT
+    ) -> tuple[builtins.str, ...]:
         items = self.list(key, max_items)
         out = []
         for i, v in enumerate(items):
@@ -145,12 +160,12 @@ class Fields:
             out.append(printable(v))
         return tuple(out)
 
-    def obj(self, key: str) -> Fields:
+    def obj(self, key: builtins.str) -> Fields:
         return Fields(self._get(key, _MISSING), self.source, self._name(key))
 
-    def opt_obj(self, key: str) -> Fields | None:
+    def opt_obj(self, key: builtins.str) -> Fields | None:
         return None if self.d.get(key) is None else self.obj(key)
 
-    def objs(self, key: str, max_items: int) -> Iterator[Fields]:
+    def objs(self, key: builtins.str, max_items: builtins.int) -> Iterator[Fields]:
         for i, v in enumerate(self.list(key, max_items)):
             yield Fields(v, self.source, f"{self._name(key)}[{i}]")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 
 class RecordKind(enum.IntEnum):
@@ -160,7 +161,7 @@ class Record:
         )
 
     @classmethod
-    def decode(cls, seq: int, body: tuple) -> Record:
+    def decode(cls, seq: int, body: tuple[Any, ...]) -> Record:
         """From a slot's unpacked body (of either journal version). The agent decodes every
         record of every rank: enum members are looked up in plain dicts, which is several times
         cheaper than calling the enum classes."""

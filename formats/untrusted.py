@@ -22,27 +22,21 @@ import contextlib
 import errno
 import json
 import os
-import re
 import secrets
 import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-KIB = 1024
-MIB = 1024 * KIB
+# The value checks live in `refusals` (pure); every reader imports them from here too.
+from diag.formats.refusals import KIB as KIB
+from diag.formats.refusals import MIB as MIB
+from diag.formats.refusals import UntrustedInput as UntrustedInput
+from diag.formats.refusals import bounded_int as bounded_int
+from diag.formats.refusals import printable as printable
 
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-class UntrustedInput(ValueError):
-    """A file or value from another process that we refuse, with the reason."""
-
-    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
-        self.path = str(path)
-        self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
 
 
 @dataclass(frozen=True)
@@ -260,24 +254,3 @@ def write_file_nofollow(path: Path, data: bytes, *, mode: int = 0o644) -> None:
         write_replace(d, path.name, data, mode=mode)
     finally:
         os.close(d)
-
-
-# C0 controls but tab and newline, DEL, C1 controls; ESC starts the sequences that move a
-# terminal's cursor or rewrite its title, so whole CSI/OSC sequences go, not only the ESC.
-_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def printable(text: str, *, keep_newlines: bool = True) -> str:
-    """`text` with terminal escape sequences and control characters removed."""
-    text = _CONTROL.sub("", _ANSI.sub("", text))
-    return text if keep_newlines else text.replace("\n", " ").replace("\t", " ")
-
-
-def bounded_int(value: object, *, lo: int, hi: int, what: str, source: str) -> int:
-    """An int from parsed input, within [lo, hi]; bools and floats are not ints here."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise UntrustedInput(source, f"{what} must be an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise UntrustedInput(source, f"{what} {value} is out of range [{lo}, {hi}]")
-    return value

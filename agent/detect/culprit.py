@@ -24,8 +24,9 @@ that is not is the suspect:
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from diag.agent.detect.deadlock import find_deadlocks, ranks_text
 from diag.agent.detect.leaver import find_leavers
@@ -96,7 +97,7 @@ def _fmt_ranks(ranks: Iterable[int]) -> str:
 def waits(obs: Observation, local_only: bool = True) -> list[Wait]:
     """Collectives that ranks are stuck in, oldest first, one per (group, seq): local ranks
     only, or with `local_only=False` also the remote ranks the observation carries."""
-    by_key: dict[tuple, list[tuple[RankSnapshot, OpView]]] = {}
+    by_key: dict[tuple[Any, ...], list[tuple[RankSnapshot, OpView]]] = {}
     for r in obs.ranks if local_only else obs.all_ranks:
         if r.alive and r.pending:
             op = r.pending[0]
@@ -241,11 +242,11 @@ def _died_reason(r: RankSnapshot, obs: Observation) -> str:
     )
 
 
-def _mismatches(w: Wait, by_rank: dict[int, RankSnapshot], add) -> None:
+def _mismatches(w: Wait, by_rank: dict[int, RankSnapshot], add: Callable[[Suspect], None]) -> None:
     ops = [(by_rank[m].pending[0], m) for m in w.waiting if by_rank[m].pending]
     if len(ops) < 3:
         return
-    shapes: dict[tuple, list[int]] = {}
+    shapes: dict[tuple[Any, ...], list[int]] = {}
     for op, m in ops:
         shapes.setdefault((op.op, op.nbytes), []).append(m)
     if len(shapes) < 2:
@@ -266,7 +267,7 @@ def _mismatches(w: Wait, by_rank: dict[int, RankSnapshot], add) -> None:
             )
 
 
-def _not_started(w: Wait, by_rank: dict[int, RankSnapshot], add) -> None:
+def _not_started(w: Wait, by_rank: dict[int, RankSnapshot], add: Callable[[Suspect], None]) -> None:
     states = {m: by_rank[m].pending[0].state for m in w.waiting if by_rank[m].pending}
     started = [m for m, s in states.items() if s == OpState.STARTED]
     if not started:
@@ -288,7 +289,7 @@ BLOCKED_ON_DEVICE = (
 )
 
 
-def _blocked_on_device(obs: Observation, add) -> None:
+def _blocked_on_device(obs: Observation, add: Callable[[Suspect], None]) -> None:
     """A rank whose oldest pending op was enqueued on its device and never started there, with
     nobody else waiting on it: nothing outside the rank holds that op back (its peers are not
     inside anything it could wait for), so what holds it is its own stream: earlier work that

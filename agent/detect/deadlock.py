@@ -44,12 +44,12 @@ def _verb(ranks: Iterable[int], one: str, many: str) -> str:
 
 def find_deadlocks(obs: Observation, graph: Mapping[int, Blocked]) -> list[Deadlock]:
     by_rank = {r.rank: r for r in obs.all_ranks}
-    in_key: dict[tuple, list[int]] = {}
+    in_key: dict[tuple[str | int, ...], list[int]] = {}
     for b in graph.values():
         in_key.setdefault(b.key, []).append(b.rank)
     out = []
     for ranks in cycles(graph):
-        keys: dict[tuple, list[int]] = {}
+        keys: dict[tuple[str | int, ...], list[int]] = {}
         for r in ranks:
             keys.setdefault(graph[r].key, []).append(r)
         behind = waiting_behind(graph, ranks)
@@ -87,8 +87,8 @@ def find_deadlocks(obs: Observation, graph: Mapping[int, Blocked]) -> list[Deadl
 def _order_reason(
     c: int,
     graph: Mapping[int, Blocked],
-    keys: Mapping[tuple, list[int]],
-    major: tuple,
+    keys: Mapping[tuple[str | int, ...], list[int]],
+    major: tuple[str | int, ...],
     majority: list[int],
     by_rank: Mapping[int, RankSnapshot],
 ) -> str:

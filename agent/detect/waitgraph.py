@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from diag.agent.detect.observation import Observation, OpView, RankSnapshot
 from diag.formats.records import OpCode
 
-WaitKey = tuple  # (group, seq) for a collective; (group, seq, low rank, high rank) for p2p
+# (group, seq) for a collective; (group, seq, low rank, high rank) for p2p
+WaitKey = tuple[str | int, ...]
 
 
 @dataclass(frozen=True)

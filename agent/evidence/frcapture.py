@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from diag.collector.frserver import HANDLERS, Handler, socket_path
+from diag.formats.frsocket import HANDLERS, Handler, socket_path
 from diag.formats.untrusted import open_dir, write_replace
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from diag.agent.job.nodeview import MAX_RANKS
-from diag.formats.untrusted import printable
+from diag.formats.refusals import printable
 
 JOB_VERDICT_FORMAT = "diag.job-verdict/1"
 DEATH = "rank_exited"  # the decision core's kind for a rank that died

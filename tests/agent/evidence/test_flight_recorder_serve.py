@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from diag.agent.evidence.frcapture import FlightTarget, collect, take
-from diag.collector.frserver import socket_path
+from diag.formats.frsocket import socket_path
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,0 +1,106 @@
+"""The layers of diag, in one place: which room may import which, and which modules are pure.
+
+`importgraph.py` reads every module's imports from its source and checks them against these
+tables; `test_layers.py` runs the check, and docs/architecture.md draws the rooms from the same
+graph (`python tests/architecture/diagram.py --write` redraws it).
+
+What counts as an import: every `import` and `from ... import` anywhere in a module, at the top,
+inside a function (a lazy import is still a dependency, only a later one) and under
+`if TYPE_CHECKING:` (a type-only import still ties one room to another's names, and mypy follows
+it). Relative imports are resolved against the importing module.
+"""
+
+from __future__ import annotations
+
+# A room is a top-level package of diag: its folder at the repository root (pyproject's
+# package-dir maps `diag.<room>` to `<room>/`).
+ROOMS = ("formats", "proto", "collector", "trainer", "viewer", "agent", "cli")
+
+# Which rooms each room may import (its own modules always). Anything not listed is forbidden.
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    # Shared by the trainer, the agent and the viewer, so it can depend on none of them.
+    "formats": frozenset(),
+    # Generated gRPC stubs and their generator.
+    "proto": frozenset(),
+    # Runs inside every rank: never the agent, whose code must not ride in the trainer's process.
+    "collector": frozenset({"formats", "proto"}),
+    "trainer": frozenset({"collector", "formats", "proto"}),
+    # `diag merge` runs anywhere incident directories are copied to: formats only (proto for
+    # xpu_timer's stack format).
+    "viewer": frozenset({"formats", "proto"}),
+    # The node agent: never the code that runs in the ranks, nor the viewer.
+    "agent": frozenset({"formats", "proto"}),
+    # Every entry point; nothing imports it.
+    "cli": frozenset({"formats", "proto", "collector", "trainer", "viewer", "agent"}),
+}
+
+# Imports across rooms that the table forbids but that are allowed all the same:
+# (importing module, imported module) -> why. None today.
+EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+# The pure cores: plain data in, verdicts and actions out, `now` passed in. No files, processes,
+# sockets, clocks or logging. A name ending in `.*` stands for every module of that package.
+PURE = (
+    "diag.agent.detect.*",
+    "diag.agent.drain.plan",
+    "diag.agent.evidence.parallelism",
+    "diag.agent.job.decisions",
+    "diag.agent.job.nodeview",  # the node's view as plain data, parsed by checkedjson
+    "diag.agent.metrics.collectives",
+    "diag.agent.metrics.rankstate",
+    "diag.agent.precheck.classify",
+    "diag.agent.precheck.grading",
+    "diag.agent.precheck.keys",
+    "diag.agent.precheck.liveness",
+    "diag.agent.precheck.measurements",
+    "diag.agent.precheck.rounds",
+    "diag.agent.precheck.units",
+    "diag.agent.taint.model",
+    "diag.agent.taint.planner",
+    "diag.trainer.elastic.search",
+    "diag.trainer.flash.resume",
+    # The formats the cores work on: types and value checks, no I/O.
+    "diag.formats.checkedjson",
+    "diag.formats.exitcodes",
+    "diag.formats.records",
+    "diag.formats.refusals",
+)
+
+# The standard library a pure module may import: computation on values only. `module.Name`
+# allows `from module import Name` and nothing else of that module. Not here, on purpose: os,
+# sys, io, pathlib (Path reads files; PurePosixPath is allowed), subprocess, socket, select,
+# signal, threading, multiprocessing, time (a clock), random (hidden state), logging, tempfile,
+# shutil, mmap, fcntl; and every third-party package (psutil, grpc, kubernetes, torch, ...).
+PURE_STDLIB = frozenset(
+    {
+        "__future__",
+        "abc",
+        "bisect",
+        "builtins",  # the types only, named where a method shadows one (Fields.int)
+        "collections",
+        "collections.abc",
+        "copy",
+        "dataclasses",
+        # datetime's types and arithmetic; a core is handed `now`, never asks for it.
+        "datetime",
+        "enum",
+        "fractions",
+        "functools",
+        "heapq",
+        "itertools",
+        # text to values and back, no files: json.load/dump take a file the caller opened.
+        "json",
+        "math",
+        "numbers",
+        "operator",
+        "os.PathLike",
+        "pathlib.PurePosixPath",
+        "re",
+        "statistics",
+        "string",
+        "struct",
+        "textwrap",
+        "types",
+        "typing",
+    }
+)
