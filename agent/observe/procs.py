@@ -37,7 +37,7 @@ class ProcessWatch:
         self._fds: dict[int, int] = {}  # fd -> pid
         self._info: dict[int, ProcInfo] = {}
         self._procs: dict[int, psutil.Process] = {}
-        self._cpu: dict[int, tuple[float, float]] = {}
+        self._cpu: dict[int, tuple[float, float, float]] = {}
 
     def watch(self, pid: int, start_time: float) -> ProcInfo:
         info = self._info.get(pid)
@@ -141,10 +141,15 @@ class ProcessWatch:
         except psutil.NoSuchProcess:
             info.exited_at = now
             return info
+        runnable = main_thread_runnable_seconds(pid)
         prev = self._cpu.get(pid)
-        self._cpu[pid] = (now, used)
+        self._cpu[pid] = (now, used, runnable)
         if prev is not None and now > prev[0]:
-            info.cpu_busy = max(0.0, (used - prev[1]) / (now - prev[0]))
+            share = (used - prev[1]) / (now - prev[0])
+            # A thread that spins while the node is oversubscribed gets a slice of a core but
+            # is runnable all along: count the time it waited for a CPU as busy too.
+            wanted = (runnable - prev[2]) / (now - prev[0]) if runnable >= prev[2] > 0 else 0.0
+            info.cpu_busy = max(0.0, share, min(wanted, 1.0))
         return info
 
     def close(self) -> None:
@@ -152,6 +157,17 @@ class ProcessWatch:
             self._poll.unregister(fd)
             os.close(fd)
         self._fds.clear()
+
+
+def main_thread_runnable_seconds(pid: int) -> float:
+    """Seconds the process's main thread has been on a CPU or waiting in a run queue for one
+    (/proc/PID/schedstat); 0.0 where the kernel does not keep it."""
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            on_cpu, waiting = f.read(128).split()[:2]
+        return (int(on_cpu) + int(waiting)) / 1e9
+    except (OSError, ValueError):
+        return 0.0
 
 
 def same_process(pid: int, start_time: float) -> bool:

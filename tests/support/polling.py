@@ -14,3 +14,17 @@ def wait_for(pred: Callable[[], bool], timeout: float = 20.0, step: float = 0.05
             return True
         time.sleep(step)
     return pred()
+
+
+def catches_sigterm(pid: int) -> bool:
+    """Whether the process has installed its own SIGTERM handler (the kernel's SigCgt mask): a
+    diag process does so once its start-up imports are done, so a SIGTERM sent before then would
+    kill it instead of stopping it cleanly. On a loaded machine that takes seconds."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & (1 << (15 - 1)))
+    except OSError:
+        return False
+    return False

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from polling import catches_sigterm, wait_for
 
 from diag.agent.observe.observer import Observer
 from diag.agent.observe.rankproof import ProcFacts, RankClaim, RankProver, claim_of, file_id, judge
@@ -98,13 +99,16 @@ def victim() -> Iterator[subprocess.Popen]:
 def _agent(
     run_dir: Path, timeline: Path, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen:
-    return subprocess.Popen(
+    agent = subprocess.Popen(
         [*DIAG, "agent", "--run-dir", str(run_dir), "--timeline", str(timeline),
          "--interval", "0.1", "--hang-floor", "0.5", "--hang-timeout", "1",
          "--warmup-timeout", "1", "--control", "false", "--drain", "false",
          "--persist-on-incident", "false", "--pyspy-timeout", "5", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
+    # The tests' clocks start once it runs: on a loaded machine its imports alone take seconds.
+    wait_for(lambda: catches_sigterm(agent.pid) or agent.poll() is not None, timeout=60)
+    return agent
 
 
 def _stop(agent: subprocess.Popen, timeout: float = 20) -> str:

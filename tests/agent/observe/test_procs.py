@@ -1,0 +1,60 @@
+"""The CPU share the culprit rules read: a spinning rank on an oversubscribed node is busy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from diag.agent.observe.procs import ProcessWatch, main_thread_runnable_seconds
+
+SPIN = "import time\nwhile True: pass\n"
+
+
+def _spinner(cpu: int) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", SPIN])
+    os.sched_setaffinity(p.pid, {cpu})
+    return p
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="no schedstat")
+def test_a_spinner_sharing_its_core_is_busy_although_it_gets_half_of_it() -> None:
+    cpu = min(os.sched_getaffinity(0))
+    a, b, c = _spinner(cpu), _spinner(cpu), _spinner(cpu)  # three on one core: a third each
+    try:
+        watch = ProcessWatch()
+        watch.watch(a.pid, psutil.Process(a.pid).create_time())
+        watch.refresh(a.pid, time.monotonic())
+        time.sleep(1.5)
+        info = watch.refresh(a.pid, time.monotonic())
+        assert info is not None
+        share = psutil.Process(a.pid).cpu_percent(interval=0.5) / 100
+        assert share < 0.6  # it gets a slice of the core...
+        assert info.cpu_busy >= 0.9  # ...but wanted all of it
+    finally:
+        for p in (a, b, c):
+            p.kill()
+            p.wait(timeout=10)
+
+
+def test_a_sleeping_process_is_not_busy() -> None:
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.5)
+        watch = ProcessWatch()
+        watch.watch(p.pid, psutil.Process(p.pid).create_time())
+        watch.refresh(p.pid, time.monotonic())
+        time.sleep(1.0)
+        info = watch.refresh(p.pid, time.monotonic())
+        assert info is not None and info.cpu_busy < 0.2
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+
+
+def test_runnable_seconds_of_a_missing_process_are_zero() -> None:
+    assert main_thread_runnable_seconds(2**22 + 12345) == 0.0
