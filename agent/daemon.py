@@ -224,13 +224,13 @@ class Agent:
         if decision.verdict is not None:
             wall = time.time()
             # Before any evidence is written: the job incident this one belongs to names it.
-            decision = _under(
-                decision,
-                self.job_link.resolve(decision.verdict, obs, obs.job or self.cfg.job or "", wall),
+            verdict = self.job_link.resolve(
+                decision.verdict, obs, obs.job or self.cfg.job or "", wall
             )
+            decision = _under(decision, verdict)
             # Our ranks as they are now travel with our report for the job verdict, if we file
             # one: whoever assembles it can weigh them against the other nodes'.
-            self._views[decision.verdict.incident_id] = view_document(obs, self.cfg.node, wall)
+            self._views[verdict.incident_id] = view_document(obs, self.cfg.node, wall)
         self.state = decision.state
         if self.metrics is not None:
             self.metrics.update(obs, self.state, decision.verdict)

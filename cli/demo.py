@@ -222,9 +222,9 @@ def journal_stragglers(run_dir: Path) -> list[StragglerScore]:
     return straggler_scores(recent)
 
 
-def _merge(incident: Path, out) -> object | None:
+def _merge(incident: Path, out) -> MergeResult | None:
     try:
-        from diag.viewer.merge import merge_incident  # type: ignore[import-not-found]
+        from diag.viewer.merge import merge_incident
     except ImportError:
         return None
     try:
@@ -295,7 +295,7 @@ def report(opts: DemoOptions, result: DemoResult, out=sys.stdout) -> int:
     return exitcodes.OK if ok else exitcodes.DEMO_MISMATCH
 
 
-def _report_flash(save_dir: Path, p) -> None:  # type: ignore[no-untyped-def]
+def _report_flash(save_dir: Path, p) -> None:
     from diag.formats.snapshot import read_latest_step
 
     step = read_latest_step(save_dir)

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from diag.agent.options import DEFAULT_TIMELINE
@@ -151,7 +152,7 @@ def gather(args: argparse.Namespace, node: str, timeline: Path, now: float, wind
     return evidence, notes
 
 
-def print_outcome(out: TaintOutcome, as_json: bool, notes: list[str] = ()) -> None:
+def print_outcome(out: TaintOutcome, as_json: bool, notes: Sequence[str] = ()) -> None:
     if as_json:
         doc = {
             "plan": out.plan.to_dict(),

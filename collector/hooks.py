@@ -19,11 +19,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diag.collector.completion import HostWorkTracker
 from diag.formats.journal import JournalWriter
 from diag.formats.records import DType, OpCode, OpFlag, OpState
+
+if TYPE_CHECKING:
+    from diag.collector.cuda import CudaEventTracker
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ def _dtype_code(dtype: Any) -> DType:
     return code
 
 
-def _tensor_info(obj: Any, tensor_type: type) -> tuple[int, Any, bool]:
+def _tensor_info(obj: Any, tensor_type: type[Any]) -> tuple[int, Any, bool]:
     """(bytes, torch dtype, on CUDA) of a tensor or of a (nested) list of tensors. Hot path."""
     if isinstance(obj, tensor_type):
         return obj.numel() * obj.element_size(), obj.dtype, obj.is_cuda
@@ -133,7 +136,7 @@ class Instrumentation:
         self._groups: dict[int, _Group] = {}
         self._lock = threading.Lock()
         self._originals: dict[tuple[type, str], Any] = {}
-        self._cuda = None  # created on the first CUDA op
+        self._cuda: CudaEventTracker | None = None  # created on the first CUDA op
         self._host = HostWorkTracker(writer)
         self.pg_timeout_s = 0.0
 
@@ -252,7 +255,7 @@ class Instrumentation:
             self.writer.update(seq, OpState.COMPLETED, t_end_ns=time.monotonic_ns())
         return work
 
-    def _cuda_tracker(self):
+    def _cuda_tracker(self) -> CudaEventTracker:
         if self._cuda is None:
             from diag.collector.cuda import CudaEventTracker
 

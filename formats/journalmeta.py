@@ -7,6 +7,7 @@ sees half of it.
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 import re
@@ -91,7 +92,10 @@ class JournalMeta:
 
 
 class _MetaFields:
-    """Reads the fields of one parsed meta, each into its type and range."""
+    """Reads the fields of one parsed meta, each into its type and range.
+
+    Its methods `int` and `float` hide the built-in types in annotations inside the class, which
+    therefore spell them `builtins.int` and `builtins.float`."""
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -106,11 +110,15 @@ class _MetaFields:
             raise self.fail(f"field {key!r} is missing")
         return default
 
-    def int(self, raw: dict, key: str, lo: int, hi: int, default: object = ...) -> int:
+    def int(
+        self, raw: dict, key: str, lo: builtins.int, hi: builtins.int, default: object = ...
+    ) -> builtins.int:
         value = self.get(raw, key, default)
         return bounded_int(value, lo=lo, hi=hi, what=f"field {key!r}", source=self.source)
 
-    def float(self, raw: dict, key: str, default: object = ..., hi: float = MAX_SECONDS) -> float:
+    def float(
+        self, raw: dict, key: str, default: object = ..., hi: builtins.float = MAX_SECONDS
+    ) -> builtins.float:
         value = self.get(raw, key, default)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.fail(f"field {key!r} must be a number, got {type(value).__name__}")
@@ -126,7 +134,7 @@ class _MetaFields:
             raise self.fail(f"field {key!r} is {len(value)} characters, over {MAX_TEXT}")
         return printable(value, keep_newlines=False)
 
-    def items(self, raw: dict, key: str, limit: int) -> list:
+    def items(self, raw: dict, key: str, limit: builtins.int) -> list:
         value = self.get(raw, key, [])
         if value is None:
             return []
@@ -136,7 +144,7 @@ class _MetaFields:
             raise self.fail(f"field {key!r} has {len(value)} entries, over {limit}")
         return value
 
-    def group(self, raw: object, world: int) -> GroupInfo:
+    def group(self, raw: object, world: builtins.int) -> GroupInfo:
         if not isinstance(raw, dict):
             raise self.fail(f"a group must be an object, got {type(raw).__name__}")
         ranks = self.items(raw, "ranks", world)

@@ -101,7 +101,7 @@ def find_absent(
         with_stacks = ranksets.bits_of(d.rank for d in dumps if d.threads or d.native_threads)
     failed = tuple((d.rank, d.error) for d in dumps if d.error and not with_stacks >> d.rank & 1)
     silent = missing | ranksets.bits_of(r for r, _ in failed)
-    nodes = []
+    nodes: list[AbsentNode] = []
     if local and local > 0 and world % local == 0:
         for lo, hi in ranksets.ranges_of(silent):  # the nodes each run of silent ranks fills
             first, end = -(-lo // local), (hi + 1) // local

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 
 class CommandKind:
@@ -116,7 +116,12 @@ class Sessions:
                 continue  # a rank that is gone or not listening would never see it
             cid = f"c{next(self._ids)}-r{rank}"
             cmd = pb.Command(
-                id=cid, kind=kind, reason=reason, dump_dir=dump_dir, exit_code=exit_code
+                id=cid,
+                # The stub types kind as the enum class; its values are the plain ints here.
+                kind=cast(pb.CommandKind, kind),
+                reason=reason,
+                dump_dir=dump_dir,
+                exit_code=exit_code,
             )
             s.outbox.put(pb.AgentMessage(command=cmd))
             sent[rank] = cid

@@ -365,7 +365,7 @@ def pick_culprit(
     blamed = Counter(n.culprit for n in names if n.culprit is not None)
     if not blamed:
         return None, "", "no node named a single culprit"
-    rank, votes = max(blamed.items(), key=lambda kv: (kv[1], -kv[0]))  # type: ignore[operator]
+    rank, votes = max(blamed.items(), key=lambda kv: (kv[1], -kv[0]))
     return rank, "", f"named by {votes} of {len(names)} nodes; its own node did not report"
 
 

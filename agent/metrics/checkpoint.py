@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
@@ -53,20 +54,19 @@ class CheckpointMetrics(Collector):
         now = self.clock()
         with self._lock:
             old = self._facts.get(rank, CheckpointFacts())
-            new = replace(
-                old,
-                **{
-                    k: v
-                    for k, v in (
-                        ("memory_step", memory_step),
-                        ("persisted_step", persisted_step),
-                        ("save_seconds", save_seconds),
-                        ("persist_seconds", persist_seconds),
-                        ("persist_bytes", persist_bytes),
-                    )
-                    if v is not None
-                },
-            )
+            # Any: each value goes to the field of its own name, which mypy cannot pair up.
+            changed: dict[str, Any] = {
+                k: v
+                for k, v in (
+                    ("memory_step", memory_step),
+                    ("persisted_step", persisted_step),
+                    ("save_seconds", save_seconds),
+                    ("persist_seconds", persist_seconds),
+                    ("persist_bytes", persist_bytes),
+                )
+                if v is not None
+            }
+            new = replace(old, **changed)
             if memory_step is not None and memory_step != old.memory_step:
                 new = replace(new, memory_at=now)
             if persisted_step is not None and persisted_step != old.persisted_step:

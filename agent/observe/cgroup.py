@@ -75,7 +75,7 @@ def read_limits(pid: int | str = "self", proc: Path = Path("/proc")) -> Containe
 
 
 def _mounts(mountinfo: Path) -> list[_Mount]:
-    out = []
+    out: list[_Mount] = []
     try:
         lines = mountinfo.read_text().splitlines()
     except OSError:

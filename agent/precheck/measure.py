@@ -198,7 +198,9 @@ def pair_allreduce(
     import torch
     import torch.distributed as dist
 
-    side = dict(round=plan.round, node=plan.node, peer=plan.peer, msg_bytes=plan.msg_bytes)
+    side: dict[str, Any] = dict(
+        round=plan.round, node=plan.node, peer=plan.peer, msg_bytes=plan.msg_bytes
+    )
     prefix = dist.PrefixStore(
         f"pg/{plan.round}/{min(plan.node, plan.peer)}-{max(plan.node, plan.peer)}/", store
     )

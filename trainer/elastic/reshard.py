@@ -347,4 +347,4 @@ def install_load_hook() -> None:
 
         load_checkpoint._diag_reshard = True  # type: ignore[attr-defined]
         load_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
-        DeepSpeedEngine.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
+        DeepSpeedEngine.load_checkpoint = load_checkpoint
