@@ -10,6 +10,10 @@ The directory is built under a hidden temporary name and renamed into place when
 viewer never reads half an incident. Directories of one incident on several nodes share the
 `incident_id` in their verdict.json, and its key ends their names: one listing of the timeline
 finds every node's directory of an incident, none of them read.
+
+`IncidentDir` is one such directory for both of its sides: the agent builds one
+(`IncidentDir.create`, `write_json`, `commit`), the viewer reads one (`read_verdict`, and its own
+scan of the dump files, which also accepts other tools' formats).
 """
 
 from __future__ import annotations
@@ -21,13 +25,28 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from diag.formats.untrusted import MIB, read_json, write_file_nofollow
+from diag.formats.inputcaps import MAX_WORLD, clean
+from diag.formats.inputcaps import VERDICT_MAX_BYTES as READ_VERDICT_MAX_BYTES
+from diag.formats.untrusted import (
+    MIB,
+    UntrustedInput,
+    bounded_int,
+    read_json,
+    write_file_nofollow,
+)
 
-VERDICT_MAX_BYTES = 4 * MIB
+# `retag` rewrites a verdict this node's agent wrote; any verdict read (the viewer's, from any
+# timeline) is capped at inputcaps.VERDICT_MAX_BYTES.
+RETAG_VERDICT_MAX_BYTES = 4 * MIB
 VERDICT_FORMAT = "diag.verdict/1"
 VERDICT_FILE = "verdict.json"
+MACHINE_FILE = "machine.json"
+JOURNAL_TAIL_SUFFIX = ".journal.json"
+_NAME_TIME_FORMAT = "%Y%m%d-%H%M%S"
+
+D = TypeVar("D")  # how the reader represents a dump file (the viewer's DumpFile)
 
 
 def incident_id_of(job: str, verdict_id: str) -> str:
@@ -43,8 +62,26 @@ def incident_key(incident_id: str) -> str:
 
 def dir_name(when: dt.datetime, kind: str, node: str, incident_id: str = "") -> str:
     safe_node = re.sub(r"[^A-Za-z0-9_.-]+", "_", node)[:63] or "node"
-    name = f"{when.strftime('%Y%m%d-%H%M%S')}-{kind.replace('_', '-')}-{safe_node}"
+    name = f"{when.strftime(_NAME_TIME_FORMAT)}-{kind.replace('_', '-')}-{safe_node}"
     return f"{name}@{incident_key(incident_id)}" if incident_id else name
+
+
+def name_time(name: str) -> dt.datetime | None:
+    """The time a directory's name begins with (UTC), None when it begins with none."""
+    try:
+        return dt.datetime.strptime(name[:15], _NAME_TIME_FORMAT).replace(tzinfo=dt.UTC)
+    except ValueError:
+        return None
+
+
+def journal_tail_file(rank: int, world_size: int) -> str:
+    return f"{rank:05d}-{world_size:05d}{JOURNAL_TAIL_SUFFIX}"
+
+
+def tail_name(dump_name: str) -> str:
+    """The journal tail beside a dump file: `00003-00008.stack.json` ->
+    `00003-00008.journal.json`."""
+    return dump_name.split(".", 1)[0] + JOURNAL_TAIL_SUFFIX
 
 
 def find_dirs(timeline: Path, key: str) -> list[Path]:
@@ -61,7 +98,7 @@ def retag(incident: Path, incident_id: str, note: str) -> None:
     """Moves a finished incident directory into another incident (its verdict's id, which
     `diag merge` groups by), keeping the id it had and saying why."""
     path = incident / VERDICT_FILE
-    doc = read_json(path, max_bytes=VERDICT_MAX_BYTES)
+    doc = read_json(path, max_bytes=RETAG_VERDICT_MAX_BYTES)
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: not a verdict (a JSON object expected)")
     doc.setdefault("own_incident_id", doc.get("incident_id"))
@@ -70,15 +107,84 @@ def retag(incident: Path, incident_id: str, note: str) -> None:
     write_file_nofollow(path, json.dumps(doc, indent=1).encode())
 
 
-@dataclass
-class IncidentDir:
-    final: Path
-    tmp: Path
+@dataclass(frozen=True)
+class Verdict:
+    """The fields of `verdict.json` its readers use; unknown fields are ignored."""
+
+    incident_id: str
+    kind: str = ""
+    node: str = ""
+    job: str = ""
+    world_size: int | None = None
+    detected_at: str = ""
+    culprit: int | None = None
+    summary: str = ""
+
+    @classmethod
+    def from_dict(cls, raw: object, source: str = VERDICT_FILE) -> Verdict:
+        """The verdict in a parsed verdict.json; UntrustedInput (naming `source`) when it is
+        none. Text is cleaned of control characters, numbers bounded."""
+        if not isinstance(raw, dict) or not raw.get("incident_id"):
+            raise UntrustedInput(source, "no incident_id")
+        culprit = raw.get("culprit")
+        world = raw.get("world_size")
+
+        def text(key: str) -> str:
+            return clean(str(raw.get(key) or ""))
+
+        return cls(
+            incident_id=text("incident_id"),
+            kind=text("kind"),
+            node=text("node"),
+            job=text("job"),
+            world_size=None
+            if world is None
+            else bounded_int(world, lo=0, hi=MAX_WORLD, what="world_size", source=source),
+            detected_at=text("detected_at"),
+            culprit=None
+            if culprit is None
+            else bounded_int(culprit, lo=0, hi=MAX_WORLD - 1, what="culprit", source=source),
+            summary=text("summary"),
+        )
+
+
+def has_verdict(path: Path) -> bool:
+    """Whether `path` holds a verdict.json (a regular file, not a symlink)."""
+    return (path / VERDICT_FILE).is_file() and not (path / VERDICT_FILE).is_symlink()
+
+
+def read_verdict(path: Path) -> tuple[Verdict | None, tuple[str, ...]]:
+    """The verdict of the incident directory `path` (None without one), and why one there could
+    not be read: the directory is then taken on its own."""
+    vpath = path / VERDICT_FILE
+    if not os.path.lexists(vpath):
+        return None, ()
+    try:
+        raw = read_json(vpath, max_bytes=READ_VERDICT_MAX_BYTES)
+        return Verdict.from_dict(raw, str(vpath)), ()
+    except UntrustedInput as e:
+        problem = (
+            f"{clean(e.path)}: unreadable verdict ({clean(e.problem)}); directory taken on its own"
+        )
+        return None, (problem,)
+
+
+@dataclass(frozen=True)
+class IncidentDir(Generic[D]):
+    """One node's directory of an incident. Read: its verdict, its dumps, what could not be read.
+    Being built (`create`): `tmp`, the hidden directory its files are written to until `commit`
+    renames it to `path`."""
+
+    path: Path
+    verdict: Verdict | None = None
+    dumps: tuple[D, ...] = ()
+    problems: tuple[str, ...] = ()
+    tmp: Path | None = None
 
     @classmethod
     def create(
         cls, timeline: Path, kind: str, node: str, when: dt.datetime, incident_id: str = ""
-    ) -> IncidentDir:
+    ) -> IncidentDir[Any]:
         timeline.mkdir(parents=True, exist_ok=True)
         base = dir_name(when, kind, node, incident_id)
         final = timeline / base
@@ -88,22 +194,29 @@ class IncidentDir:
             final = timeline / f"{base}.{n}"
         tmp = timeline / f".tmp-{final.name}-{os.getpid()}"
         tmp.mkdir()
-        return cls(final=final, tmp=tmp)
+        return cls(path=final, tmp=tmp)
+
+    @property
+    def staging(self) -> Path:
+        """The hidden directory files are written to until `commit`."""
+        if self.tmp is None:
+            raise ValueError(f"{self.path}: a finished incident directory is not written to")
+        return self.tmp
 
     def write_json(self, name: str, doc: Any) -> Path:
         return self.write_text(name, json.dumps(doc, indent=1, default=_jsonable))
 
     def write_text(self, name: str, text: str) -> Path:
-        path = self.tmp / name
+        path = self.staging / name
         write_file_nofollow(path, text.encode())  # never through a planted symlink
         return path
 
     def commit(self) -> Path:
-        os.replace(self.tmp, self.final)
-        return self.final
+        os.replace(self.staging, self.path)
+        return self.path
 
     def abandon(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        shutil.rmtree(self.staging, ignore_errors=True)
 
 
 def _jsonable(obj: Any) -> Any:

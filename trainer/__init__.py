@@ -3,6 +3,7 @@ exit, elastic batch sizes.
 
 Rooms: `control` (the rank's end of the agent's control channel), `flash` (flash checkpoints in
 shared memory), `graceful` (save and leave when told to go), `elastic` (batch sizes and resharding).
+`stephooks` holds the one patch of a DeepSpeed engine's `step` that attach, flash and graceful run in.
 May import: collector, formats, proto. Never agent, viewer or cli.
 """
 

@@ -35,6 +35,7 @@ from diag.formats.rundir import (
     pid_namespace,
 )
 from diag.trainer.graceful.teardown import quiesce_at_exit
+from diag.trainer.stephooks import StepHook, add_step_hook
 
 log = logging.getLogger(__name__)
 
@@ -136,21 +137,17 @@ class Session:
         gradient-accumulation boundary) and checkpoint save/load as phases."""
         if getattr(engine, "_diag_hooked", False):
             return
-        orig_step = engine.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            result = orig_step(*args, **kwargs)
-            global_steps = int(getattr(engine, "global_steps", 0))
-            if global_steps != self._last_step:
-                self.step(global_steps)
-            return result
-
-        engine.step = step
+        add_step_hook(engine, StepHook("journal", after=self._after_step))
         for method, phase_name in (("save_checkpoint", "checkpoint"), ("load_checkpoint", "load")):
             orig = getattr(engine, method, None)
             if orig is not None:
                 setattr(engine, method, self._in_phase(orig, phase_name))
         engine._diag_hooked = True
+
+    def _after_step(self, engine: Any) -> None:
+        global_steps = int(getattr(engine, "global_steps", 0))
+        if global_steps != self._last_step:
+            self.step(global_steps)
 
     def _in_phase(self, fn: Any, name: str) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from diag.formats.inputcaps import MAX_WORLD, VERDICT_MAX_BYTES, clean
-from diag.formats.untrusted import UntrustedInput, bounded_int, read_json
+from diag.formats.incidentdir import IncidentDir, Verdict, has_verdict, name_time, read_verdict
+from diag.formats.inputcaps import clean
 from diag.viewer.sources import DumpFile, has_dumps, scan
 
 log = logging.getLogger(__name__)
 
-VERDICT_FILE = "verdict.json"
 _EPOCH = datetime.fromtimestamp(0, tz=UTC)
 
 
@@ -31,62 +30,11 @@ class IncidentError(ValueError):
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """The fields of `verdict.json` the merge uses; unknown fields are ignored."""
-
-    incident_id: str
-    kind: str = ""
-    node: str = ""
-    job: str = ""
-    world_size: int | None = None
-    detected_at: str = ""
-    culprit: int | None = None
-    summary: str = ""
-
-    @classmethod
-    def from_dict(cls, raw: object, source: str = VERDICT_FILE) -> Verdict:
-        """The verdict in a parsed verdict.json; UntrustedInput (naming `source`) when it is
-        none. Text is cleaned of control characters, numbers bounded."""
-        if not isinstance(raw, dict) or not raw.get("incident_id"):
-            raise UntrustedInput(source, "no incident_id")
-        culprit = raw.get("culprit")
-        world = raw.get("world_size")
-
-        def text(key: str) -> str:
-            return clean(str(raw.get(key) or ""))
-
-        return cls(
-            incident_id=text("incident_id"),
-            kind=text("kind"),
-            node=text("node"),
-            job=text("job"),
-            world_size=None
-            if world is None
-            else bounded_int(world, lo=0, hi=MAX_WORLD, what="world_size", source=source),
-            detected_at=text("detected_at"),
-            culprit=None
-            if culprit is None
-            else bounded_int(culprit, lo=0, hi=MAX_WORLD - 1, what="culprit", source=source),
-            summary=text("summary"),
-        )
-
-
-@dataclass(frozen=True)
-class IncidentDir:
-    """One node's directory of an incident: its verdict, its dumps, what could not be read."""
-
-    path: Path
-    verdict: Verdict | None
-    dumps: tuple[DumpFile, ...]
-    problems: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
 class Incident:
     """An incident: the directories, one per node, that share its id."""
 
     incident_id: str
-    dirs: tuple[IncidentDir, ...]
+    dirs: tuple[IncidentDir[DumpFile], ...]
     when: datetime = field(default=_EPOCH)
 
     @property
@@ -118,19 +66,12 @@ def _parse_time(text: str) -> datetime | None:
     return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
-def _name_time(name: str) -> datetime | None:
-    try:
-        return datetime.strptime(name[:15], "%Y%m%d-%H%M%S").replace(tzinfo=UTC)
-    except ValueError:
-        return None
-
-
-def _when(d: IncidentDir) -> datetime:
+def _when(d: IncidentDir[DumpFile]) -> datetime:
     if d.verdict is not None:
         t = _parse_time(d.verdict.detected_at)
         if t is not None:
             return t
-    t = _name_time(d.path.name)
+    t = name_time(d.path.name)
     if t is not None:
         return t
     mtimes = []
@@ -142,35 +83,25 @@ def _when(d: IncidentDir) -> datetime:
     return datetime.fromtimestamp(max(mtimes), tz=UTC) if mtimes else _EPOCH
 
 
-def read_dir(path: Path) -> IncidentDir:
-    verdict = None
-    problems: list[str] = []
-    vpath = path / VERDICT_FILE
-    if os.path.lexists(vpath):
-        try:
-            raw = read_json(vpath, max_bytes=VERDICT_MAX_BYTES)
-            verdict = Verdict.from_dict(raw, str(vpath))
-        except UntrustedInput as e:
-            problems.append(
-                f"{clean(e.path)}: unreadable verdict ({clean(e.problem)}); "
-                "directory taken on its own"
-            )
-            log.warning("%s", problems[-1])
+def read_dir(path: Path) -> IncidentDir[DumpFile]:
+    verdict, problems = read_verdict(path)
+    for problem in problems:
+        log.warning("%s", problem)
     found = scan(path)
-    problems.extend(found.problems(path))
-    return IncidentDir(path=path, verdict=verdict, dumps=found.files, problems=tuple(problems))
-
-
-def _is_verdict(path: Path) -> bool:
-    return (path / VERDICT_FILE).is_file() and not (path / VERDICT_FILE).is_symlink()
+    return IncidentDir(
+        path=path,
+        verdict=verdict,
+        dumps=found.files,
+        problems=(*problems, *found.problems(path)),
+    )
 
 
 def is_incident_dir(path: Path) -> bool:
-    return _is_verdict(path) or has_dumps(path)
+    return has_verdict(path) or has_dumps(path)
 
 
-def _group(dirs: list[IncidentDir]) -> list[Incident]:
-    by_id: dict[str, list[IncidentDir]] = {}
+def _group(dirs: list[IncidentDir[DumpFile]]) -> list[Incident]:
+    by_id: dict[str, list[IncidentDir[DumpFile]]] = {}
     for d in dirs:
         key = d.verdict.incident_id if d.verdict is not None else f"dir:{d.path}"
         by_id.setdefault(key, []).append(d)
@@ -189,7 +120,7 @@ def find_incidents(path: Path) -> list[Incident]:
         raise IncidentError(
             f"{path} is not a directory; give an incident directory or a timeline root"
         )
-    if _is_verdict(path):
+    if has_verdict(path):
         return _group([read_dir(path)])
     dirs = []
     if has_dumps(path):

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diag.formats import fastjson
+from diag.formats.incidentdir import JOURNAL_TAIL_SUFFIX
 from diag.formats.inputcaps import JOURNAL_TAIL_MAX_BYTES, MAX_WORLD, clean, read_capped
 from diag.formats.untrusted import UntrustedInput
 
 log = logging.getLogger(__name__)
-
-JOURNAL_SUFFIX = ".journal.json"
 
 
 @dataclass(frozen=True)
@@ -37,12 +36,6 @@ class JournalThreads:
     @property
     def empty(self) -> bool:
         return not self.issuer and not self.own
-
-
-def tail_name(dump_name: str) -> str:
-    """The journal tail beside a dump file: `00003-00008.stack.json` ->
-    `00003-00008.journal.json`."""
-    return dump_name.split(".", 1)[0] + JOURNAL_SUFFIX
 
 
 def journal_threads(doc: object) -> JournalThreads | None:
@@ -113,7 +106,7 @@ def journal_local_sizes(dirs: Iterable[Path]) -> list[int]:
                 (
                     e
                     for e in os.scandir(d)
-                    if e.name.endswith(JOURNAL_SUFFIX) and e.is_file(follow_symlinks=False)
+                    if e.name.endswith(JOURNAL_TAIL_SUFFIX) and e.is_file(follow_symlinks=False)
                 ),
                 None,
             )

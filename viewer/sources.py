@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from diag.formats import fastjson
+from diag.formats.incidentdir import JOURNAL_TAIL_SUFFIX, tail_name
 from diag.formats.inputcaps import DUMP_MAX_BYTES, MAX_WORLD, clean, clean_lines, read_capped
 from diag.formats.stackdump import (
     STACK_FORMAT,
@@ -35,7 +36,6 @@ from diag.formats.stackdump import (
     pyspy_threads,
 )
 from diag.formats.untrusted import UntrustedInput
-from diag.viewer.journals import JOURNAL_SUFFIX, tail_name
 from diag.viewer.xpu_stacktrace import StacktraceError, StacktraceReader
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ T = TypeVar("T")
 
 _NAME = re.compile(r"^(\d+)-(\d+)(\..+)$")
 XPU_SUFFIX = ".stacktrace"
-NOT_DUMPS = (JOURNAL_SUFFIX,)
+NOT_DUMPS = (JOURNAL_TAIL_SUFFIX,)
 
 
 class DumpFormat(enum.StrEnum):
@@ -140,7 +140,7 @@ def scan(directory: Path) -> Scan:
     tails = {
         e.name
         for e in entries
-        if e.name.endswith(JOURNAL_SUFFIX) and e.is_file(follow_symlinks=False)
+        if e.name.endswith(JOURNAL_TAIL_SUFFIX) and e.is_file(follow_symlinks=False)
     }
     for entry in entries:
         try:

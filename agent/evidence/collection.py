@@ -28,7 +28,14 @@ from diag.agent.evidence.parallelism import (
 )
 from diag.agent.evidence.pyspy import DumpTarget, dump_all
 from diag.agent.observe.cgroup import read_limits
-from diag.formats.incidentdir import VERDICT_FILE, VERDICT_FORMAT, IncidentDir, utc_iso
+from diag.formats.incidentdir import (
+    MACHINE_FILE,
+    VERDICT_FILE,
+    VERDICT_FORMAT,
+    IncidentDir,
+    journal_tail_file,
+    utc_iso,
+)
 from diag.formats.journal import JournalFormatError, JournalReader
 from diag.formats.journalmeta import JournalMeta, read_meta, write_atomic
 from diag.formats.stackdump import RankDump
@@ -36,7 +43,6 @@ from diag.formats.untrusted import Owners
 
 log = logging.getLogger(__name__)
 
-JOURNAL_TAIL_SUFFIX = ".journal.json"
 FLIGHT_TIMEOUT_S = 3.0
 
 
@@ -223,12 +229,12 @@ def capture(
         python_done = time.monotonic()
         for t in targets:
             if t.journal is not None:
-                name = f"{t.dump.rank:05d}-{t.dump.world_size:05d}{JOURNAL_TAIL_SUFFIX}"
+                name = journal_tail_file(t.dump.rank, t.dump.world_size)
                 doc_ = journal_tail_document(t.journal, started, journal_tail, t.owners)
                 incident.write_json(name, doc_)
-        doc["flight_recorder"] = _flight_recorders(targets, incident.tmp)
+        doc["flight_recorder"] = _flight_recorders(targets, incident.staging)
         snap = machine_snapshot({t.dump.rank: t.dump.pid for t in targets if t.dumpable}, timeline)
-        incident.write_json("machine.json", snap.to_dict())
+        incident.write_json(MACHINE_FILE, snap.to_dict())
         for d in dumps:
             incident.write_text(d.file_name, d.to_json())
         planned = dump_parallelism(

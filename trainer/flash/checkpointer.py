@@ -62,6 +62,7 @@ from diag.trainer.flash.resume import (
 )
 from diag.trainer.flash.slots import RankSlots, SlotOwner
 from diag.trainer.graceful.teardown import quiesce_at_exit
+from diag.trainer.stephooks import StepHook, add_step_hook
 
 log = logging.getLogger(__name__)
 
@@ -351,16 +352,15 @@ class FlashCheckpointer:
             log.warning("diag: the agent could not persist step %d: %s", ack.step, ack.error)
 
     def _hook_step(self) -> None:
-        engine = self.engine
-        orig = engine.step
+        add_step_hook(
+            self.engine, StepHook("flash", before=self._before_step, after=self._after_step)
+        )
 
-        def step(*args: Any, **kwargs: Any) -> Any:
-            self.wait()  # the optimizer is about to change what the last save is copying
-            result = orig(*args, **kwargs)
-            self.at_boundary()
-            return result
+    def _before_step(self, engine: Any) -> None:
+        self.wait()  # the optimizer is about to change what the last save is copying
 
-        engine.step = step
+    def _after_step(self, engine: Any) -> None:
+        self.at_boundary()
 
     def at_boundary(self) -> None:
         """Honours FLUSH and EXIT at a step boundary (called after every engine.step)."""

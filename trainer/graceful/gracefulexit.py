@@ -39,6 +39,7 @@ from diag.trainer.graceful.stopflag import (
     stop_flag,
 )
 from diag.trainer.graceful.teardown import exit_process, quiesce_at_exit
+from diag.trainer.stephooks import StepHook, add_step_hook
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +107,10 @@ class GracefulExit:
     # -- the boundary ---------------------------------------------------------------------------
 
     def _hook_step(self) -> None:
-        engine = self.engine
-        orig = engine.step
+        add_step_hook(self.engine, StepHook("graceful", after=self._after_step))
 
-        def step(*args: Any, **kwargs: Any) -> Any:
-            result = orig(*args, **kwargs)
-            self.at_boundary()
-            return result
-
-        engine.step = step
+    def _after_step(self, engine: Any) -> None:
+        self.at_boundary()
 
     def at_boundary(self) -> None:
         """Called after every engine.step: agrees when due, and saves and leaves on a stop."""

@@ -45,7 +45,7 @@ def test_quiet_window_once_after_later_handlers(tmp_path: Path, with_torch: bool
         f"""
         import atexit, time
         {"import torch.distributed" if with_torch else ""}
-        from diag.trainer import teardown
+        from diag.trainer.graceful import teardown
 
         def note(what):
             with open({str(log)!r}, "a") as f:
