@@ -231,11 +231,11 @@ def captured_copies(sink: Callable[[str, str], None]) -> Iterator[None]:
     if original is None:  # another DeepSpeed layout: the scripts are simply not captured
         yield
         return
-    ds_engine.copyfile = sink  # type: ignore[attr-defined]
+    ds_engine.copyfile = sink
     try:
         yield
     finally:
-        ds_engine.copyfile = original  # type: ignore[attr-defined]
+        ds_engine.copyfile = original
 
 
 def capture_checkpoint(

@@ -242,7 +242,7 @@ def _record_saves(engine: Any) -> list[str]:
 def _stop_recording(engine: Any) -> None:
     ce = getattr(engine, "checkpoint_engine", None)
     orig = getattr(ce, "_diag_orig_save", None)
-    if orig is not None:
+    if ce is not None and orig is not None:
         ce.save = orig
         del ce._diag_orig_save
 
