@@ -34,3 +34,30 @@ def _private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The long tests first: spread over parallel workers, the suite then ends with the short
+    ones filling the gaps instead of one worker running a long test alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="also run the long tier: soaks and the full repetitions of statistical tests",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.getoption("--long"):
+        # Deselected, not skipped: the default tier's report lists only what it runs.
+        markexpr = config.option.markexpr
+        config.option.markexpr = f"({markexpr}) and not long" if markexpr else "not long"
+
+
+@pytest.fixture(scope="session")
+def long_tier(pytestconfig: pytest.Config) -> bool:
+    """Whether this run is the long tier (`--long`): statistical tests repeat more."""
+    return bool(pytestconfig.getoption("--long"))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from jobrun import free_port
+from polling import catches_sigterm, wait_for
 
 from diag.agent import config as config_mod
 from diag.agent.detect.hang import OnHang
@@ -55,7 +56,9 @@ def test_bad_input_is_a_clear_error_without_traceback(
             stderr=subprocess.PIPE,
             text=True,
         )
-        time.sleep(1.5)
+        # Started once it catches SIGTERM (seconds of imports on a loaded machine).
+        assert wait_for(lambda: catches_sigterm(p.pid) or p.poll() is not None, timeout=60)
+        time.sleep(0.5)
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=20)
         assert p.returncode == 0, err

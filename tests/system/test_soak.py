@@ -15,7 +15,11 @@ from repo import BENCH
 sys.path.insert(0, str(BENCH))
 import soak
 
-pytestmark = pytest.mark.slow
+# The long tier: each fault kind has its own test in the default tier (tests/system/
+# test_agent_faults.py, tests/agent/detect/test_deadlocks.py, tests/trainer/test_stepless.py), and
+# so do the irregularities of a healthy job (stragglers, eval phases, slow first steps); the soak
+# mixes them for minutes on a node kept busy on purpose.
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 # Two jobs that together hold every irregularity the soak draws from.
 MIXES = (

@@ -93,6 +93,9 @@ def test_silent_node_has_its_own_tower(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # generation and merge of ~700 MB on a shared machine
+# The long tier: the 1,344-rank incidents above, shaped the same way, run in the default tier;
+# bench/merge_production.py measures merges at this scale.
+@pytest.mark.long
 @pytest.mark.parametrize("scenario", ["odd", "agree"])
 def test_16384_ranks(tmp_path: Path, scenario: str) -> None:
     truth, result = merged(tmp_path, 16384, "pyspy", scenario, 8, odd=3, missing_nodes=2)
