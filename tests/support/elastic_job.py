@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build in tests
     # Its runs without a checkpointer or a drain (the uninterrupted baselines) use nothing of
-    # diag that would register this, and would then abort at exit now and then (docs: user/graceful.md).
+    # diag that would register this, and would then abort at exit now and then (docs: operator/troubleshooting.md).
     quiesce_at_exit()
     dist.init_process_group("gloo")
     for zero in (int(z) for z in args.zero.split(",")):
