@@ -75,6 +75,17 @@ class EvidenceResult:
         return self.finished - self.started
 
 
+@dataclass(frozen=True)
+class IncidentReport:
+    """An incident as the rest of the agent hears of it (job verdict, taints, metrics): the
+    verdict and its evidence, None when none was captured."""
+
+    verdict: Verdict
+    evidence: EvidenceResult | None
+    job: str
+    node: str
+
+
 def verdict_document(
     verdict: Verdict | None,
     *,
