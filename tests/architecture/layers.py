@@ -48,6 +48,7 @@ PURE = (
     "diag.agent.job.nodeview",  # the node's view as plain data, parsed by checkedjson
     "diag.agent.metrics.collectives",
     "diag.agent.metrics.rankstate",
+    "diag.agent.observe.containerlimits",
     "diag.agent.precheck.classify",
     "diag.agent.precheck.grading",
     "diag.agent.precheck.keys",
