@@ -14,27 +14,24 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from diag.agent.detect.hang import Action, ActionKind, Verdict
-from diag.agent.evidence.collection import EvidenceResult, EvidenceTarget, capture, verdict_document
+from diag.agent.evidence.collection import (
+    EvidenceResult,
+    EvidenceTarget,
+    IncidentReport,
+    capture,
+    verdict_document,
+)
 from diag.agent.evidence.pyspy import DumpTarget
 from diag.agent.observe.observer import Observer
 from diag.agent.observe.rankproof import RankProof
 from diag.formats.incidentdir import incident_id_of
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class IncidentReport:
-    verdict: Verdict
-    evidence: EvidenceResult | None
-    job: str
-    node: str
 
 
 IncidentListener = Callable[[IncidentReport], None]

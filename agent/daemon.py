@@ -17,7 +17,7 @@ from types import FrameType
 from typing import Any
 
 from diag.agent import config as config_mod
-from diag.agent.actions import Executor, IncidentReport
+from diag.agent.actions import Executor
 from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
 from diag.agent.checkpoint.sessions import CommandKind
@@ -26,6 +26,7 @@ from diag.agent.detect.hang import Decision, EventKind, Verdict, WatchState, dec
 from diag.agent.drain.executor import Drainer
 from diag.agent.drain.notice import Notice, NoticeWatcher, deadline_of
 from diag.agent.drain.plan import DrainRequest, DrainState
+from diag.agent.evidence.collection import IncidentReport
 from diag.agent.evidence.pyspy import can_trace
 from diag.agent.health.monitors import monitors_for
 from diag.agent.health.watch import HealthWatch

@@ -2,5 +2,5 @@
 out. Timeouts, culprit rules, the wait-for graph, deadlocks, stragglers, ranks that left.
 
 Owns: the decisions only; no files, processes, clocks or logging.
-May import: the standard library and other modules of this package.
+May import: formats (its pure modules).
 """

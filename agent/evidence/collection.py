@@ -19,7 +19,6 @@ from diag.agent.evidence.machine import machine_snapshot
 from diag.agent.evidence.parallelism import (
     NATIVE_DUMP,
     PYTHON_DUMP,
-    ContainerLimits,
     DumpCost,
     Parallelism,
     dump_parallelism,
@@ -28,6 +27,7 @@ from diag.agent.evidence.parallelism import (
 )
 from diag.agent.evidence.pyspy import DumpTarget, dump_all
 from diag.agent.observe.cgroup import read_limits
+from diag.agent.observe.containerlimits import ContainerLimits
 from diag.formats.incidentdir import (
     MACHINE_FILE,
     VERDICT_FILE,
@@ -73,6 +73,17 @@ class EvidenceResult:
     @property
     def total_seconds(self) -> float:
         return self.finished - self.started
+
+
+@dataclass(frozen=True)
+class IncidentReport:
+    """An incident as the rest of the agent hears of it (job verdict, taints, metrics): the
+    verdict and its evidence, None when none was captured."""
+
+    verdict: Verdict
+    evidence: EvidenceResult | None
+    job: str
+    node: str
 
 
 def verdict_document(

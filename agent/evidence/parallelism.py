@@ -3,13 +3,15 @@
 Inside a container `os.cpu_count()` is the host's core count, so one py-spy per core would start
 every rank's native dump at once (~300 MB each while py-spy loads libtorch's symbols) and get the
 agent OOM-killed at the moment it is needed. The container's budget is its cgroup's CPU quota and
-memory limit; `agent.cgroup` reads them, this module decides.
+memory limit; `observe.cgroup` reads them, this module decides.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from diag.agent.observe.containerlimits import ContainerLimits
 
 MiB = 1 << 20
 
@@ -32,28 +34,6 @@ RESERVE_BYTES = 64 * MiB  # the agent's own growth while it parses and writes th
 # Native dumps started before one of them has been measured: the figures above hold for the
 # images they were measured on; the first dumps' own peak decides how many run after them.
 NATIVE_RAMP = 2
-
-
-@dataclass(frozen=True)
-class MemoryLimit:
-    """One level of the cgroup hierarchy that limits memory (the container's, the pod's...)."""
-
-    limit: int  # bytes
-    used: int  # bytes in use that cannot be reclaimed at once (usage minus inactive file cache)
-    where: str = ""  # the cgroup directory, for messages
-
-    @property
-    def free(self) -> int:
-        return max(0, self.limit - self.used)
-
-
-@dataclass(frozen=True)
-class ContainerLimits:
-    cpus: int  # CPUs this process may run on (its affinity: cpuset, taskset)
-    cpu_quota: float | None = None  # cores per scheduling period, None: no quota
-    memory: tuple[MemoryLimit, ...] = ()  # every limited level, the innermost first
-    available: int | None = None  # host memory available to new allocations, if known
-    source: str = ""  # "cgroup v2", "cgroup v1" or "" (none found), for messages
 
 
 @dataclass(frozen=True)

@@ -23,22 +23,10 @@ from typing import Protocol
 from diag.agent.precheck.nic import SYSFS_NET, link_state
 from diag.agent.taint.evidencesources import from_precheck_report
 from diag.agent.taint.model import Evidence, Signal
+from diag.agent.taint.taintconfig import HealthSettings
 from diag.formats.exitcodes import UsageError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HealthSettings:
-    """What the agent watches on its node (`--taint-watch-nics`, `--taint-precheck-report`,
-    `--taint-gpu-watch`), and how often it looks."""
-
-    nics: tuple[str, ...] = ()
-    nic_grace: float = 10.0  # seconds without carrier before it counts
-    precheck_report: Path | None = None
-    gpu: bool = True  # NVML XIDs and ECC, where there is a driver
-    interval: float = 10.0  # seconds between looks
-    ecc_interval: float = 30.0
 
 
 class Monitor(Protocol):

@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from diag.agent.actions import IncidentReport
 from diag.agent.detect.hang import Verdict, VerdictKind
 from diag.agent.detect.observation import Observation
+from diag.agent.evidence.collection import IncidentReport
 from diag.agent.job.decisions import (
     Filing,
     Mine,

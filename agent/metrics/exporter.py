@@ -26,11 +26,11 @@ from prometheus_client import (
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from diag.agent.actions import IncidentReport
 from diag.agent.detect.hang import Verdict, VerdictKind, WatchState
 from diag.agent.detect.observation import Observation, OpView
 from diag.agent.detect.straggler import straggler_scores
 from diag.agent.detect.timeouts import TimeoutPolicy
+from diag.agent.evidence.collection import IncidentReport
 from diag.agent.metrics import families as f
 from diag.agent.metrics.checkpoint import CheckpointMetrics
 from diag.agent.metrics.collectives import Bandwidth, bus_bandwidth, new_completions, op_kind

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from diag.agent.evidence.parallelism import ContainerLimits, MemoryLimit
+from diag.agent.observe.containerlimits import ContainerLimits, MemoryLimit
 
 _UNLIMITED = 1 << 62  # v1 reports "no limit" as a page-rounded LONG_MAX
 

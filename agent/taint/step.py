@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from diag.agent.actions import IncidentReport
+from diag.agent.evidence.collection import IncidentReport
 from diag.agent.job.verdict import JobVerdict, JobVerdictStore
 from diag.agent.taint.evidencesources import JOB_VERDICTS_DIR, culprit_history, from_job_verdict
 from diag.agent.taint.flow import TaintOutcome, taint

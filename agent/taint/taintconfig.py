@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diag.agent.health.monitors import HealthSettings
 from diag.agent.optiontable import (
     Bounds,
     Option,
@@ -29,6 +28,21 @@ from diag.agent.optiontable import (
 )
 from diag.agent.retention import DEFAULT_HISTORY_RETENTION, Retention
 from diag.agent.taint.model import APPLICATION_XIDS, HARDWARE_XIDS, TaintPolicy
+
+
+# The settings of the node-health monitors (agent.health), here because they are taint options
+# (`--taint-watch-nics`): health reads them, taint does not depend on health.
+@dataclass(frozen=True)
+class HealthSettings:
+    """What the agent watches on its node (`--taint-watch-nics`, `--taint-precheck-report`,
+    `--taint-gpu-watch`), and how often it looks."""
+
+    nics: tuple[str, ...] = ()
+    nic_grace: float = 10.0  # seconds without carrier before it counts
+    precheck_report: Path | None = None
+    gpu: bool = True  # NVML XIDs and ECC, where there is a driver
+    interval: float = 10.0  # seconds between looks
+    ecc_interval: float = 30.0
 
 
 class TaintMode(enum.StrEnum):

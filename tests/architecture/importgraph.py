@@ -99,10 +99,38 @@ def room_of(name: str) -> str | None:
 
 
 def is_pure(name: str, pure: Iterable[str] = layers.PURE) -> bool:
-    return any(
-        name == p or fnmatch.fnmatchcase(name, p) or (p.endswith(".*") and name == p[:-2])
-        for p in pure
+    return any(_matches(name, p) for p in pure)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    # `package.*` stands for the package and every module under it.
+    return (
+        name == pattern
+        or fnmatch.fnmatchcase(name, pattern)
+        or (pattern.endswith(".*") and name == pattern[:-2])
     )
+
+
+def sub_rooms_of(
+    name: str, sub_rooms: Mapping[str, Mapping[str, tuple[str, ...]]] = layers.SUB_ROOMS
+) -> list[str]:
+    """The sub-rooms a module of diag lies in, as `room.sub` (one, where the rules are right;
+    none for a room without sub-rooms)."""
+    room = room_of(name)
+    if room is None:
+        return []
+    return [
+        f"{room}.{sub}"
+        for sub, patterns in sub_rooms.get(room, {}).items()
+        if any(_matches(name, p) for p in patterns)
+    ]
+
+
+def sub_room_of(
+    name: str, sub_rooms: Mapping[str, Mapping[str, tuple[str, ...]]] = layers.SUB_ROOMS
+) -> str | None:
+    found = sub_rooms_of(name, sub_rooms)
+    return found[0] if len(found) == 1 else None
 
 
 def _stdlib_allowed(target: str, allowed: frozenset[str]) -> bool:
@@ -117,17 +145,40 @@ def check(
     exceptions: Mapping[tuple[str, str], str] = layers.EXCEPTIONS,
     pure: Iterable[str] = layers.PURE,
     pure_stdlib: frozenset[str] = layers.PURE_STDLIB,
+    sub_rooms: Mapping[str, Mapping[str, tuple[str, ...]]] = layers.SUB_ROOMS,
+    sub_may_import: Mapping[str, Mapping[str, frozenset[str]]] = layers.SUB_MAY_IMPORT,
 ) -> list[Violation]:
-    """The imports that break a rule, and the cycles between rooms."""
+    """The imports that break a rule, and the cycles between rooms and between the sub-rooms of
+    a room."""
     modules = list(modules)
     known = {m.name for m in modules}
     pure = tuple(pure)
     bad = []
     edges: dict[tuple[str, str], Import] = {}
+    sub_edges: dict[tuple[str, str], Import] = {}
     for m in modules:
         here = room_of(m.name)
+        here_sub = sub_room_of(m.name, sub_rooms)
         for imp in imports_of(m, known):
             there = room_of(imp.target)
+            there_sub = sub_room_of(imp.target, sub_rooms)
+            if here_sub and there_sub and here_sub != there_sub and here == there:
+                sub_edges.setdefault((here_sub, there_sub), imp)
+                assert here is not None
+                allowed_subs = sub_may_import.get(here, {}).get(here_sub.split(".", 1)[1], ())
+                if there_sub.split(".", 1)[1] not in allowed_subs and (
+                    (imp.importer, imp.target) not in exceptions
+                ):
+                    names = ", ".join(f"{here}.{s}" for s in sorted(allowed_subs)) or "nothing"
+                    bad.append(
+                        Violation(
+                            imp.importer,
+                            imp.target,
+                            imp.line,
+                            f"{here_sub} may import {names} of its room "
+                            "(tests/architecture/layers.py)",
+                        )
+                    )
             if there is not None and there != here and here is not None:
                 edges.setdefault((here, there), imp)
                 if there not in may_import.get(here, frozenset()) and (
@@ -156,13 +207,17 @@ def check(
                             "a pure core imports only pure modules and PURE_STDLIB",
                         )
                     )
-    for cycle in find_cycles({a: {b for (x, b) in edges if x == a} for (a, _) in edges}):
-        first = edges[(cycle[0], cycle[1])]
-        bad.append(
-            Violation(
-                first.importer, first.target, first.line, "rooms in a cycle: " + " -> ".join(cycle)
+    for found, what in ((edges, "rooms"), (sub_edges, "sub-rooms")):
+        for cycle in find_cycles({a: {b for (x, b) in found if x == a} for (a, _) in found}):
+            first = found[(cycle[0], cycle[1])]
+            bad.append(
+                Violation(
+                    first.importer,
+                    first.target,
+                    first.line,
+                    f"{what} in a cycle: " + " -> ".join(cycle),
+                )
             )
-        )
     return list(dict.fromkeys(bad))  # one line per import, however many names it brings
 
 
@@ -175,6 +230,23 @@ def room_edges(modules: Iterable[Module]) -> dict[tuple[str, str], int]:
         for imp in imports_of(m, known):
             a, b = room_of(imp.importer), room_of(imp.target)
             if a is not None and b is not None and a != b:
+                count[(a, b)] = count.get((a, b), 0) + 1
+    return count
+
+
+def sub_room_edges(
+    modules: Iterable[Module],
+    sub_rooms: Mapping[str, Mapping[str, tuple[str, ...]]] = layers.SUB_ROOMS,
+) -> dict[tuple[str, str], int]:
+    """Between the sub-rooms of one room: how many imports go from one to another."""
+    modules = list(modules)
+    known = {m.name for m in modules}
+    count: dict[tuple[str, str], int] = {}
+    for m in modules:
+        a = sub_room_of(m.name, sub_rooms)
+        for imp in imports_of(m, known):
+            b = sub_room_of(imp.target, sub_rooms)
+            if a and b and a != b and room_of(m.name) == room_of(imp.target):
                 count[(a, b)] = count.get((a, b), 0) + 1
     return count
 

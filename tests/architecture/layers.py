@@ -1,4 +1,5 @@
-"""The layers of diag, in one place: which room may import which, and which modules are pure.
+"""The layers of diag, in one place: which room may import which, inside the agent and the
+trainer which sub-room may import which, and which modules are pure.
 
 `importgraph.py` reads every module's imports from its source and checks them against these
 tables; `test_layers.py` runs the check, and docs/architecture.md draws the rooms from the same
@@ -48,6 +49,7 @@ PURE = (
     "diag.agent.job.nodeview",  # the node's view as plain data, parsed by checkedjson
     "diag.agent.metrics.collectives",
     "diag.agent.metrics.rankstate",
+    "diag.agent.observe.containerlimits",
     "diag.agent.precheck.classify",
     "diag.agent.precheck.grading",
     "diag.agent.precheck.keys",
@@ -104,3 +106,112 @@ PURE_STDLIB = frozenset(
         "typing",
     }
 )
+
+# Inside a room: its sub-rooms, checked like the rooms (an import between two sub-rooms must be
+# allowed, and no sub-rooms import each other in a cycle). A sub-room is a sub-package
+# (`diag.agent.detect.*`) or a group of the room's top-level modules; every module of a room
+# listed here belongs to exactly one of its sub-rooms.
+SUB_ROOMS: dict[str, dict[str, tuple[str, ...]]] = {
+    "agent": {
+        "detect": ("diag.agent.detect.*",),
+        "observe": ("diag.agent.observe.*",),
+        "evidence": ("diag.agent.evidence.*",),
+        "job": ("diag.agent.job.*",),
+        "taint": ("diag.agent.taint.*",),
+        "health": ("diag.agent.health.*",),
+        "drain": ("diag.agent.drain.*",),
+        "checkpoint": ("diag.agent.checkpoint.*",),
+        "metrics": ("diag.agent.metrics.*",),
+        "precheck": ("diag.agent.precheck.*",),
+        # Option tables: flag > environment > TOML, parsed into typed values.
+        "optiontable": ("diag.agent.optiontable",),
+        # How much of its own output the agent keeps: the decision and the pruning.
+        "retention": ("diag.agent.retention", "diag.agent.prune"),
+        # The agent's configuration, gathered from every sub-room's settings.
+        "config": ("diag.agent.config", "diag.agent.options"),
+        # The loop that ties the sub-rooms together, and its executor of the core's actions.
+        "loop": ("diag.agent", "diag.agent.daemon", "diag.agent.actions"),
+    },
+    "trainer": {
+        "control": ("diag.trainer.control.*",),
+        "flash": ("diag.trainer.flash.*",),
+        "graceful": ("diag.trainer.graceful.*",),
+        "elastic": ("diag.trainer.elastic.*",),
+        # The one patch of a DeepSpeed engine's `step` that attach, flash and graceful run in.
+        "stephooks": ("diag.trainer.stephooks",),
+        # attach, steps and phases: the collector installed in the rank.
+        "attach": ("diag.trainer.attach",),
+        # The package itself: the API a training script imports (re-exports).
+        "api": ("diag.trainer",),
+        # Integrations that use the API as a training script does.
+        "hf": ("diag.trainer.hf",),
+        "demo_job": ("diag.trainer.demo_job",),
+    },
+}
+
+# Which sub-rooms each sub-room may import (its own modules always); the rooms it may import
+# are its room's (MAY_IMPORT). Each sub-package's docstring says the same in its "May import:"
+# line, and a test holds the two together.
+SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
+    "agent": {
+        # The hang core, precheck and the retention decision stand on formats alone.
+        "detect": frozenset(),
+        "precheck": frozenset(),
+        "retention": frozenset(),
+        "optiontable": frozenset({"precheck"}),  # sizes parse as precheck's units do
+        "observe": frozenset({"detect"}),
+        "evidence": frozenset({"detect", "observe"}),
+        "checkpoint": frozenset({"observe"}),
+        "drain": frozenset({"observe", "checkpoint"}),
+        # job, metrics and taint hear of incidents through evidence's IncidentReport.
+        "job": frozenset({"detect", "evidence"}),
+        "metrics": frozenset({"detect", "evidence", "precheck"}),
+        "taint": frozenset({"detect", "evidence", "job", "precheck", "optiontable", "retention"}),
+        # Health monitors are evidence sources of taint, read with taint's settings.
+        "health": frozenset({"taint", "precheck"}),
+        "config": frozenset(
+            {
+                "detect",
+                "observe",
+                "checkpoint",
+                "drain",
+                "metrics",
+                "taint",
+                "health",
+                "precheck",
+                "optiontable",
+                "retention",
+            }
+        ),
+        # The loop may import every other sub-room; nothing imports it.
+        "loop": frozenset(
+            {
+                "detect",
+                "observe",
+                "evidence",
+                "job",
+                "taint",
+                "health",
+                "drain",
+                "checkpoint",
+                "metrics",
+                "precheck",
+                "optiontable",
+                "retention",
+                "config",
+            }
+        ),
+    },
+    "trainer": {
+        "stephooks": frozenset(),
+        "control": frozenset(),
+        "graceful": frozenset({"control", "stephooks"}),
+        "attach": frozenset({"control", "graceful", "stephooks"}),
+        "elastic": frozenset({"attach", "graceful"}),
+        "flash": frozenset({"attach", "control", "elastic", "graceful", "stephooks"}),
+        # The re-exports: nothing of the trainer imports the package itself.
+        "api": frozenset({"attach", "flash", "graceful"}),
+        "hf": frozenset({"control", "elastic", "graceful"}),
+        "demo_job": frozenset({"api", "graceful"}),
+    },
+}

@@ -190,11 +190,11 @@ class FlashCheckpointer:
         are copied in the background while the next forward and backward run (they do not
         change checkpointed state), and the next `engine.step()` waits for the copy to finish.
         Do not change model or optimizer state in between otherwise, or call `wait()` first."""
-        import diag.trainer
+        from diag.trainer.attach import phase
 
         self.wait()
         t0 = time.perf_counter()
-        with diag.trainer.phase("checkpoint"):
+        with phase("checkpoint"):
             files = self._capture(step, client_state or {})
             entries, data_end = layout.plan_layout(files)
             meta = SnapshotMeta(

@@ -116,7 +116,7 @@ def test_native_pass_follows_the_memory_left(tmp_path: Path, room_mib: int, nati
     import json
 
     from diag.agent.evidence.collection import EvidenceTarget, capture, verdict_document
-    from diag.agent.evidence.parallelism import ContainerLimits, MemoryLimit
+    from diag.agent.observe.containerlimits import ContainerLimits, MemoryLimit
 
     sleepers = [_python("import time\ndef idle():\n    time.sleep(60)\nidle()\n") for _ in range(2)]
     try:
@@ -155,12 +155,8 @@ def test_native_dumps_start_two_then_as_many_as_their_measured_size_allows(tmp_p
     import json
 
     from diag.agent.evidence.collection import EvidenceTarget, capture, verdict_document
-    from diag.agent.evidence.parallelism import (
-        RESERVE_BYTES,
-        ContainerLimits,
-        DumpCost,
-        MemoryLimit,
-    )
+    from diag.agent.evidence.parallelism import RESERVE_BYTES, DumpCost
+    from diag.agent.observe.containerlimits import ContainerLimits, MemoryLimit
 
     sleepers = [_python("import time\ndef idle():\n    time.sleep(60)\nidle()\n") for _ in range(4)]
     try:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from diag.agent.evidence.parallelism import ContainerLimits, DumpCost, MemoryLimit, dump_parallelism
+from diag.agent.evidence.parallelism import DumpCost, dump_parallelism
+from diag.agent.observe.containerlimits import ContainerLimits, MemoryLimit
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -9,11 +9,10 @@ import json
 import time
 from pathlib import Path
 
-from diag.agent.actions import IncidentReport
 from diag.agent.detect.hang import Policy, Verdict, VerdictKind, WatchState, decide
 from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.agent.detect.timeouts import TimeoutPolicy
-from diag.agent.evidence.collection import capture, verdict_document
+from diag.agent.evidence.collection import IncidentReport, capture, verdict_document
 from diag.agent.job.link import JobLink, job_incident_id
 from diag.agent.job.nodeview import view_document
 from diag.agent.job.verdict import JOB_VERDICT_FILE, JobVerdictStore

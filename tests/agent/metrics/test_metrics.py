@@ -12,11 +12,10 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from diag.agent import config as config_mod
-from diag.agent.actions import IncidentReport
 from diag.agent.detect.hang import Policy, Verdict, VerdictKind, WatchState, decide
 from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.agent.detect.timeouts import TimeoutPolicy
-from diag.agent.evidence.collection import EvidenceResult
+from diag.agent.evidence.collection import EvidenceResult, IncidentReport
 from diag.agent.metrics import families as f
 from diag.agent.metrics.checkpoint import CheckpointMetrics
 from diag.agent.metrics.collectives import bus_bandwidth, bus_factor, new_completions, op_kind

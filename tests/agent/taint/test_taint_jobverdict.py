@@ -23,9 +23,8 @@ from jobrun import free_port
 from kubecluster import cluster
 from repo import SUPPORT
 
-from diag.agent.actions import IncidentReport
 from diag.agent.detect.hang import Verdict, VerdictKind
-from diag.agent.evidence.collection import EvidenceResult
+from diag.agent.evidence.collection import EvidenceResult, IncidentReport
 from diag.agent.job.verdict import JobVerdictStore, NodeReport, Where
 from diag.agent.taint.evidencesources import culprit_history, from_job_verdicts
 from diag.agent.taint.planner import RECORD_ANNOTATION, TAINT_KEY, Signal, TaintPolicy
