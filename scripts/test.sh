@@ -30,7 +30,9 @@ if ((fast)); then
 else
     cpus="$(nproc)"
     workers="${DIAG_TEST_WORKERS:-$((cpus * 2 > 4 ? cpus * 2 : 4))}"
-    pytest+=(-n "$workers" --dist worksteal "${long[@]}")
+    # One test at a time to whichever worker is free, the longest first; a module's tests that
+    # share a set-up go together (tests/conftest.py).
+    pytest+=(-n "$workers" --dist loadgroup "${long[@]}")
 fi
 status=0
 "${pytest[@]}" "$@" || status=$?

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -36,10 +38,37 @@ def _private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
                 os.environ[k] = v
 
 
+# Seconds each long test took in a parallel run of the suite (tests of 3 s and more). Only the
+# order of the tests depends on it; a test missing from it counts as 20 s if marked slow, else 0.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The long tests first: spread over parallel workers, the suite then ends with the short
-    ones filling the gaps instead of one worker running a long test alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The longest tests first: handed out one at a time to parallel workers (scripts/test.sh),
+    the suite then ends with short tests filling the gaps, not one worker running a long test
+    alone at the end. The tests of a module that sets up something once for the module (a real
+    Prometheus, a DeepSpeed job, a rendered site) go to one worker, which sets it up once."""
+    try:
+        seconds = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        seconds = {}
+
+    def expected(item: pytest.Item) -> float:
+        default = 20.0 if item.get_closest_marker("slow") is not None else 0.0
+        return float(seconds.get(item.nodeid, default))
+
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        shared = any(
+            d.scope in ("module", "class", "package") and d.baseid.startswith(module)
+            for fixturedefs in defs.values()
+            for d in fixturedefs
+        )
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(module))
+    items.sort(key=expected, reverse=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

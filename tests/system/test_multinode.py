@@ -21,10 +21,18 @@ import pytest
 from children import stop_jobs_and_agents
 from jobrun import free_port
 from kubecluster import cluster
+from netlab import netns_unavailable
 
 from diag.viewer.merge import merge_incident
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+# Two nodes as two process groups on one network. Where network namespaces work, the same
+# scenarios run with each node in its own namespace (test_multinode_netns.py, default tier) and
+# these are the long tier; elsewhere these are the default tier's multi-node tests.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(240),
+    *([] if netns_unavailable() else [pytest.mark.long]),
+]
 
 
 def _taint_plans(tmp_path: Path, timeline: Path, culprit: str) -> dict[str, str]:

@@ -44,6 +44,9 @@ STOPS = (
     ("SIGUSR2", "rank", ()),
     ("SIGTERM", "group", ("--flash",)),
 )
+# A signal to the group, one to a rank, the stop file, and the flash path: the default tier. SIGINT
+# and SIGUSR2 take the same paths as SIGTERM and SIGUSR1: the long tier.
+DEFAULT_STOPS = tuple(s for s in STOPS if s[0] not in ("SIGINT", "SIGUSR2"))
 
 
 def _wait(pred, timeout: float) -> bool:  # type: ignore[no-untyped-def]
@@ -123,7 +126,7 @@ def job():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_stopped_at_random_moments_by_own_signals_and_stop_file(job: Job) -> None:
+def test_stopped_at_random_moments_by_own_signals_and_stop_file(job: Job, long_tier: bool) -> None:
     seed = int(os.environ.get("DIAG_TEST_SEED", time.time_ns() % 100_000))
     rng = random.Random(seed)
     why = f"(seed {seed}: rerun with DIAG_TEST_SEED={seed})"
@@ -134,7 +137,7 @@ def test_stopped_at_random_moments_by_own_signals_and_stop_file(job: Job) -> Non
     assert sorted(base_losses) == list(range(1, STEPS + 1))
 
     committed = 0
-    for i, (what, whom, extra) in enumerate(STOPS):
+    for i, (what, whom, extra) in enumerate(STOPS if long_tier else DEFAULT_STOPS):
         name = f"run{i}-{what}"
         proc = job.start(name, "--step-sleep", "0.05", *extra)
         try:
