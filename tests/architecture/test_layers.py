@@ -153,3 +153,14 @@ def test_the_page_draws_the_rooms_as_they_are() -> None:
             f"{diagram.PAGE} draws other rooms or arrows than the code has: run "
             "`.venv/bin/python tests/architecture/diagram.py --write` and review the change"
         )
+
+
+def test_no_two_modules_share_a_name(modules: list[Module]) -> None:
+    """A name says what a module is: two `drain.py` for different things is what the rooms
+    replaced. Generated protobuf stubs aside."""
+    seen: dict[str, list[str]] = {}
+    for m in modules:
+        if not m.is_package and not m.name.endswith(("_pb2", "_pb2_grpc")):
+            seen.setdefault(m.name.rsplit(".", 1)[-1], []).append(m.name)
+    shared = {leaf: names for leaf, names in seen.items() if len(names) > 1}
+    assert not shared, f"modules sharing a name: {shared}"
