@@ -81,7 +81,12 @@ class KillResult:
 
 
 class LatestWatch:
-    """Reads `latest` every few milliseconds: never backwards, never an incomplete step."""
+    """Reads `latest` every few milliseconds: never backwards, never an incomplete step.
+
+    `check` runs on the watch's thread and on the suite's after each kill: one lock orders the
+    two, a read and what is concluded from it together. Unordered, a read of step N that lost the
+    processor before its comparison while the other thread read N+1 (just committed) and raised
+    `highest` reported "latest moved backwards: N+1 -> N" on a `latest` that only moved forward."""
 
     def __init__(self, save_dir: Path, zero: int) -> None:
         self.save_dir = save_dir
@@ -89,6 +94,7 @@ class LatestWatch:
         self.problems: list[str] = []
         self.seen: list[int] = []
         self.highest: int | None = None
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="latest-watch", daemon=True)
 
@@ -101,6 +107,16 @@ class LatestWatch:
         self._thread.join(10)
 
     def check(self) -> int | None:
+        with self._lock:
+            return self._check()
+
+    def take_problems(self) -> list[str]:
+        """The problems seen so far, cleared (those of one kill)."""
+        with self._lock:
+            out, self.problems = self.problems, []
+            return out
+
+    def _check(self) -> int | None:
         step = read_latest_step(self.save_dir)
         if step is None:
             if self.highest is not None:
@@ -386,8 +402,7 @@ class KillSuite:
             result.committed_after = read_latest_step(self.save_dir)
             self._steady(result.trained_at_kill, 1, timeout=300)
         self.watch.check()
-        result.problems += self.watch.problems + self.problems
-        self.watch.problems.clear()
+        result.problems += self.watch.take_problems() + self.problems
         self.problems.clear()
         result.seconds = time.monotonic() - t0
         self.results.append(result)
