@@ -102,12 +102,23 @@ class JobVerdictStore:
     file is opened beneath a descriptor of its directory, without following a symlink."""
 
     def __init__(
-        self, root: Path, *, settle: float = 10.0, poll: float = 0.5, cascade: float = 1.0
+        self,
+        root: Path,
+        *,
+        settle: float = 10.0,
+        poll: float = 0.5,
+        cascade: float = 1.0,
+        view_after: float = 1.0,
     ) -> None:
         self.root = root
         self.settle = settle
         self.poll = poll
         self.cascade = cascade  # a death's verdict waits this long for an earlier death
+        # A node that only waits for ranks elsewhere files its view this long after its verdict
+        # when no first-hand report came by then (the local verdicts of one stall come within a
+        # fraction of a second of each other): the claimant reads the views while the rest of
+        # the settle time runs, and a first-hand report still wins until it has run out.
+        self.view_after = min(view_after, settle)
         self.io = IOCount()
 
     @property
@@ -301,10 +312,12 @@ class JobVerdictStore:
         force: bool,
         names: list[ReportName] | None = None,
         cached: dict[str, NodeReport] | None = None,
+        pick: tuple[int | None, str, str] | None = None,
     ) -> JobVerdict | None:
         """One attempt: lists the reports, and when `ready` (or `force`) reads the first-hand
         ones (those of the suspects' nodes; in a fallback, every report and its view) and puts
-        the job verdict in place (once: link(2) refuses a second)."""
+        the job verdict in place (once: link(2) refuses a second). `pick`: in a fallback, the
+        culprit the analysis of the views `cached` already found."""
         if names is None:
             names = self.names(job, incident_id)
         cascade = self.cascade if kind_of(incident_id) == DEATH else 0.0
@@ -317,9 +330,10 @@ class JobVerdictStore:
         cached = cached or {}
         read = {n.file: cached[n.file] for n in wanted if n.file in cached}
         read.update(self._read_all(job, incident_id, [n for n in wanted if n.file not in read]))
-        pick = pick_culprit(names, read)
-        if not first_hand:
-            pick = _from_views(list(read.values()), now_wall) or pick
+        if first_hand or pick is None:
+            pick = pick_culprit(names, read)
+            if not first_hand:
+                pick = _from_views(list(read.values()), now_wall) or pick
         # Evidence directories sit in the timeline, named in each report's name.
         evidence = {
             n.file: (read[n.file].evidence if n.file in read else str(self.timeline / n.evidence_name))
@@ -384,44 +398,62 @@ class JobVerdictStore:
         incident_id: str,
         first_seen: float,
         on_verdict: Callable[[JobVerdict], None] | None = None,
+        *,
+        not_before: float | None = None,
     ) -> JobVerdict | None:
         """The claimant's loop: one listing per `poll` seconds until ready, at most `settle`.
         A verdict reached early (a first-hand report) gets the nodes that report first-hand
-        later added once, at the end of the settle time; its culprit stays."""
+        later added once, at the end of the settle time; its culprit stays. `not_before`: a
+        verdict from the views is put in place no earlier (a claimant that filed its view
+        before its settle time ran out: a first-hand report wins until then)."""
         # Views may be filed by thousands of nodes: with a first-hand report known (the claim
         # or the marker says so) only first-hand reports are read; without, each view is read
-        # once as it comes, and the verdict is reached as soon as the views hold every rank.
+        # once as it comes, and the analysis runs as soon as the views hold every rank.
         first_hand = self._claimed_first_hand(job, incident_id)
         views: dict[str, NodeReport] = {}  # the views read so far, each read once
+        covered: tuple[list[ReportName], tuple[int | None, str, str]] | None = None
+        due = not_before or 0.0
         while True:
             now = time.time()
             force = now - first_seen >= self.settle
             first_hand = first_hand or self.first_hand_marked(job, incident_id)
             v = None
-            if force or first_hand:
+            if first_hand or (force and covered is None):
                 v = self.conclude(
                     job, incident_id, first_seen=first_seen, now_wall=now, force=force,
                     cached=views,
                 )  # fmt: skip
-            else:
+            elif covered is None:
                 names = self.names(job, incident_id)
                 if self._views_cover(job, incident_id, names, views):
                     # A fallback whose views hold every rank of the job: no view is to come
-                    # that could change the analysis, so the settle time need not run out.
-                    v = self.conclude(
-                        job, incident_id, first_seen=first_seen, now_wall=now, force=True,
-                        names=names, cached=views,
-                    )  # fmt: skip
-                    force = True
+                    # that could change the analysis. It runs now, its ages as of when the
+                    # verdict is due; the verdict waits for that time only.
+                    at = max(now, due)
+                    covered = (names, self._pick_from_views(names, views, at))
+            if covered is not None and not first_hand and time.time() >= due:
+                names, pick = covered
+                v = self.conclude(
+                    job, incident_id, first_seen=first_seen, now_wall=max(time.time(), due),
+                    force=True, names=names, cached=views, pick=pick,
+                )  # fmt: skip
+                force = True
             if v is not None or force:
                 break
-            time.sleep(self.poll)
+            wait = self.poll if covered is None else min(self.poll, due - time.time())
+            time.sleep(max(0.0, wait))
         if v is not None and on_verdict is not None:
             on_verdict(v)
         if v is None or force:
             return v
         time.sleep(max(0.0, first_seen + self.settle - time.time()))
         return self.add_late_reports(job, incident_id, v)
+
+    def _pick_from_views(
+        self, names: list[ReportName], views: dict[str, NodeReport], now_wall: float
+    ) -> tuple[int | None, str, str]:
+        read = {n.file: views[n.file] for n in names if n.file in views}
+        return _from_views(list(read.values()), now_wall) or pick_culprit(names, read)
 
     def _views_cover(
         self, job: str, incident_id: str, names: list[ReportName], views: dict[str, NodeReport]
