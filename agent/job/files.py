@@ -23,8 +23,9 @@ from pathlib import Path
 
 from diag.agent.job.decisions import JOB_VERDICT_FORMAT, JobVerdict, NodeReport, ReportName, Where
 from diag.agent.job.nodeview import MAX_RANKS, check_view
+from diag.formats import fastjson
 from diag.formats.checkedjson import NAME, Fields
-from diag.formats.untrusted import MIB, UntrustedInput, parse_json, read_bounded
+from diag.formats.untrusted import MIB, UntrustedInput, read_bounded
 
 # A report is a few KiB (a node of 8 ranks: 5 KiB with its view); a verdict names the
 # first-hand nodes, 16,000 of them at most in a real job (a cascade of deaths): about 4 MiB.
@@ -76,7 +77,11 @@ def read_report(d: int, n: ReportName, path: Path, timeline: Path) -> tuple[Node
         raw = read_bounded(n.file, max_bytes=MAX_REPORT_BYTES, dir_fd=d)
     except UntrustedInput as e:
         raise UntrustedInput(path, e.problem) from None
-    r = report_from(parse_json(path, raw), str(path), timeline)
+    try:
+        doc = fastjson.loads(raw)  # orjson: a claimant of a fallback reads thousands
+    except (ValueError, RecursionError) as e:
+        raise UntrustedInput(path, f"is not valid JSON: {e}") from None
+    r = report_from(doc, str(path), timeline)
     if (r.culprit, r.where) != (n.culprit, n.where):
         raise UntrustedInput(path, "blames another rank than its name says")
     return r, len(raw)

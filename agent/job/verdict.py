@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields, replace
 from pathlib import Path
 
+from diag.agent.job import waiters
 from diag.agent.job.decisions import (
     DEATH,
     JOB_VERDICT_FORMAT,
@@ -471,6 +472,7 @@ class JobVerdictStore:
                 return False  # a report without a view: the settle time decides
             world = max(world, int(r.view.get("world_size", 0)))
             ranks.update(int(x["rank"]) for x in r.view.get("ranks", ()))
+            ranks.update(waiters.ranks_of(r.view))
         return world > 0 and len(ranks) >= world
 
     def _claimed_first_hand(self, job: str, incident_id: str) -> bool:
