@@ -12,6 +12,7 @@ seconds that hang limits are made of.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,22 +274,44 @@ def fold_rank_lists(text: str) -> str:
     return _RANK_LIST.sub(fold, text)
 
 
-def analyse(views: list[dict[str, Any]], now_wall: float) -> Attribution:
+def expand(doc: dict[str, Any]) -> list[RankSnapshot] | None:
+    """A view's ranks as `analyse` takes them in `expanded`: a claimant expands each view once,
+    as it reads it, while it waits; None for what is not a view."""
+    try:
+        wall = float(doc["written_wall"])
+        return snapshots_from(doc, wall, wall)
+    except (ValueError, KeyError, TypeError, OverflowError):
+        return None
+
+
+def analyse(
+    views: list[dict[str, Any]],
+    now_wall: float,
+    expanded: Sequence[list[RankSnapshot] | None] | None = None,
+) -> Attribution:
     """The culprit analysis over the ranks of every view at once, as if one agent watched the
     whole job: a rank behind in a collective that ranks of other nodes wait in, a dead rank, a
     cross-node deadlock. Views that are not views (or of another attempt than the newest) are
-    left out. `now_wall` is this reader's wall clock."""
-    docs = [d for d in views if isinstance(d, dict) and d.get("format") in VIEW_FORMATS]
-    attempt = max((int(d.get("attempt", 0)) for d in docs), default=0)
+    left out. `now_wall` is this reader's wall clock. `expanded`: each view's `expand`, in the
+    order of `views`, where already done."""
+    docs = [
+        (d, expanded[i] if expanded is not None else None)
+        for i, d in enumerate(views)
+        if isinstance(d, dict) and d.get("format") in VIEW_FORMATS
+    ]
+    attempt = max((int(d.get("attempt", 0)) for d, _ in docs), default=0)
     ranks: dict[int, RankSnapshot] = {}
     groups: dict[str, tuple[int, ...]] = {}
     members = 0
     world = 0
-    for d in docs:
+    for d, snaps in docs:
         if int(d.get("attempt", 0)) != attempt:
             continue
         try:
-            snaps = snapshots_from(d, now_wall, now_wall)
+            # Expanded at its writing time: the same snapshots, unless its writer's clock is
+            # ahead of ours (then it is taken as written now).
+            if snaps is None or float(d["written_wall"]) > now_wall:
+                snaps = snapshots_from(d, now_wall, now_wall)
             more = groups_from(d, frozenset(groups), MAX_MEMBERS - members)
         except (ValueError, KeyError, TypeError, OverflowError):
             continue  # not a view (read back checked, so only one made here by hand)

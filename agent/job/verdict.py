@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields, replace
 from pathlib import Path
 
+from diag.agent.detect.observation import RankSnapshot
 from diag.agent.job import waiters
 from diag.agent.job.decisions import (
     DEATH,
@@ -59,7 +60,7 @@ from diag.agent.job.files import (
     verdict_bytes,
     verdict_from,
 )
-from diag.agent.job.nodeview import analyse, fold_rank_lists
+from diag.agent.job.nodeview import analyse, expand, fold_rank_lists
 from diag.formats.incidentdir import find_dirs, incident_key
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.untrusted import (
@@ -84,11 +85,15 @@ __all__ = [
 ]  # fmt: skip
 
 
-def _from_views(reports: list[NodeReport], now_wall: float) -> tuple[int, str, str] | None:
+def _from_views(
+    reports: list[NodeReport],
+    now_wall: float,
+    expanded: dict[int, list[RankSnapshot] | None] | None = None,
+) -> tuple[int, str, str] | None:
     """(rank, node, basis) from the culprit analysis over every report's view; None when the
-    views name no single rank."""
+    views name no single rank. `expanded`: views already expanded, by the id of the view."""
     views = [r.view for r in reports if r.view is not None]
-    a = analyse(views, now_wall)
+    a = analyse(views, now_wall, [(expanded or {}).get(id(v)) for v in views])
     if a.culprit is None:
         return None
     return a.culprit, a.node, f"from the views of {len(views)} nodes: {fold_rank_lists(a.reason)}"
@@ -412,6 +417,7 @@ class JobVerdictStore:
         # once as it comes, and the analysis runs as soon as the views hold every rank.
         first_hand = self._claimed_first_hand(job, incident_id)
         views: dict[str, NodeReport] = {}  # the views read so far, each read once
+        expanded: dict[int, list[RankSnapshot] | None] = {}  # and expanded once, by id(view)
         covered: tuple[list[ReportName], tuple[int | None, str, str]] | None = None
         due = not_before or 0.0
         while True:
@@ -426,12 +432,12 @@ class JobVerdictStore:
                 )  # fmt: skip
             elif covered is None:
                 names = self.names(job, incident_id)
-                if self._views_cover(job, incident_id, names, views):
+                if self._views_cover(job, incident_id, names, views, expanded):
                     # A fallback whose views hold every rank of the job: no view is to come
                     # that could change the analysis. It runs now, its ages as of when the
                     # verdict is due; the verdict waits for that time only.
                     at = max(now, due)
-                    covered = (names, self._pick_from_views(names, views, at))
+                    covered = (names, self._pick_from_views(names, views, at, expanded))
             if covered is not None and not first_hand and time.time() >= due:
                 names, pick = covered
                 v = self.conclude(
@@ -451,20 +457,32 @@ class JobVerdictStore:
         return self.add_late_reports(job, incident_id, v)
 
     def _pick_from_views(
-        self, names: list[ReportName], views: dict[str, NodeReport], now_wall: float
+        self,
+        names: list[ReportName],
+        views: dict[str, NodeReport],
+        now_wall: float,
+        expanded: dict[int, list[RankSnapshot] | None],
     ) -> tuple[int | None, str, str]:
         read = {n.file: views[n.file] for n in names if n.file in views}
-        return _from_views(list(read.values()), now_wall) or pick_culprit(names, read)
+        return _from_views(list(read.values()), now_wall, expanded) or pick_culprit(names, read)
 
     def _views_cover(
-        self, job: str, incident_id: str, names: list[ReportName], views: dict[str, NodeReport]
+        self,
+        job: str,
+        incident_id: str,
+        names: list[ReportName],
+        views: dict[str, NodeReport],
+        expanded: dict[int, list[RankSnapshot] | None],
     ) -> bool:
         """Reads the reports not read yet (into `views`, so that each is read once however
         often the claimant looks); True when their views hold every rank of the job."""
         if any(n.where == Where.LOCAL and n.culprit is not None for n in names):
             return False  # a first-hand report: `conclude` reads what it needs
-        new = [n for n in names if n.file not in views]
-        views.update(self._read_all(job, incident_id, new))
+        new = self._read_all(job, incident_id, [n for n in names if n.file not in views])
+        views.update(new)
+        for r in new.values():
+            if r.view is not None:  # the analysis's share of each view, done while it waits
+                expanded[id(r.view)] = expand(r.view)
         ranks: set[int] = set()
         world = 0
         for r in views.values():
