@@ -175,6 +175,13 @@ def test_ranks_that_only_wait_travel_compact_and_read_back_the_same() -> None:
     }  # fmt: skip
     assert sorted(r["rank"] for r in doc["ranks"]) == [3, 4]
     back = {s.rank: s for s in snapshots_from(doc, now, wall=1000.0)}
+    # Built field by field at once (waiters.expand): equal to the snapshot constructed.
+    op = back[2].pending[0]
+    assert back[2] == RankSnapshot(
+        rank=2, local_rank=0, pid=102, node="node-b", liveness=Liveness.RUNNING, started_at=0.0,
+        last_activity=back[2].last_activity, step=7, pending=(op,), last_ops={"0": op},
+    )  # fmt: skip
+    assert op == OpView("0", 42, OpCode.ALL_REDUCE, OpState.ENQUEUED, 64, op.t_enqueue)
     for r in obs.ranks:
         s = back[r.rank]
         assert (s.local_rank, s.pid, s.step, s.phase, s.cpu_busy, s.liveness) == (
