@@ -17,7 +17,7 @@ import errno
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -47,7 +47,7 @@ def evidence_in(timeline: Path, path: object, source: str, what: str = "evidence
     name = path.rstrip("/").rsplit("/", 1)[-1]
     if name in ("", ".", "..") or _EVIDENCE.match(name) is None:
         raise UntrustedInput(source, f"{what} {path[:200]!r} does not end in an incident directory")
-    return str(timeline / name)
+    return os.path.join(timeline, name)
 
 
 def report_from(doc: object, source: str, timeline: Path) -> NodeReport:
@@ -70,7 +70,7 @@ def _report(f: Fields, timeline: Path, *, with_view: bool) -> NodeReport:
     )
 
 
-def read_report(d: int, n: ReportName, path: Path, timeline: Path) -> tuple[NodeReport, int]:
+def read_report(d: int, n: ReportName, path: str | Path, timeline: Path) -> tuple[NodeReport, int]:
     """The report named `n` in the directory `d` (at `path`), and its size. A report whose
     content blames another rank than its name does is refused with the rest."""
     try:
@@ -132,28 +132,32 @@ def exists(dir_fd: int, name: str) -> bool:
         return False
 
 
-def _open_dir(name: str, dir_fd: int, where: Path, create: bool) -> int:
+def _open_dir(name: str, dir_fd: int, where: Callable[[], Path], create: bool) -> int:
     """A directory beneath `dir_fd`, never through a symlink (one planted on the shared volume
-    would send the verdict's files elsewhere); FileNotFoundError passes for a missing one."""
-    if create:
+    would send the verdict's files elsewhere); FileNotFoundError passes for a missing one.
+    `where`: its path, for a message (made only then: thousands of nodes' filings open these)."""
+    try:
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            if not create:
+                raise
         with contextlib.suppress(FileExistsError):
             os.mkdir(name, 0o777, dir_fd=dir_fd)
-    try:
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UntrustedInput(where, "is a symlink or not a directory; not followed") from None
+            raise UntrustedInput(where(), "is a symlink or not a directory; not followed") from None
         raise
 
 
 @contextlib.contextmanager
 def beneath(base_fd: int, base: Path, parts: list[str], create: bool = False) -> Iterator[int]:
     fds: list[int] = []
-    cur, where = base_fd, base
+    cur = base_fd
     try:
-        for part in parts:
-            where = where / part
-            cur = _open_dir(part, cur, where, create)
+        for i, part in enumerate(parts):
+            cur = _open_dir(part, cur, lambda i=i: base.joinpath(*parts[: i + 1]), create)
             fds.append(cur)
         yield cur
     finally:

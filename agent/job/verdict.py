@@ -140,9 +140,14 @@ class JobVerdictStore:
     @contextlib.contextmanager
     def _at(self, job: str, *parts: str, create: bool = False) -> Iterator[int]:
         """A descriptor of `<root>/<job>/<parts...>` (the root is the agent's own option)."""
-        if create:
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+        try:
+            root = os.open(self.root, flags)
+        except FileNotFoundError:
+            if not create:
+                raise
             self.root.mkdir(parents=True, exist_ok=True)
-        root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            root = os.open(self.root, flags)
         try:
             names = [safe_job_name(job or "job"), *parts]
             with beneath(root, self.root, names, create) as d:
@@ -268,10 +273,11 @@ class JobVerdictStore:
     def _read(self, d: int, n: ReportName, where: Path) -> NodeReport | None:
         """A node's report, or None (with a warning naming it) when it is not one: a bad
         report leaves that node out, as a missing one does."""
+        path = os.path.join(where, n.file)  # a str: made for each of thousands of reports
         try:
-            r, size = read_report(d, n, where / n.file, self.timeline)
+            r, size = read_report(d, n, path, self.timeline)
         except UntrustedInput as e:
-            log.warning("ignoring the report %s: %s", where / n.file, e.problem)
+            log.warning("ignoring the report %s: %s", path, e.problem)
             return None
         self.io.reads += 1
         self.io.bytes_read += size
