@@ -28,11 +28,10 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from diag.agent.detect.observation import RankSnapshot
-from diag.agent.job import waiters
 from diag.agent.job.decisions import (
     DEATH,
     JOB_VERDICT_FORMAT,
@@ -97,6 +96,33 @@ def _from_views(
     if a.culprit is None:
         return None
     return a.culprit, a.node, f"from the views of {len(views)} nodes: {fold_rank_lists(a.reason)}"
+
+
+@dataclass
+class _Views:
+    """What a claimant of a fallback has read so far: each report once, its view expanded once
+    (the analysis's share of it, done while the claimant waits), and the ranks they hold."""
+
+    reports: dict[str, NodeReport] = field(default_factory=dict)
+    expanded: dict[int, list[RankSnapshot] | None] = field(default_factory=dict)  # by id(view)
+    ranks: set[int] = field(default_factory=set)
+    world: int = 0
+    viewless: bool = False  # a report without a view: the settle time decides
+
+    def add(self, new: dict[str, NodeReport]) -> None:
+        self.reports.update(new)
+        for r in new.values():
+            if r.view is None:
+                self.viewless = True
+                continue
+            snaps = expand(r.view)
+            self.expanded[id(r.view)] = snaps
+            self.world = max(self.world, int(r.view.get("world_size", 0)))
+            self.ranks.update(s.rank for s in snaps or ())
+
+    @property
+    def cover(self) -> bool:
+        return not self.viewless and self.world > 0 and len(self.ranks) >= self.world
 
 
 def _safe(name: str) -> str:
@@ -422,8 +448,8 @@ class JobVerdictStore:
         # or the marker says so) only first-hand reports are read; without, each view is read
         # once as it comes, and the analysis runs as soon as the views hold every rank.
         first_hand = self._claimed_first_hand(job, incident_id)
-        views: dict[str, NodeReport] = {}  # the views read so far, each read once
-        expanded: dict[int, list[RankSnapshot] | None] = {}  # and expanded once, by id(view)
+        got = _Views()
+        views = got.reports  # the views read so far, each read once
         covered: tuple[list[ReportName], tuple[int | None, str, str]] | None = None
         due = not_before or 0.0
         while True:
@@ -438,12 +464,12 @@ class JobVerdictStore:
                 )  # fmt: skip
             elif covered is None:
                 names = self.names(job, incident_id)
-                if self._views_cover(job, incident_id, names, views, expanded):
+                if self._views_cover(job, incident_id, names, got):
                     # A fallback whose views hold every rank of the job: no view is to come
                     # that could change the analysis. It runs now, its ages as of when the
                     # verdict is due; the verdict waits for that time only.
                     at = max(now, due)
-                    covered = (names, self._pick_from_views(names, views, at, expanded))
+                    covered = (names, self._pick_from_views(names, views, at, got.expanded))
             if covered is not None and not first_hand and time.time() >= due:
                 names, pick = covered
                 v = self.conclude(
@@ -473,31 +499,14 @@ class JobVerdictStore:
         return _from_views(list(read.values()), now_wall, expanded) or pick_culprit(names, read)
 
     def _views_cover(
-        self,
-        job: str,
-        incident_id: str,
-        names: list[ReportName],
-        views: dict[str, NodeReport],
-        expanded: dict[int, list[RankSnapshot] | None],
+        self, job: str, incident_id: str, names: list[ReportName], got: _Views
     ) -> bool:
-        """Reads the reports not read yet (into `views`, so that each is read once however
+        """Reads the reports not read yet (into `got`, so that each is read once however
         often the claimant looks); True when their views hold every rank of the job."""
         if any(n.where == Where.LOCAL and n.culprit is not None for n in names):
             return False  # a first-hand report: `conclude` reads what it needs
-        new = self._read_all(job, incident_id, [n for n in names if n.file not in views])
-        views.update(new)
-        for r in new.values():
-            if r.view is not None:  # the analysis's share of each view, done while it waits
-                expanded[id(r.view)] = expand(r.view)
-        ranks: set[int] = set()
-        world = 0
-        for r in views.values():
-            if r.view is None:
-                return False  # a report without a view: the settle time decides
-            world = max(world, int(r.view.get("world_size", 0)))
-            ranks.update(int(x["rank"]) for x in r.view.get("ranks", ()))
-            ranks.update(waiters.ranks_of(r.view))
-        return world > 0 and len(ranks) >= world
+        got.add(self._read_all(job, incident_id, [n for n in names if n.file not in got.reports]))
+        return got.cover
 
     def _claimed_first_hand(self, job: str, incident_id: str) -> bool:
         try:
