@@ -64,6 +64,7 @@ class OpCode(enum.IntEnum):
 
 
 _P2P_CODES = frozenset((OpCode.SEND.value, OpCode.RECV.value, OpCode.RECV_ANYSOURCE.value))
+P2P_OPS = frozenset((OpCode.SEND, OpCode.RECV, OpCode.RECV_ANYSOURCE))
 
 
 class DType(enum.IntEnum):
