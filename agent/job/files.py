@@ -17,7 +17,7 @@ import errno
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -132,10 +132,11 @@ def exists(dir_fd: int, name: str) -> bool:
         return False
 
 
-def _open_dir(name: str, dir_fd: int, where: Callable[[], Path], create: bool) -> int:
+def _open_dir(name: str, dir_fd: int, base: Path, parts: list[str], create: bool) -> int:
     """A directory beneath `dir_fd`, never through a symlink (one planted on the shared volume
     would send the verdict's files elsewhere); FileNotFoundError passes for a missing one.
-    `where`: its path, for a message (made only then: thousands of nodes' filings open these)."""
+    `base` and `parts`: its path, joined only for a message (thousands of nodes' filings open
+    these)."""
     try:
         try:
             return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
@@ -147,7 +148,8 @@ def _open_dir(name: str, dir_fd: int, where: Callable[[], Path], create: bool) -
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UntrustedInput(where(), "is a symlink or not a directory; not followed") from None
+            where = base.joinpath(*parts)
+            raise UntrustedInput(where, "is a symlink or not a directory; not followed") from None
         raise
 
 
@@ -157,7 +159,7 @@ def beneath(base_fd: int, base: Path, parts: list[str], create: bool = False) ->
     cur = base_fd
     try:
         for i, part in enumerate(parts):
-            cur = _open_dir(part, cur, lambda i=i: base.joinpath(*parts[: i + 1]), create)
+            cur = _open_dir(part, cur, base, parts[: i + 1], create)
             fds.append(cur)
         yield cur
     finally:
