@@ -298,8 +298,9 @@ class Filing(enum.Enum):
 def filing(mine: Mine, target: Target, *, settled: bool) -> Filing:
     """Whether this node files its report. First-hand reports go at once. A node that only
     waits for ranks elsewhere files nothing while a first-hand report or a verdict covers the
-    incident; at the end of the settle time it files its view only if none does (the culprit's
-    node saw nothing, or its agent is gone), or if others are filing theirs for want of one."""
+    incident; at its second look (`settled`, a moment after its verdict) it files its view only
+    if none does (the culprit's node saw nothing, or its agent is gone), or if others are filing
+    theirs for want of one; the claimant of views still waits the settle time out."""
     if target.consequence:
         return Filing.NONE
     if mine.where == Where.LOCAL:

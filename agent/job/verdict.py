@@ -10,10 +10,12 @@ Nothing is written in steady state. On an incident:
 
 A node that blames one of its own ranks (it saw it die, or sit outside the collective the others
 wait in) files at once. A node that only waits for ranks elsewhere files nothing while such a
-report covers the incident: it looks once at its verdict and once at the end of the settle time
+report covers the incident: it looks once at its verdict and once `view_after` (1 s) later
 (one listing of the job's incidents each time), and files its view of its ranks only when no
 first-hand report came (the culprit's node saw nothing, or its agent is gone). The claimant
-then runs the culprit analysis over the views (`nodeview.py`). Which incident a node's incident
+reads the views as they come and runs the culprit analysis over them (`nodeview.py`); it puts
+the verdict in place once the settle time since its own verdict has run out, so that a
+first-hand report coming within it still wins. Which incident a node's incident
 belongs to, and whether it files, is decided in `jobincident.py`; this module is the file
 adapter. The filesystem's exclusive create is the only arbitration: no home-made consensus.
 """
