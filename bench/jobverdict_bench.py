@@ -14,8 +14,8 @@ operation is a real one, and every node's traffic runs while the verdict is bein
 - job verdict, (a) a normal incident: every node reaches its local verdict within `--spread`
   seconds (their hang limits run out together; each agent looks every `--interval`); one of
   them, at a random place in that order, blames its own rank (first-hand) and files at once;
-  the others look once at their verdict, and those that found nothing look again at the end of
-  their settle time. Counted: writes, reads, listings, checks, bytes; timed: the first local
+  the others look once at their verdict, and those that found nothing look again `view_after`
+  (1 s) later. Counted: writes, reads, listings, checks, bytes; timed: the first local
   verdict to the job verdict in place.
 - job verdict, (b) the fallback: no node blames its own rank (the culprit's node saw nothing);
   every node files its report with its view (8 ranks, all inside one all-reduce but rank 7 on

@@ -147,7 +147,7 @@ class Known:
     incident_id: str
     claimed_wall: float  # the claim's time (its file's mtime), or the directory's
     claim: Claim | None = None
-    # Looked at only when it matters (a waiting node at the end of its settle time):
+    # Looked at only when it matters (a waiting node at its second look):
     verdict: bool = False  # job-verdict.json is in place
     marked: bool = False  # a first-hand report came after a waiting node's claim
 
@@ -291,7 +291,7 @@ def _after(claim: Claim | None) -> str:
 
 class Filing(enum.Enum):
     NOW = "now"  # a first-hand report: file at once
-    WAIT = "wait"  # look again at the end of the settle time
+    WAIT = "wait"  # look again a moment later (`view_after`), then file a view or not
     NONE = "none"  # someone else's report covers it
 
 

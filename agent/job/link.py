@@ -61,7 +61,7 @@ def mine_of(verdict: Verdict, obs: Observation, now_wall: float) -> Mine:
 
 def look(store: JobVerdictStore, job: str, mine: Mine, window: float, *, settled: bool) -> Target:
     """One look at the job's incidents: a listing, a time check and a read of the claims of
-    this attempt; at the end of the settle time also whether the one chosen has its verdict
+    this attempt; at its second look (`view_after`) also whether the one chosen has its verdict
     or a first-hand report (two more checks)."""
     target = choose(mine, store.known(job, mine.attempt, mine.since_wall), window)
     if settled and target.known is not None and not target.consequence:
