@@ -147,7 +147,7 @@ class Known:
     incident_id: str
     claimed_wall: float  # the claim's time (its file's mtime), or the directory's
     claim: Claim | None = None
-    # Looked at only when it matters (a waiting node at the end of its settle time):
+    # Looked at only when it matters (a waiting node at its second look):
     verdict: bool = False  # job-verdict.json is in place
     marked: bool = False  # a first-hand report came after a waiting node's claim
 
@@ -291,15 +291,16 @@ def _after(claim: Claim | None) -> str:
 
 class Filing(enum.Enum):
     NOW = "now"  # a first-hand report: file at once
-    WAIT = "wait"  # look again at the end of the settle time
+    WAIT = "wait"  # look again a moment later (`view_after`), then file a view or not
     NONE = "none"  # someone else's report covers it
 
 
 def filing(mine: Mine, target: Target, *, settled: bool) -> Filing:
     """Whether this node files its report. First-hand reports go at once. A node that only
     waits for ranks elsewhere files nothing while a first-hand report or a verdict covers the
-    incident; at the end of the settle time it files its view only if none does (the culprit's
-    node saw nothing, or its agent is gone), or if others are filing theirs for want of one."""
+    incident; at its second look (`settled`, a moment after its verdict) it files its view only
+    if none does (the culprit's node saw nothing, or its agent is gone), or if others are filing
+    theirs for want of one; the claimant of views still waits the settle time out."""
     if target.consequence:
         return Filing.NONE
     if mine.where == Where.LOCAL:

@@ -23,8 +23,9 @@ from pathlib import Path
 
 from diag.agent.job.decisions import JOB_VERDICT_FORMAT, JobVerdict, NodeReport, ReportName, Where
 from diag.agent.job.nodeview import MAX_RANKS, check_view
+from diag.formats import fastjson
 from diag.formats.checkedjson import NAME, Fields
-from diag.formats.untrusted import MIB, UntrustedInput, parse_json, read_bounded
+from diag.formats.untrusted import MIB, UntrustedInput, read_bounded
 
 # A report is a few KiB (a node of 8 ranks: 5 KiB with its view); a verdict names the
 # first-hand nodes, 16,000 of them at most in a real job (a cascade of deaths): about 4 MiB.
@@ -46,7 +47,7 @@ def evidence_in(timeline: Path, path: object, source: str, what: str = "evidence
     name = path.rstrip("/").rsplit("/", 1)[-1]
     if name in ("", ".", "..") or _EVIDENCE.match(name) is None:
         raise UntrustedInput(source, f"{what} {path[:200]!r} does not end in an incident directory")
-    return str(timeline / name)
+    return os.path.join(timeline, name)
 
 
 def report_from(doc: object, source: str, timeline: Path) -> NodeReport:
@@ -69,14 +70,18 @@ def _report(f: Fields, timeline: Path, *, with_view: bool) -> NodeReport:
     )
 
 
-def read_report(d: int, n: ReportName, path: Path, timeline: Path) -> tuple[NodeReport, int]:
+def read_report(d: int, n: ReportName, path: str | Path, timeline: Path) -> tuple[NodeReport, int]:
     """The report named `n` in the directory `d` (at `path`), and its size. A report whose
     content blames another rank than its name does is refused with the rest."""
     try:
         raw = read_bounded(n.file, max_bytes=MAX_REPORT_BYTES, dir_fd=d)
     except UntrustedInput as e:
         raise UntrustedInput(path, e.problem) from None
-    r = report_from(parse_json(path, raw), str(path), timeline)
+    try:
+        doc = fastjson.loads(raw)  # orjson: a claimant of a fallback reads thousands
+    except (ValueError, RecursionError) as e:
+        raise UntrustedInput(path, f"is not valid JSON: {e}") from None
+    r = report_from(doc, str(path), timeline)
     if (r.culprit, r.where) != (n.culprit, n.where):
         raise UntrustedInput(path, "blames another rank than its name says")
     return r, len(raw)
@@ -127,16 +132,23 @@ def exists(dir_fd: int, name: str) -> bool:
         return False
 
 
-def _open_dir(name: str, dir_fd: int, where: Path, create: bool) -> int:
+def _open_dir(name: str, dir_fd: int, base: Path, parts: list[str], create: bool) -> int:
     """A directory beneath `dir_fd`, never through a symlink (one planted on the shared volume
-    would send the verdict's files elsewhere); FileNotFoundError passes for a missing one."""
-    if create:
+    would send the verdict's files elsewhere); FileNotFoundError passes for a missing one.
+    `base` and `parts`: its path, joined only for a message (thousands of nodes' filings open
+    these)."""
+    try:
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            if not create:
+                raise
         with contextlib.suppress(FileExistsError):
             os.mkdir(name, 0o777, dir_fd=dir_fd)
-    try:
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            where = base.joinpath(*parts)
             raise UntrustedInput(where, "is a symlink or not a directory; not followed") from None
         raise
 
@@ -144,11 +156,10 @@ def _open_dir(name: str, dir_fd: int, where: Path, create: bool) -> int:
 @contextlib.contextmanager
 def beneath(base_fd: int, base: Path, parts: list[str], create: bool = False) -> Iterator[int]:
     fds: list[int] = []
-    cur, where = base_fd, base
+    cur = base_fd
     try:
-        for part in parts:
-            where = where / part
-            cur = _open_dir(part, cur, where, create)
+        for i, part in enumerate(parts):
+            cur = _open_dir(part, cur, base, parts[: i + 1], create)
             fds.append(cur)
         yield cur
     finally:

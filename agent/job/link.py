@@ -6,8 +6,11 @@
    that died on another node) says so rather than opening an incident of its own;
 2. once the incident directory is on disk: a first-hand report is filed at once (its claimant
    assembles the verdict in a thread); a node that only waits for ranks elsewhere files nothing
-   yet, and looks again at the end of the settle time, filing its view only if no first-hand
-   report or verdict covers the incident (the fallback).
+   yet, and looks again `view_after` seconds after its verdict, filing its view only if no
+   first-hand report or verdict covers the incident (the fallback). A claimant of views reads
+   them while the rest of its settle time runs, and puts a verdict from the views in place
+   only once the settle time since its own verdict has run out: a first-hand report that
+   comes within it still wins.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def mine_of(verdict: Verdict, obs: Observation, now_wall: float) -> Mine:
 
 def look(store: JobVerdictStore, job: str, mine: Mine, window: float, *, settled: bool) -> Target:
     """One look at the job's incidents: a listing, a time check and a read of the claims of
-    this attempt; at the end of the settle time also whether the one chosen has its verdict
+    this attempt; at its second look (`view_after`) also whether the one chosen has its verdict
     or a first-hand report (two more checks)."""
     target = choose(mine, store.known(job, mine.attempt, mine.since_wall), window)
     if settled and target.known is not None and not target.consequence:
@@ -157,8 +160,9 @@ class JobLink:
         t.start()
 
     def _settle(self, job: str, o: _Open, node_report: NodeReport, evidence: Path) -> None:
-        """At the end of the settle time: file this node's view only if nothing covers it."""
-        time.sleep(max(0.0, o.mine.decided_wall + self.store.settle - time.time()))
+        """`view_after` seconds after its verdict: file this node's view only if nothing
+        covers it."""
+        time.sleep(max(0.0, o.mine.decided_wall + self.store.view_after - time.time()))
         try:
             target = look(self.store, job, o.mine, self.window, settled=True)
         except (OSError, UntrustedInput) as e:
@@ -177,12 +181,14 @@ class JobLink:
             log.info("no report for the job verdict of %s: covered", target.incident_id)
             return
         log.warning(
-            "no first-hand report for %s within %.0f s: filing this node's view",
-            target.incident_id, self.store.settle,
+            "no first-hand report for %s within %.1f s: filing this node's view",
+            target.incident_id, self.store.view_after,
         )  # fmt: skip
         now = time.time()
         if self._file(job, target.incident_id, replace(node_report, wall=now)):
-            self._conclude(job, target.incident_id, now)
+            self._conclude(
+                job, target.incident_id, now, not_before=o.mine.decided_wall + self.store.settle
+            )
 
     def _file(self, job: str, incident_id: str, node_report: NodeReport) -> bool:
         """True when this node claimed the incident (and so assembles its verdict)."""
@@ -193,7 +199,9 @@ class JobLink:
                       self.store.root, e)  # fmt: skip
             return False
 
-    def _conclude(self, job: str, incident_id: str, first_seen: float) -> None:
+    def _conclude(
+        self, job: str, incident_id: str, first_seen: float, *, not_before: float | None = None
+    ) -> None:
         where = self.store.incident_dir(job, incident_id)
 
         def announce(jv: JobVerdict) -> None:
@@ -203,6 +211,8 @@ class JobLink:
             )  # fmt: skip
 
         try:
-            self.store.wait_and_conclude(job, incident_id, first_seen, announce)
+            self.store.wait_and_conclude(
+                job, incident_id, first_seen, announce, not_before=not_before
+            )
         except (OSError, UntrustedInput) as e:
             log.error("could not write the job verdict under %s: %s", self.store.root, e)

@@ -12,16 +12,20 @@ seconds that hang limits are made of.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from diag.agent.detect.culprit import SuspectKind, find_suspects
 from diag.agent.detect.deadlock import NO_ONE_STANDS_OUT
 from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.agent.job import waiters
 from diag.formats.checkedjson import NAME, Fields
 from diag.formats.records import OpCode, OpState
 
-VIEW_FORMAT = "diag.view/1"
+# /2: ranks that only wait travel in the compact `waiting` blocks (waiters.py); /1 has none.
+VIEW_FORMAT = "diag.view/2"
+VIEW_FORMATS = frozenset(("diag.view/1", VIEW_FORMAT))
 # Bounds on a view from another node: a job of 16,000 nodes has 128,000 ranks; a node, 8-16.
 MAX_RANKS = 1 << 20  # world size, and so every rank number
 MAX_NODE_RANKS = 4096  # ranks in one view
@@ -76,6 +80,7 @@ def _spans(ranks: tuple[int, ...]) -> list[list[int]]:
 def view_document(obs: Observation, node: str, wall: float) -> dict[str, Any]:
     """The local ranks of `obs` (not the remote ones it may hold), on the writer's wall clock."""
     now = obs.now
+    waiting, rest = waiters.split(obs.ranks, now)
     return {
         "format": VIEW_FORMAT,
         "job": obs.job,
@@ -101,8 +106,9 @@ def view_document(obs: Observation, node: str, wall: float) -> dict[str, Any]:
                 "p2p": [_op_doc(op, now) for ops in r.p2p.values() for op in ops[-4:]],
             }
             | ({"left_group": True} if r.left_group else {})
-            for r in obs.ranks
+            for r in (obs.ranks[i] for i in rest)
         ],
+        "waiting": waiting,
     }
 
 
@@ -112,22 +118,23 @@ def _one_of(f: Fields, key: str, allowed: frozenset[str]) -> None:
         raise f.fail(key, f"is not one of {', '.join(sorted(allowed))}")
 
 
-def _check_op(f: Fields) -> None:
+def _check_op(f: Fields, *, with_ages: bool = True) -> None:
     f.str("group")
     f.int("seq", 0, 2**63)
     _one_of(f, "op", _OPS)
     _one_of(f, "state", _STATES)
     f.int("nbytes", 0, 2**63)
     f.int("peer", -1, MAX_RANKS - 1, -1)
-    f.float("age")
-    f.opt_float("end_age")
+    if with_ages:
+        f.float("age")
+        f.opt_float("end_age")
 
 
 def check_view(doc: object, source: str) -> dict[str, Any]:
     """`doc` when it is a view whose every field `snapshots_from` and `groups_from` read has our
     type and bounds; raises UntrustedInput naming `source` and the field otherwise."""
     f = Fields(doc, source, "view")
-    if f.d.get("format") != VIEW_FORMAT:
+    if f.d.get("format") not in VIEW_FORMATS:
         raise f.fail("format", f"is not {VIEW_FORMAT}")
     f.str("node")
     f.str("job", "")
@@ -153,6 +160,12 @@ def check_view(doc: object, source: str) -> dict[str, Any]:
                 members += span[1] - span[0] + 1
     if members > MAX_MEMBERS:
         raise f.fail("groups", f"name {members} members, over the limit of {MAX_MEMBERS}")
+    full = f.list("ranks", MAX_NODE_RANKS)
+    if (
+        waiters.check(f, MAX_RANKS, MAX_NODE_RANKS - len(full), _check_op)
+        and f.d.get("format") != VIEW_FORMAT
+    ):
+        raise f.fail("waiting", f"is not part of {f.d.get('format')}")
     for r in f.objs("ranks", MAX_NODE_RANKS):
         r.int("rank", 0, MAX_RANKS - 1)
         r.int("local_rank", -1, MAX_NODE_RANKS, -1)
@@ -190,11 +203,11 @@ def groups_from(
 def snapshots_from(doc: dict[str, Any], now: float, wall: float) -> list[RankSnapshot]:
     """The ranks of one view, on the reader's clock: `now` on it is `wall` on the writer's.
     Raises ValueError on a document that is not a view."""
-    if doc.get("format") != VIEW_FORMAT:
+    if doc.get("format") not in VIEW_FORMATS:
         raise ValueError(f"not a {VIEW_FORMAT} document")
     # The document is this much older than `now`.
     at = now - max(0.0, wall - float(doc["written_wall"]))
-    out = []
+    out = waiters.expand(doc, str(doc["node"]), at)
     for r in doc["ranks"]:
         last_ops = {}
         for d in r.get("last_ops", ()):
@@ -261,22 +274,44 @@ def fold_rank_lists(text: str) -> str:
     return _RANK_LIST.sub(fold, text)
 
 
-def analyse(views: list[dict[str, Any]], now_wall: float) -> Attribution:
+def expand(doc: dict[str, Any]) -> list[RankSnapshot] | None:
+    """A view's ranks as `analyse` takes them in `expanded`: a claimant expands each view once,
+    as it reads it, while it waits; None for what is not a view."""
+    try:
+        wall = float(doc["written_wall"])
+        return snapshots_from(doc, wall, wall)
+    except (ValueError, KeyError, TypeError, OverflowError):
+        return None
+
+
+def analyse(
+    views: list[dict[str, Any]],
+    now_wall: float,
+    expanded: Sequence[list[RankSnapshot] | None] | None = None,
+) -> Attribution:
     """The culprit analysis over the ranks of every view at once, as if one agent watched the
     whole job: a rank behind in a collective that ranks of other nodes wait in, a dead rank, a
     cross-node deadlock. Views that are not views (or of another attempt than the newest) are
-    left out. `now_wall` is this reader's wall clock."""
-    docs = [d for d in views if isinstance(d, dict) and d.get("format") == VIEW_FORMAT]
-    attempt = max((int(d.get("attempt", 0)) for d in docs), default=0)
+    left out. `now_wall` is this reader's wall clock. `expanded`: each view's `expand`, in the
+    order of `views`, where already done."""
+    docs = [
+        (d, expanded[i] if expanded is not None else None)
+        for i, d in enumerate(views)
+        if isinstance(d, dict) and d.get("format") in VIEW_FORMATS
+    ]
+    attempt = max((int(d.get("attempt", 0)) for d, _ in docs), default=0)
     ranks: dict[int, RankSnapshot] = {}
     groups: dict[str, tuple[int, ...]] = {}
     members = 0
     world = 0
-    for d in docs:
+    for d, snaps in docs:
         if int(d.get("attempt", 0)) != attempt:
             continue
         try:
-            snaps = snapshots_from(d, now_wall, now_wall)
+            # Expanded at its writing time: the same snapshots, unless its writer's clock is
+            # ahead of ours (then it is taken as written now).
+            if snaps is None or float(d["written_wall"]) > now_wall:
+                snaps = snapshots_from(d, now_wall, now_wall)
             more = groups_from(d, frozenset(groups), MAX_MEMBERS - members)
         except (ValueError, KeyError, TypeError, OverflowError):
             continue  # not a view (read back checked, so only one made here by hand)

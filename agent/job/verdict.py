@@ -10,10 +10,12 @@ Nothing is written in steady state. On an incident:
 
 A node that blames one of its own ranks (it saw it die, or sit outside the collective the others
 wait in) files at once. A node that only waits for ranks elsewhere files nothing while such a
-report covers the incident: it looks once at its verdict and once at the end of the settle time
+report covers the incident: it looks once at its verdict and once `view_after` (1 s) later
 (one listing of the job's incidents each time), and files its view of its ranks only when no
 first-hand report came (the culprit's node saw nothing, or its agent is gone). The claimant
-then runs the culprit analysis over the views (`nodeview.py`). Which incident a node's incident
+reads the views as they come and runs the culprit analysis over them (`nodeview.py`); it puts
+the verdict in place once the settle time since its own verdict has run out, so that a
+first-hand report coming within it still wins. Which incident a node's incident
 belongs to, and whether it files, is decided in `jobincident.py`; this module is the file
 adapter. The filesystem's exclusive create is the only arbitration: no home-made consensus.
 """
@@ -28,9 +30,10 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from diag.agent.detect.observation import RankSnapshot
 from diag.agent.job.decisions import (
     DEATH,
     JOB_VERDICT_FORMAT,
@@ -58,7 +61,7 @@ from diag.agent.job.files import (
     verdict_bytes,
     verdict_from,
 )
-from diag.agent.job.nodeview import analyse, fold_rank_lists
+from diag.agent.job.nodeview import analyse, expand, fold_rank_lists
 from diag.formats.incidentdir import find_dirs, incident_key
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.untrusted import (
@@ -83,14 +86,45 @@ __all__ = [
 ]  # fmt: skip
 
 
-def _from_views(reports: list[NodeReport], now_wall: float) -> tuple[int, str, str] | None:
+def _from_views(
+    reports: list[NodeReport],
+    now_wall: float,
+    expanded: dict[int, list[RankSnapshot] | None] | None = None,
+) -> tuple[int, str, str] | None:
     """(rank, node, basis) from the culprit analysis over every report's view; None when the
-    views name no single rank."""
+    views name no single rank. `expanded`: views already expanded, by the id of the view."""
     views = [r.view for r in reports if r.view is not None]
-    a = analyse(views, now_wall)
+    a = analyse(views, now_wall, [(expanded or {}).get(id(v)) for v in views])
     if a.culprit is None:
         return None
     return a.culprit, a.node, f"from the views of {len(views)} nodes: {fold_rank_lists(a.reason)}"
+
+
+@dataclass
+class _Views:
+    """What a claimant of a fallback has read so far: each report once, its view expanded once
+    (the analysis's share of it, done while the claimant waits), and the ranks they hold."""
+
+    reports: dict[str, NodeReport] = field(default_factory=dict)
+    expanded: dict[int, list[RankSnapshot] | None] = field(default_factory=dict)  # by id(view)
+    ranks: set[int] = field(default_factory=set)
+    world: int = 0
+    viewless: bool = False  # a report without a view: the settle time decides
+
+    def add(self, new: dict[str, NodeReport]) -> None:
+        self.reports.update(new)
+        for r in new.values():
+            if r.view is None:
+                self.viewless = True
+                continue
+            snaps = expand(r.view)
+            self.expanded[id(r.view)] = snaps
+            self.world = max(self.world, int(r.view.get("world_size", 0)))
+            self.ranks.update(s.rank for s in snaps or ())
+
+    @property
+    def cover(self) -> bool:
+        return not self.viewless and self.world > 0 and len(self.ranks) >= self.world
 
 
 def _safe(name: str) -> str:
@@ -102,12 +136,23 @@ class JobVerdictStore:
     file is opened beneath a descriptor of its directory, without following a symlink."""
 
     def __init__(
-        self, root: Path, *, settle: float = 10.0, poll: float = 0.5, cascade: float = 1.0
+        self,
+        root: Path,
+        *,
+        settle: float = 10.0,
+        poll: float = 0.5,
+        cascade: float = 1.0,
+        view_after: float = 1.0,
     ) -> None:
         self.root = root
         self.settle = settle
         self.poll = poll
         self.cascade = cascade  # a death's verdict waits this long for an earlier death
+        # A node that only waits for ranks elsewhere files its view this long after its verdict
+        # when no first-hand report came by then (the local verdicts of one stall come within a
+        # fraction of a second of each other): the claimant reads the views while the rest of
+        # the settle time runs, and a first-hand report still wins until it has run out.
+        self.view_after = min(view_after, settle)
         self.io = IOCount()
 
     @property
@@ -123,9 +168,14 @@ class JobVerdictStore:
     @contextlib.contextmanager
     def _at(self, job: str, *parts: str, create: bool = False) -> Iterator[int]:
         """A descriptor of `<root>/<job>/<parts...>` (the root is the agent's own option)."""
-        if create:
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+        try:
+            root = os.open(self.root, flags)
+        except FileNotFoundError:
+            if not create:
+                raise
             self.root.mkdir(parents=True, exist_ok=True)
-        root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            root = os.open(self.root, flags)
         try:
             names = [safe_job_name(job or "job"), *parts]
             with beneath(root, self.root, names, create) as d:
@@ -251,10 +301,11 @@ class JobVerdictStore:
     def _read(self, d: int, n: ReportName, where: Path) -> NodeReport | None:
         """A node's report, or None (with a warning naming it) when it is not one: a bad
         report leaves that node out, as a missing one does."""
+        path = os.path.join(where, n.file)  # a str: made for each of thousands of reports
         try:
-            r, size = read_report(d, n, where / n.file, self.timeline)
+            r, size = read_report(d, n, path, self.timeline)
         except UntrustedInput as e:
-            log.warning("ignoring the report %s: %s", where / n.file, e.problem)
+            log.warning("ignoring the report %s: %s", path, e.problem)
             return None
         self.io.reads += 1
         self.io.bytes_read += size
@@ -301,10 +352,12 @@ class JobVerdictStore:
         force: bool,
         names: list[ReportName] | None = None,
         cached: dict[str, NodeReport] | None = None,
+        pick: tuple[int | None, str, str] | None = None,
     ) -> JobVerdict | None:
         """One attempt: lists the reports, and when `ready` (or `force`) reads the first-hand
         ones (those of the suspects' nodes; in a fallback, every report and its view) and puts
-        the job verdict in place (once: link(2) refuses a second)."""
+        the job verdict in place (once: link(2) refuses a second). `pick`: in a fallback, the
+        culprit the analysis of the views `cached` already found."""
         if names is None:
             names = self.names(job, incident_id)
         cascade = self.cascade if kind_of(incident_id) == DEATH else 0.0
@@ -317,9 +370,10 @@ class JobVerdictStore:
         cached = cached or {}
         read = {n.file: cached[n.file] for n in wanted if n.file in cached}
         read.update(self._read_all(job, incident_id, [n for n in wanted if n.file not in read]))
-        pick = pick_culprit(names, read)
-        if not first_hand:
-            pick = _from_views(list(read.values()), now_wall) or pick
+        if first_hand or pick is None:
+            pick = pick_culprit(names, read)
+            if not first_hand:
+                pick = _from_views(list(read.values()), now_wall) or pick
         # Evidence directories sit in the timeline, named in each report's name.
         evidence = {
             n.file: (read[n.file].evidence if n.file in read else str(self.timeline / n.evidence_name))
@@ -384,38 +438,51 @@ class JobVerdictStore:
         incident_id: str,
         first_seen: float,
         on_verdict: Callable[[JobVerdict], None] | None = None,
+        *,
+        not_before: float | None = None,
     ) -> JobVerdict | None:
         """The claimant's loop: one listing per `poll` seconds until ready, at most `settle`.
         A verdict reached early (a first-hand report) gets the nodes that report first-hand
-        later added once, at the end of the settle time; its culprit stays."""
+        later added once, at the end of the settle time; its culprit stays. `not_before`: a
+        verdict from the views is put in place no earlier (a claimant that filed its view
+        before its settle time ran out: a first-hand report wins until then)."""
         # Views may be filed by thousands of nodes: with a first-hand report known (the claim
         # or the marker says so) only first-hand reports are read; without, each view is read
-        # once as it comes, and the verdict is reached as soon as the views hold every rank.
+        # once as it comes, and the analysis runs as soon as the views hold every rank.
         first_hand = self._claimed_first_hand(job, incident_id)
-        views: dict[str, NodeReport] = {}  # the views read so far, each read once
+        got = _Views()
+        views = got.reports  # the views read so far, each read once
+        covered: tuple[list[ReportName], tuple[int | None, str, str]] | None = None
+        due = not_before or 0.0
         while True:
             now = time.time()
             force = now - first_seen >= self.settle
             first_hand = first_hand or self.first_hand_marked(job, incident_id)
             v = None
-            if force or first_hand:
+            if first_hand or (force and covered is None):
                 v = self.conclude(
                     job, incident_id, first_seen=first_seen, now_wall=now, force=force,
                     cached=views,
                 )  # fmt: skip
-            else:
+            elif covered is None:
                 names = self.names(job, incident_id)
-                if self._views_cover(job, incident_id, names, views):
+                if self._views_cover(job, incident_id, names, got):
                     # A fallback whose views hold every rank of the job: no view is to come
-                    # that could change the analysis, so the settle time need not run out.
-                    v = self.conclude(
-                        job, incident_id, first_seen=first_seen, now_wall=now, force=True,
-                        names=names, cached=views,
-                    )  # fmt: skip
-                    force = True
+                    # that could change the analysis. It runs now, its ages as of when the
+                    # verdict is due; the verdict waits for that time only.
+                    at = max(now, due)
+                    covered = (names, self._pick_from_views(names, views, at, got.expanded))
+            if covered is not None and not first_hand and time.time() >= due:
+                names, pick = covered
+                v = self.conclude(
+                    job, incident_id, first_seen=first_seen, now_wall=max(time.time(), due),
+                    force=True, names=names, cached=views, pick=pick,
+                )  # fmt: skip
+                force = True
             if v is not None or force:
                 break
-            time.sleep(self.poll)
+            wait = self.poll if covered is None else min(self.poll, due - time.time())
+            time.sleep(max(0.0, wait))
         if v is not None and on_verdict is not None:
             on_verdict(v)
         if v is None or force:
@@ -423,23 +490,25 @@ class JobVerdictStore:
         time.sleep(max(0.0, first_seen + self.settle - time.time()))
         return self.add_late_reports(job, incident_id, v)
 
+    def _pick_from_views(
+        self,
+        names: list[ReportName],
+        views: dict[str, NodeReport],
+        now_wall: float,
+        expanded: dict[int, list[RankSnapshot] | None],
+    ) -> tuple[int | None, str, str]:
+        read = {n.file: views[n.file] for n in names if n.file in views}
+        return _from_views(list(read.values()), now_wall, expanded) or pick_culprit(names, read)
+
     def _views_cover(
-        self, job: str, incident_id: str, names: list[ReportName], views: dict[str, NodeReport]
+        self, job: str, incident_id: str, names: list[ReportName], got: _Views
     ) -> bool:
-        """Reads the reports not read yet (into `views`, so that each is read once however
+        """Reads the reports not read yet (into `got`, so that each is read once however
         often the claimant looks); True when their views hold every rank of the job."""
         if any(n.where == Where.LOCAL and n.culprit is not None for n in names):
             return False  # a first-hand report: `conclude` reads what it needs
-        new = [n for n in names if n.file not in views]
-        views.update(self._read_all(job, incident_id, new))
-        ranks: set[int] = set()
-        world = 0
-        for r in views.values():
-            if r.view is None:
-                return False  # a report without a view: the settle time decides
-            world = max(world, int(r.view.get("world_size", 0)))
-            ranks.update(int(x["rank"]) for x in r.view.get("ranks", ()))
-        return world > 0 and len(ranks) >= world
+        got.add(self._read_all(job, incident_id, [n for n in names if n.file not in got.reports]))
+        return got.cover
 
     def _claimed_first_hand(self, job: str, incident_id: str) -> bool:
         try:

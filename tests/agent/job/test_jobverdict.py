@@ -224,3 +224,58 @@ def test_a_fallback_concludes_once_the_views_hold_every_rank(tmp_path: Path) -> 
         assert store.io.reads == 1 + len(nodes)  # the claim, and each view once
         if early:
             assert (v.culprit, v.culprit_node) == (3, "n1"), v.basis
+
+
+def test_views_filed_early_wait_for_the_settle_time_and_a_first_hand_report_still_wins(
+    tmp_path: Path,
+) -> None:
+    """Views filed `view_after` seconds after the nodes' verdicts: the claimant reads them as
+    they come but puts the verdict from the views in place only when the settle time since its
+    own verdict (`not_before`) has run out; a first-hand report within it wins."""
+    from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
+    from diag.agent.job.nodeview import view_document
+    from diag.formats.records import OpCode, OpState
+
+    def view(node: int, now: float) -> dict:
+        stuck = OpView("0", 42, OpCode.ALL_REDUCE, OpState.ENQUEUED, 64, now - 10)
+        done = OpView("0", 41, OpCode.ALL_REDUCE, OpState.COMPLETED, 64, now - 12, now - 11.9)
+        ranks = tuple(
+            RankSnapshot(
+                rank=r, local_rank=r % 2, pid=100 + r, node=f"n{node}", liveness=Liveness.RUNNING,
+                started_at=0.0, last_activity=now - 10, step=7,
+                pending=() if r == 3 else (stuck,), last_ops={"0": done if r == 3 else stuck},
+            )
+            for r in (2 * node, 2 * node + 1)
+        )  # fmt: skip
+        obs = Observation(now=now, ranks=ranks, groups={"0": (0, 1, 2, 3)}, world_size=4)
+        return view_document(obs, f"n{node}", time.time())
+
+    for first_hand in (False, True):
+        root = tmp_path / f".jobs-{first_hand}"
+        store = JobVerdictStore(root, settle=1.5, poll=0.05, view_after=0.2)
+        assert store.view_after == 0.2
+        decided = time.time()
+        for i in (0, 1):
+            store.file("j", "inc", NodeReport(f"n{i}", None, Where.REMOTE, str(tmp_path / f"e{i}"),
+                                              view=view(i, 100.0), wall=time.time()))  # fmt: skip
+        t = threading.Thread(
+            target=store.wait_and_conclude,
+            args=("j", "inc", time.time()),
+            kwargs={"not_before": decided + store.settle},
+        )
+        t.start()
+        time.sleep(0.5)
+        assert store.load("j", "inc") is None  # covered, analysed, not yet due
+        if first_hand:
+            late = NodeReport("n1", 3, Where.LOCAL, str(tmp_path / "e1"))
+            JobVerdictStore(root).file("j", "inc", late)
+        t.join(30)
+        v = store.load("j", "inc")
+        assert v is not None and (v.culprit, v.culprit_node) == (3, "n1"), v
+        if first_hand:
+            assert v.basis.startswith("first-hand") and v.decided_wall < decided + store.settle
+        else:
+            assert v.basis.startswith("from the views of 2 nodes") and "never joined" in v.basis
+            assert v.decided_wall >= decided + store.settle
+        # The claim, each view once, the first-hand report, and the verdict this test loaded.
+        assert store.io.reads == 4 + first_hand

@@ -159,3 +159,43 @@ def test_views_of_half_the_nodes_still_name_the_rank_behind() -> None:
         views.append(_doc(_obs(now, ranks, world=n * 8), f"node-{node}", 5000.0))
     a = analyse(views, now_wall=5001.0)
     assert (a.culprit, a.node) == (7, "node-0"), a.reason
+
+
+def test_ranks_that_only_wait_travel_compact_and_read_back_the_same() -> None:
+    """A rank in one collective with nothing else to tell is a row of numbers under its op
+    (`waiting`); one that is anything else keeps its full entry. Read back, each is the
+    snapshot its full entry gives."""
+    now = 5000.0
+    busy = replace(_rank(4, "node-b", now, pending=True, last=10), phase="backward", cpu_busy=0.7)
+    obs = _obs(now, (*_node_b(now).ranks, busy), world=5)
+    doc = _doc(obs, "node-b", wall=1000.0)
+    assert [row[0] for b in doc["waiting"] for row in b["ranks"]] == [2]
+    assert doc["waiting"][0]["op"] == {
+        "group": "0", "seq": 42, "op": "ALL_REDUCE", "state": "ENQUEUED", "nbytes": 64, "peer": -1,
+    }  # fmt: skip
+    assert sorted(r["rank"] for r in doc["ranks"]) == [3, 4]
+    back = {s.rank: s for s in snapshots_from(doc, now, wall=1000.0)}
+    # Built field by field at once (waiters.expand): equal to the snapshot constructed.
+    op = back[2].pending[0]
+    assert back[2] == RankSnapshot(
+        rank=2, local_rank=0, pid=102, node="node-b", liveness=Liveness.RUNNING, started_at=0.0,
+        last_activity=back[2].last_activity, step=7, pending=(op,), last_ops={"0": op},
+    )  # fmt: skip
+    assert op == OpView("0", 42, OpCode.ALL_REDUCE, OpState.ENQUEUED, 64, op.t_enqueue)
+    for r in obs.ranks:
+        s = back[r.rank]
+        assert (s.local_rank, s.pid, s.step, s.phase, s.cpu_busy, s.liveness) == (
+            r.local_rank, r.pid, r.step, r.phase, r.cpu_busy, r.liveness,
+        )  # fmt: skip
+        assert abs(s.last_activity - r.last_activity) < 1e-3
+        assert [
+            (o.group, o.group_seq, o.op, o.state, round(o.t_enqueue, 3)) for o in s.pending
+        ] == [(o.group, o.group_seq, o.op, o.state, round(o.t_enqueue, 3)) for o in r.pending]
+        assert {g: o.group_seq for g, o in s.last_ops.items()} == {
+            g: o.group_seq for g, o in r.last_ops.items()
+        }
+    # The analysis finds what it found from full entries: rank 3 behind.
+    a = analyse(
+        [_doc(_node_a(now), "node-a", 1000.0), _doc(_node_b(now), "node-b", 1000.0)], 1001.0
+    )
+    assert (a.culprit, a.node) == (3, "node-b") and "never joined" in a.reason
