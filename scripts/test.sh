@@ -26,7 +26,7 @@ scripts/typecheck.sh > .mypy_cache/typecheck.log 2>&1 &
 types=$!
 pytest=(.venv/bin/python -m pytest)
 if ((fast)); then
-    pytest+=(-m "not slow and not netns and not k8s and not gpu" -n 2 -q)
+    pytest+=(--fast -n 2 -q)
 else
     cpus="$(nproc)"
     workers="${DIAG_TEST_WORKERS:-$((cpus * 2 > 4 ? cpus * 2 : 4))}"

@@ -38,9 +38,11 @@ def _private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
                 os.environ[k] = v
 
 
-# Seconds each long test took in a parallel run of the suite (tests of 3 s and more). Only the
-# order of the tests depends on it; a test missing from it counts as 20 s if marked slow, else 0.
+# Seconds each test of 1 s or more took in a parallel run of the suite. The order of the tests
+# depends on it, and the fast tier; a test missing from it counts as 20 s if marked slow, else 0.
 DURATIONS = Path(__file__).with_name("durations.json")
+FAST_SECONDS = 2.0
+NOT_FAST = ("slow", "long", "netns", "k8s", "gpu")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -69,6 +71,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if shared:
             item.add_marker(pytest.mark.xdist_group(module))
     items.sort(key=expected, reverse=True)
+    if config.getoption("--fast"):
+        keep = [
+            item
+            for item in items
+            if expected(item) < FAST_SECONDS
+            and not any(item.get_closest_marker(m) for m in NOT_FAST)
+        ]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -76,6 +87,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--long",
         action="store_true",
         help="also run the long tier: soaks and the full repetitions of statistical tests",
+    )
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="only the fast tier: no slow, netns, k8s or gpu test, none that took 2 s or more "
+        "(tests/durations.json)",
     )
 
 
