@@ -4,6 +4,7 @@ that is always reaped (its whole process tree stopped when it outlives its time)
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -11,11 +12,34 @@ from pathlib import Path
 
 from diag.agent.observe.procs import stop_tree
 
+# Ports handed out below the kernel's ephemeral range (32768-60999 by default): a port the
+# kernel picks for port 0 can be taken as the source port of any connection (gloo opens many)
+# between the test's probe and the job's bind. Each parallel worker gets its own slice.
+_PORTS = range(20000, 32000)
+_handed: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) if worker.isdigit() else 0
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    size = len(_PORTS) // count
+    first = _PORTS.start + (index % count) * size
+    start = random.randrange(size)
+    for i in range(size):
+        port = first + (start + i) % size
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    with socket.socket() as s:  # the slice is used up: the kernel's choice
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def command(nproc: int, script: str | os.PathLike[str], *args: str) -> list[str]:

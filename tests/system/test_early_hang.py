@@ -28,6 +28,14 @@ def test_hangs_in_the_first_steps_of_a_launch_and_of_a_restart_are_found_at_the_
     tmp_path: Path,
 ) -> None:
     res = early_fault.run(tmp_path, hang_step=5, hang_attempts="0,1", hang_where="save")
+    if res.rc != 0 and "EADDRINUSE" in res.log:
+        # torch's elastic agent picks its ranks' store port by binding port 0 and closing it; on
+        # a machine busy with other jobs' connections that port can be taken before the ranks
+        # bind it. Not what this test is about: once more, in a fresh directory.
+        (tmp_path / "again").mkdir()
+        res = early_fault.run(
+            tmp_path / "again", hang_step=5, hang_attempts="0,1", hang_where="save"
+        )
     assert res.rc == 0, res.log
     assert [f.attempt for f in res.faults] == [0, 1], res.log
     for f in res.faults:
