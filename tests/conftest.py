@@ -53,8 +53,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     Prometheus, a DeepSpeed job, a rendered site) go to one worker, which sets it up once."""
     try:
         seconds = json.loads(DURATIONS.read_text())
-    except (OSError, ValueError):
-        seconds = {}
+        if not isinstance(seconds, dict) or not all(
+            isinstance(v, int | float) for v in seconds.values()
+        ):
+            raise ValueError("expected an object of test ids to seconds")
+    except (OSError, ValueError) as e:
+        # The order of the run and the fast tier depend on it: no silent guess.
+        raise pytest.UsageError(
+            f"{DURATIONS}: {e}; restore it from git (git checkout -- tests/durations.json)"
+        ) from e
 
     def expected(item: pytest.Item) -> float:
         default = 20.0 if item.get_closest_marker("slow") is not None else 0.0
@@ -78,7 +85,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if expected(item) < FAST_SECONDS
             and not any(item.get_closest_marker(m) for m in NOT_FAST)
         ]
-        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        kept = {id(item) for item in keep}
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
         items[:] = keep
 
 
