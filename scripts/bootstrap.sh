@@ -38,20 +38,49 @@ fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # Some machines list extra index locations that do not exist; pip says so for every package.
 quiet_pip() { "${pip[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-# torch first and pinned: any other spec (or a package that depends on torch) resolves to the
-# multi-GB CUDA build.
-echo "bootstrap: installing torch==2.13.0 and diag[dev] (first run takes a minute)" >&2
-quiet_pip "torch==2.13.0"
-quiet_pip -e "$root[dev]"
-# dlrover-run, for the launcher tests. Without its dependencies: it would pull the deprecated
-# `pynvml` shim, which shadows nvidia-ml-py and makes every `import torch` warn. What it needs
-# at run time (psutil, grpcio, protobuf, deprecated) is already there.
-quiet_pip --no-deps "dlrover==0.6.1"
-# DeepSpeed 0.19.7, the last release with `elasticity`, apart from the venv's packages: the tests
-# compare diag.trainer.elastic.batchsize with its compute_elastic_config (tests/support/elastic_reference.py).
 ref="$venv/ref/deepspeed-0.19.7"
-if [[ ! -d "$ref/deepspeed/elasticity" ]]; then
-    quiet_pip --no-deps --upgrade --target "$ref" "deepspeed==0.19.7"
+
+# uv resolves and installs in parallel: the same packages in about 30 s where pip takes 80-120 s
+# on 2 cores. It does not read pip's configuration, so the indexes, links, constraints and
+# certificates pip is configured with (files and PIP_* variables) are handed to it; the best
+# match across all indexes wins, as with pip. Byte code is compiled at install: a machine may
+# set PYTHONDONTWRITEBYTECODE, and every process would compile torch from source again.
+uv_install() {
+    quiet_pip "uv>=0.5" || return 1
+    local args
+    mapfile -t args < <("$venv/bin/python" "$root/scripts/uv_index_args.py") || return 1
+    local uv=("$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --compile-bytecode
+        --index-strategy unsafe-best-match "${args[@]}")
+    "${uv[@]}" "torch==2.13.0" -e "$root[dev]" || return 1
+    "${uv[@]}" --no-deps "dlrover==0.6.1" || return 1
+    if [[ ! -d "$ref/deepspeed/elasticity" ]]; then
+        "${uv[@]}" --no-deps --target "$ref" "deepspeed==0.19.7" || return 1
+    fi
+}
+
+# pip, the way that needs nothing else, where uv is not to be had.
+pip_install() {
+    # torch first and pinned: any other spec (or a package that depends on torch) resolves to
+    # the multi-GB CUDA build.
+    quiet_pip "torch==2.13.0"
+    quiet_pip -e "$root[dev]"
+    quiet_pip --no-deps "dlrover==0.6.1"
+    if [[ ! -d "$ref/deepspeed/elasticity" ]]; then
+        quiet_pip --no-deps --upgrade --target "$ref" "deepspeed==0.19.7"
+    fi
+}
+
+# torch pinned to the CPU build (2.13.0+cpu from the configured links where the machine has
+# them); dlrover-run, for the launcher tests, without its dependencies: it would pull the
+# deprecated `pynvml` shim, which shadows nvidia-ml-py and makes every `import torch` warn (what
+# it needs at run time, psutil, grpcio, protobuf, deprecated, is already there); DeepSpeed
+# 0.19.7, the last release with `elasticity`, apart from the venv's packages: the tests compare
+# diag.trainer.elastic.batchsize with its compute_elastic_config
+# (tests/support/elastic_reference.py).
+echo "bootstrap: installing torch==2.13.0 and diag[dev]" >&2
+if [[ "${DIAG_BOOTSTRAP_PIP:-0}" == 1 ]] || ! uv_install; then
+    [[ "${DIAG_BOOTSTRAP_PIP:-0}" == 1 ]] || echo "bootstrap: uv failed; installing with pip (a few minutes)" >&2
+    pip_install
 fi
 echo "$want" > "$stamp"
 echo "bootstrap: ready ($venv)" >&2
