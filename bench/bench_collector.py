@@ -32,7 +32,7 @@ from scratch import private_tmpdir
 
 
 def journal_cost(n: int = 200_000) -> float:
-    from diag.formats.journal import JournalWriter
+    from diag.formats.journalwriter import JournalWriter
     from diag.formats.records import OpCode, OpState, RecordKind
 
     with tempfile.TemporaryDirectory() as d:
@@ -60,7 +60,7 @@ def wrapper_cost(n: int = 100_000) -> float:
     import torch
 
     from diag.collector.hooks import Instrumentation, _Group
-    from diag.formats.journal import JournalWriter
+    from diag.formats.journalwriter import JournalWriter
     from diag.formats.records import OpCode
 
     class Work:

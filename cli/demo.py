@@ -24,8 +24,9 @@ from diag.agent.detect.straggler import StragglerScore, straggler_scores
 from diag.agent.observe.procs import stop_tree
 from diag.formats import exitcodes
 from diag.formats.incidentdir import VERDICT_FILE
-from diag.formats.journal import JournalFormatError, JournalReader
+from diag.formats.journal import JournalFormatError
 from diag.formats.journalmeta import JOURNAL_SUFFIX, read_meta
+from diag.formats.journalreader import JournalReader
 from diag.formats.records import OpState, RecordKind
 from diag.trainer.demo_job import FAULTS
 from diag.viewer.merge import MergeResult

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from diag.formats.journal import JournalWriter
+from diag.formats.journalwriter import JournalWriter
 from diag.formats.records import OpState
 
 _POLL_S = 0.05  # async works nobody waits on are seen complete within this

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from diag.formats.journal import JournalWriter
+from diag.formats.journalwriter import JournalWriter
 from diag.formats.records import OpState
 
 _POLL_S = 0.001

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from diag.collector.completion import HostWorkTracker
-from diag.formats.journal import JournalWriter
+from diag.formats.journalwriter import JournalWriter
 from diag.formats.records import DType, OpCode, OpFlag, OpState
 
 if TYPE_CHECKING:

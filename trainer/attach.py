@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from diag.collector.frserver import FlightRecorderServer, enable_buffer
-from diag.formats.journal import DEFAULT_CAPACITY, CloseReason, JournalStatus, JournalWriter
+from diag.formats.journal import DEFAULT_CAPACITY, CloseReason, JournalStatus
 from diag.formats.journalmeta import GroupInfo, JournalMeta, journal_path, write_meta
+from diag.formats.journalwriter import JournalWriter
 from diag.formats.rundir import (
     RankIdentity,
     default_run_dir,

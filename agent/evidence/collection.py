@@ -36,8 +36,9 @@ from diag.formats.incidentdir import (
     journal_tail_file,
     utc_iso,
 )
-from diag.formats.journal import JournalFormatError, JournalReader
+from diag.formats.journal import JournalFormatError
 from diag.formats.journalmeta import JournalMeta, read_meta, write_atomic
+from diag.formats.journalreader import JournalReader
 from diag.formats.stackdump import RankDump
 from diag.formats.untrusted import Owners
 

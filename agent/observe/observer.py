@@ -22,8 +22,9 @@ from diag.agent.observe.procs import ProcessWatch, ProcInfo
 from diag.agent.observe.rankproof import RankProof, RankProver, claim_of
 from diag.agent.observe.ranktracker import RankTracker
 from diag.agent.observe.rundircheck import owners_of
-from diag.formats.journal import CloseReason, JournalFormatError, JournalReader, JournalStatus
+from diag.formats.journal import CloseReason, JournalFormatError, JournalStatus
 from diag.formats.journalmeta import JOURNAL_SUFFIX, JournalMeta, meta_path_for, read_meta
+from diag.formats.journalreader import JournalReader
 from diag.formats.rundir import pid_namespace
 from diag.formats.untrusted import Owners, UntrustedInput
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from diag.agent.detect.cadence import Cadence
 from diag.agent.detect.observation import OpView, Paced
-from diag.formats.journal import JournalReader
 from diag.formats.journalmeta import JournalMeta, read_meta
+from diag.formats.journalreader import JournalReader
 from diag.formats.records import OpFlag, OpState, Record, RecordKind
 from diag.formats.untrusted import Owners
 

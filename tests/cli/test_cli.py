@@ -20,7 +20,7 @@ from diag.agent import config as config_mod
 from diag.agent.detect.hang import OnHang
 from diag.agent.observe.procs import stop_tree
 from diag.formats.exitcodes import USAGE, UsageError
-from diag.formats.journal import JournalReader
+from diag.formats.journalreader import JournalReader
 from diag.formats.stackdump import RankDump
 
 DIAG = [sys.executable, "-m", "diag.cli.main"]

@@ -20,8 +20,8 @@ from jobrun import command, finish, start, stop
 from repo import SUPPORT
 
 from diag.formats.incidentdir import VERDICT_FILE
-from diag.formats.journal import JournalReader
 from diag.formats.journalmeta import JOURNAL_SUFFIX, read_meta
+from diag.formats.journalreader import JournalReader
 from diag.formats.records import OpCode, OpFlag, OpState, RecordKind
 from diag.viewer.merge import merge_incident
 

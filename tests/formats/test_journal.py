@@ -12,13 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from diag.formats.journal import (
-    HEADER_SIZE,
-    JournalFormatError,
-    JournalReader,
-    JournalStatus,
-    JournalWriter,
-)
+from diag.formats.journal import HEADER_SIZE, JournalFormatError, JournalStatus
+from diag.formats.journalreader import JournalReader
+from diag.formats.journalwriter import JournalWriter
 from diag.formats.records import SLOT_SIZE, OpCode, OpFlag, OpState, RecordKind
 
 

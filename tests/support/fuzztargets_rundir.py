@@ -14,8 +14,10 @@ from fuzzkit import FuzzTarget
 
 from diag.agent.evidence.collection import journal_tail_document
 from diag.agent.observe.observer import Observer
-from diag.formats.journal import JournalFormatError, JournalReader, JournalWriter
+from diag.formats.journal import JournalFormatError
 from diag.formats.journalmeta import GroupInfo, JournalMeta, journal_path, read_meta
+from diag.formats.journalreader import JournalReader
+from diag.formats.journalwriter import JournalWriter
 from diag.formats.records import DType, OpCode, OpFlag, OpState, RecordKind
 from diag.formats.untrusted import Owners
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from diag.formats.journal import JournalReader, JournalStatus
+from diag.formats.journal import JournalStatus
 from diag.formats.journalmeta import read_meta
+from diag.formats.journalreader import JournalReader
 from diag.formats.records import OpCode, OpFlag, OpState, RecordKind
 
 pytestmark = pytest.mark.timeout(120)

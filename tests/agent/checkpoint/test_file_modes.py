@@ -14,8 +14,8 @@ import pytest
 
 from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
-from diag.formats.journal import JournalWriter
 from diag.formats.journalmeta import GroupInfo, JournalMeta, meta_path_for, write_meta
+from diag.formats.journalwriter import JournalWriter
 from diag.formats.rundir import control_socket_path
 from diag.proto import control_pb2 as pb
 from diag.proto import control_pb2_grpc as pb_grpc

@@ -18,8 +18,8 @@ from diag.agent.detect.hang import Policy, WatchState, decide, overdue_ranks
 from diag.agent.detect.observation import Liveness, Observation, OpView, Paced, RankSnapshot
 from diag.agent.detect.timeouts import TimeoutPolicy, settled_at
 from diag.agent.observe.observer import Observer
-from diag.formats.journal import JournalWriter
 from diag.formats.journalmeta import JournalMeta, journal_path, write_meta
+from diag.formats.journalwriter import JournalWriter
 from diag.formats.records import DType, OpCode, OpFlag, OpState, RecordKind
 
 NOW = 1000.0

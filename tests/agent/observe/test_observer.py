@@ -16,8 +16,8 @@ import pytest
 from diag.agent.detect.observation import Liveness
 from diag.agent.observe import observer as observer_mod
 from diag.agent.observe.observer import Observer
-from diag.formats.journal import JournalWriter
 from diag.formats.journalmeta import JournalMeta, journal_path, write_meta
+from diag.formats.journalwriter import JournalWriter
 from diag.formats.records import RecordKind
 
 pytestmark = pytest.mark.timeout(60)

@@ -29,7 +29,6 @@ from diag.agent.observe.rankproof import ProcFacts, RankClaim, RankProver, claim
 from diag.agent.observe.rundircheck import RunDirStat, TrainerUsers, prepare
 from diag.agent.observe.rundircheck import judge as judge_dir
 from diag.formats.exitcodes import USAGE, UsageError
-from diag.formats.journal import JournalWriter
 from diag.formats.journalmeta import (
     GroupInfo,
     JournalMeta,
@@ -38,6 +37,7 @@ from diag.formats.journalmeta import (
     read_meta,
     write_meta,
 )
+from diag.formats.journalwriter import JournalWriter
 from diag.formats.records import DType, OpCode, OpFlag
 from diag.formats.untrusted import Owners, UntrustedInput
 
@@ -280,7 +280,7 @@ def test_agent_survives_a_meta_with_a_bad_pid(tmp_path: Path) -> None:
 _RANK = """
 import os, sys, time, psutil
 from pathlib import Path
-from diag.formats.journal import JournalWriter
+from diag.formats.journalwriter import JournalWriter
 from diag.formats.journalmeta import JournalMeta, journal_path, write_meta
 path = journal_path(Path(sys.argv[1]), "job", 1)
 w = JournalWriter(path, rank=1, world_size=2, local_rank=1)
