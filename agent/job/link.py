@@ -8,9 +8,9 @@
    assembles the verdict in a thread); a node that only waits for ranks elsewhere files nothing
    yet, and looks again `view_after` seconds after its verdict, filing its view only if no
    first-hand report or verdict covers the incident (the fallback). A claimant of views reads
-   them while the rest of its settle time runs, and puts a verdict from the views in place
-   only once the settle time since its own verdict has run out: a first-hand report that
-   comes within it still wins.
+   them as they come and concludes once they hold every rank of the job (no first-hand report
+   can then be on its way), or, with a view missing, once the settle time since its own
+   verdict has run out (`fallback.py`).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class JobLink:
         now = time.time()
         if self._file(job, target.incident_id, replace(node_report, wall=now)):
             self._conclude(
-                job, target.incident_id, now, not_before=o.mine.decided_wall + self.store.settle
+                job, target.incident_id, now, until=o.mine.decided_wall + self.store.settle
             )
 
     def _file(self, job: str, incident_id: str, node_report: NodeReport) -> bool:
@@ -200,7 +200,7 @@ class JobLink:
             return False
 
     def _conclude(
-        self, job: str, incident_id: str, first_seen: float, *, not_before: float | None = None
+        self, job: str, incident_id: str, first_seen: float, *, until: float | None = None
     ) -> None:
         where = self.store.incident_dir(job, incident_id)
 
@@ -212,7 +212,7 @@ class JobLink:
 
         try:
             self.store.wait_and_conclude(
-                job, incident_id, first_seen, announce, not_before=not_before
+                job, incident_id, first_seen, announce, until=until
             )
         except (OSError, UntrustedInput) as e:
             log.error("could not write the job verdict under %s: %s", self.store.root, e)

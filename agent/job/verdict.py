@@ -13,9 +13,9 @@ wait in) files at once. A node that only waits for ranks elsewhere files nothing
 report covers the incident: it looks once at its verdict and once `view_after` (1 s) later
 (one listing of the job's incidents each time), and files its view of its ranks only when no
 first-hand report came (the culprit's node saw nothing, or its agent is gone). The claimant
-reads the views as they come and runs the culprit analysis over them (`nodeview.py`); it puts
-the verdict in place once the settle time since its own verdict has run out, so that a
-first-hand report coming within it still wins. Which incident a node's incident
+reads the views as they come and runs the culprit analysis over them (`nodeview.py`) once they
+hold every rank of the job; while a view is missing it waits for a first-hand report until the
+settle time since its own verdict has run out (`fallback.py`). Which incident a node's incident
 belongs to, and whether it files, is decided in `jobincident.py`; this module is the file
 adapter. The filesystem's exclusive create is the only arbitration: no home-made consensus.
 """
@@ -30,10 +30,9 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
-from diag.agent.detect.observation import RankSnapshot
 from diag.agent.job.decisions import (
     DEATH,
     JOB_VERDICT_FORMAT,
@@ -51,6 +50,16 @@ from diag.agent.job.decisions import (
     pick_culprit,
     ready,
 )
+from diag.agent.job.fallback import (
+    QUIET,
+    Progress,
+    Step,
+    Views,
+    first_hand_in,
+    from_views,
+    step,
+    wake_in,
+)
 from diag.agent.job.files import (
     MAX_CLAIM_BYTES,
     MAX_VERDICT_BYTES,
@@ -61,7 +70,6 @@ from diag.agent.job.files import (
     verdict_bytes,
     verdict_from,
 )
-from diag.agent.job.nodeview import analyse, expand, fold_rank_lists
 from diag.formats.incidentdir import find_dirs, incident_key
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.untrusted import (
@@ -86,47 +94,6 @@ __all__ = [
 ]  # fmt: skip
 
 
-def _from_views(
-    reports: list[NodeReport],
-    now_wall: float,
-    expanded: dict[int, list[RankSnapshot] | None] | None = None,
-) -> tuple[int, str, str] | None:
-    """(rank, node, basis) from the culprit analysis over every report's view; None when the
-    views name no single rank. `expanded`: views already expanded, by the id of the view."""
-    views = [r.view for r in reports if r.view is not None]
-    a = analyse(views, now_wall, [(expanded or {}).get(id(v)) for v in views])
-    if a.culprit is None:
-        return None
-    return a.culprit, a.node, f"from the views of {len(views)} nodes: {fold_rank_lists(a.reason)}"
-
-
-@dataclass
-class _Views:
-    """What a claimant of a fallback has read so far: each report once, its view expanded once
-    (the analysis's share of it, done while the claimant waits), and the ranks they hold."""
-
-    reports: dict[str, NodeReport] = field(default_factory=dict)
-    expanded: dict[int, list[RankSnapshot] | None] = field(default_factory=dict)  # by id(view)
-    ranks: set[int] = field(default_factory=set)
-    world: int = 0
-    viewless: bool = False  # a report without a view: the settle time decides
-
-    def add(self, new: dict[str, NodeReport]) -> None:
-        self.reports.update(new)
-        for r in new.values():
-            if r.view is None:
-                self.viewless = True
-                continue
-            snaps = expand(r.view)
-            self.expanded[id(r.view)] = snaps
-            self.world = max(self.world, int(r.view.get("world_size", 0)))
-            self.ranks.update(s.rank for s in snaps or ())
-
-    @property
-    def cover(self) -> bool:
-        return not self.viewless and self.world > 0 and len(self.ranks) >= self.world
-
-
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.~-]+", "_", name)[:100] or "node"
 
@@ -143,6 +110,7 @@ class JobVerdictStore:
         poll: float = 0.5,
         cascade: float = 1.0,
         view_after: float = 1.0,
+        quiet: float = QUIET,
     ) -> None:
         self.root = root
         self.settle = settle
@@ -153,6 +121,8 @@ class JobVerdictStore:
         # fraction of a second of each other): the claimant reads the views while the rest of
         # the settle time runs, and a first-hand report still wins until it has run out.
         self.view_after = min(view_after, settle)
+        self.quiet = quiet  # fallback.QUIET
+        self.covered_wall: float | None = None  # when this claimant saw the views complete
         self.io = IOCount()
 
     @property
@@ -373,7 +343,7 @@ class JobVerdictStore:
         if first_hand or pick is None:
             pick = pick_culprit(names, read)
             if not first_hand:
-                pick = _from_views(list(read.values()), now_wall) or pick
+                pick = from_views(list(read.values()), now_wall) or pick
         # Evidence directories sit in the timeline, named in each report's name.
         evidence = {
             n.file: (read[n.file].evidence if n.file in read else str(self.timeline / n.evidence_name))
@@ -439,50 +409,56 @@ class JobVerdictStore:
         first_seen: float,
         on_verdict: Callable[[JobVerdict], None] | None = None,
         *,
-        not_before: float | None = None,
+        until: float | None = None,
     ) -> JobVerdict | None:
         """The claimant's loop: one listing per `poll` seconds until ready, at most `settle`.
         A verdict reached early (a first-hand report) gets the nodes that report first-hand
-        later added once, at the end of the settle time; its culprit stays. `not_before`: a
-        verdict from the views is put in place no earlier (a claimant that filed its view
-        before its settle time ran out: a first-hand report wins until then)."""
+        later added once, at the end of the settle time; its culprit stays. A fallback (views
+        only) concludes as `fallback.step` says: once the views hold every rank, or when the
+        settle time has run out with a view missing; `until`: the end of that settle time
+        (default `first_seen` + settle; a claimant that filed its view `view_after` its verdict
+        passes its verdict's)."""
         # Views may be filed by thousands of nodes: with a first-hand report known (the claim
         # or the marker says so) only first-hand reports are read; without, each view is read
-        # once as it comes, and the analysis runs as soon as the views hold every rank.
+        # once as it comes, and the analysis runs once, when the views hold every rank.
+        deadline = first_seen + self.settle if until is None else until
         first_hand = self._claimed_first_hand(job, incident_id)
-        got = _Views()
-        views = got.reports  # the views read so far, each read once
+        got = Views()
         covered: tuple[list[ReportName], tuple[int | None, str, str]] | None = None
-        due = not_before or 0.0
+        covered_at: float | None = None
         while True:
-            now = time.time()
-            force = now - first_seen >= self.settle
             first_hand = first_hand or self.first_hand_marked(job, incident_id)
-            v = None
-            if first_hand or (force and covered is None):
+            if not first_hand and covered is None:
+                names = self.names(job, incident_id)
+                first_hand = first_hand_in(names)
+                if not first_hand and self._views_cover(job, incident_id, names, got):
+                    # No view is to come that could change the analysis: it runs now, while
+                    # the claimant still looks for a first-hand report (`fallback.QUIET`).
+                    covered_at = self.covered_wall = time.time()
+                    covered = (names, got.pick(names, covered_at + self.quiet))
+            now = time.time()
+            s = step(Progress(first_hand, covered_at), now, deadline=deadline, quiet=self.quiet)
+            if s == Step.FIRST_HAND:
+                force = now - first_seen >= self.settle
                 v = self.conclude(
                     job, incident_id, first_seen=first_seen, now_wall=now, force=force,
-                    cached=views,
+                    cached=got.reports,
                 )  # fmt: skip
-            elif covered is None:
-                names = self.names(job, incident_id)
-                if self._views_cover(job, incident_id, names, got):
-                    # A fallback whose views hold every rank of the job: no view is to come
-                    # that could change the analysis. It runs now, its ages as of when the
-                    # verdict is due; the verdict waits for that time only.
-                    at = max(now, due)
-                    covered = (names, self._pick_from_views(names, views, at, got.expanded))
-            if covered is not None and not first_hand and time.time() >= due:
-                names, pick = covered
+                if v is not None or force:
+                    break
+            elif s == Step.VIEWS and self.first_hand_marked(job, incident_id):
+                first_hand = True  # a node changed its mind: its report wins
+                continue
+            elif s != Step.WAIT:
+                names, pick = covered if covered is not None else (None, None)
                 v = self.conclude(
-                    job, incident_id, first_seen=first_seen, now_wall=max(time.time(), due),
-                    force=True, names=names, cached=views, pick=pick,
+                    job, incident_id, first_seen=first_seen, now_wall=now, force=True,
+                    names=names, cached=got.reports, pick=pick,
                 )  # fmt: skip
                 force = True
-            if v is not None or force:
                 break
-            wait = self.poll if covered is None else min(self.poll, due - time.time())
-            time.sleep(max(0.0, wait))
+            time.sleep(wake_in(Progress(first_hand, covered_at), time.time(),
+                               deadline=deadline, poll=self.poll, quiet=self.quiet))  # fmt: skip
         if v is not None and on_verdict is not None:
             on_verdict(v)
         if v is None or force:
@@ -490,23 +466,9 @@ class JobVerdictStore:
         time.sleep(max(0.0, first_seen + self.settle - time.time()))
         return self.add_late_reports(job, incident_id, v)
 
-    def _pick_from_views(
-        self,
-        names: list[ReportName],
-        views: dict[str, NodeReport],
-        now_wall: float,
-        expanded: dict[int, list[RankSnapshot] | None],
-    ) -> tuple[int | None, str, str]:
-        read = {n.file: views[n.file] for n in names if n.file in views}
-        return _from_views(list(read.values()), now_wall, expanded) or pick_culprit(names, read)
-
-    def _views_cover(
-        self, job: str, incident_id: str, names: list[ReportName], got: _Views
-    ) -> bool:
+    def _views_cover(self, job: str, incident_id: str, names: list[ReportName], got: Views) -> bool:
         """Reads the reports not read yet (into `got`, so that each is read once however
         often the claimant looks); True when their views hold every rank of the job."""
-        if any(n.where == Where.LOCAL and n.culprit is not None for n in names):
-            return False  # a first-hand report: `conclude` reads what it needs
         got.add(self._read_all(job, incident_id, [n for n in names if n.file not in got.reports]))
         return got.cover
 
