@@ -21,9 +21,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from diag.agent.detect.observation import RankSnapshot
 from diag.agent.job.decisions import NodeReport, ReportName, Where, pick_culprit
-from diag.agent.job.nodeview import analyse, expand, fold_rank_lists
+from diag.agent.job.nodeview import Gathered, analyse, expand, fold_rank_lists
 
 # How long the claimant keeps looking for a first-hand report after the views came to hold
 # every rank: a margin for a node that changes its mind just after filing its view, and for a
@@ -76,7 +75,7 @@ class Views:
     (the analysis's share of it, done while the claimant waits), and the ranks they hold."""
 
     reports: dict[str, NodeReport] = field(default_factory=dict)
-    expanded: dict[int, list[RankSnapshot] | None] = field(default_factory=dict)  # by id(view)
+    gathered: Gathered = field(default_factory=Gathered)  # their ranks, for the analysis
     ranks: set[int] = field(default_factory=set)
     world: int = 0
     viewless: bool = False  # a report without a view: the settle time decides
@@ -88,7 +87,7 @@ class Views:
                 self.viewless = True
                 continue
             snaps = expand(r.view)
-            self.expanded[id(r.view)] = snaps
+            self.gathered.add(r.view, snaps)
             self.world = max(self.world, int(r.view.get("world_size", 0)))
             self.ranks.update(s.rank for s in snaps or ())
 
@@ -98,20 +97,25 @@ class Views:
         return not self.viewless and self.world > 0 and len(self.ranks) >= self.world
 
     def pick(self, names: list[ReportName], now_wall: float) -> tuple[int | None, str, str]:
-        """(rank, node, basis) from the analysis of the views of `names` (read already)."""
-        read = {n.file: self.reports[n.file] for n in names if n.file in self.reports}
-        return from_views(list(read.values()), now_wall, self.expanded) or pick_culprit(names, read)
+        """(rank, node, basis) from the analysis of every view read (those of `names`: the
+        claimant reads what it lists)."""
+        a = self.gathered.attribution(now_wall)
+        if a.culprit is None:
+            read = {n.file: self.reports[n.file] for n in names if n.file in self.reports}
+            return pick_culprit(names, read)
+        views = sum(r.view is not None for r in self.reports.values())
+        return a.culprit, a.node, _basis(views, a.reason)
 
 
-def from_views(
-    reports: list[NodeReport],
-    now_wall: float,
-    expanded: dict[int, list[RankSnapshot] | None] | None = None,
-) -> tuple[int, str, str] | None:
+def from_views(reports: list[NodeReport], now_wall: float) -> tuple[int, str, str] | None:
     """(rank, node, basis) from the culprit analysis over every report's view; None when the
-    views name no single rank. `expanded`: views already expanded, by the id of the view."""
+    views name no single rank."""
     views: list[dict[str, Any]] = [r.view for r in reports if r.view is not None]
-    a = analyse(views, now_wall, [(expanded or {}).get(id(v)) for v in views])
+    a = analyse(views, now_wall)
     if a.culprit is None:
         return None
-    return a.culprit, a.node, f"from the views of {len(views)} nodes: {fold_rank_lists(a.reason)}"
+    return a.culprit, a.node, _basis(len(views), a.reason)
+
+
+def _basis(views: int, reason: str) -> str:
+    return f"from the views of {views} nodes: {fold_rank_lists(reason)}"

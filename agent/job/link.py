@@ -211,8 +211,6 @@ class JobLink:
             )  # fmt: skip
 
         try:
-            self.store.wait_and_conclude(
-                job, incident_id, first_seen, announce, until=until
-            )
+            self.store.wait_and_conclude(job, incident_id, first_seen, announce, until=until)
         except (OSError, UntrustedInput) as e:
             log.error("could not write the job verdict under %s: %s", self.store.root, e)

@@ -253,7 +253,11 @@ class JobVerdictStore:
         except FileNotFoundError:
             return False
 
-    def names(self, job: str, incident_id: str) -> list[ReportName]:
+    def names(
+        self, job: str, incident_id: str, parsed: dict[str, ReportName | None] | None = None
+    ) -> list[ReportName]:
+        """The reports' names. `parsed`: names parsed at an earlier listing of the same
+        directory (a claimant lists thousands every poll; each is parsed once)."""
         self.io.listings += 1
         try:
             with self._at(job, _safe(incident_id), REPORTS_DIR) as d:
@@ -261,8 +265,16 @@ class JobVerdictStore:
         except FileNotFoundError:
             return []
         self.io.bytes_read += sum(len(e) for e in entries)  # the names are the listing's payload
-        out = [n for n in map(parse_name, entries) if n is not None]
-        odd = sum(not e.startswith(".") for e in entries) - len(out)
+        if parsed is None:
+            parsed = {}
+        out = []
+        odd = 0
+        for e in entries:
+            n = parsed[e] if e in parsed else parsed.setdefault(e, parse_name(e))
+            if n is not None:
+                out.append(n)
+            elif not e.startswith("."):
+                odd += 1
         if odd:
             log.warning("ignoring %d files in %s whose names are not reports' names", odd,
                         self.incident_dir(job, incident_id) / REPORTS_DIR)  # fmt: skip
@@ -424,12 +436,13 @@ class JobVerdictStore:
         deadline = first_seen + self.settle if until is None else until
         first_hand = self._claimed_first_hand(job, incident_id)
         got = Views()
+        parsed: dict[str, ReportName | None] = {}
         covered: tuple[list[ReportName], tuple[int | None, str, str]] | None = None
         covered_at: float | None = None
         while True:
             first_hand = first_hand or self.first_hand_marked(job, incident_id)
             if not first_hand and covered is None:
-                names = self.names(job, incident_id)
+                names = self.names(job, incident_id, parsed)
                 first_hand = first_hand_in(names)
                 if not first_hand and self._views_cover(job, incident_id, names, got):
                     # No view is to come that could change the analysis: it runs now, while
