@@ -15,7 +15,8 @@ report covers the incident: it looks once at its verdict and once `view_after` (
 first-hand report came (the culprit's node saw nothing, or its agent is gone). The claimant
 reads the views as they come and runs the culprit analysis over them (`nodeview.py`) once they
 hold every rank of the job; while a view is missing it waits for a first-hand report until the
-settle time since its own verdict has run out (`fallback.py`). Which incident a node's incident
+settle time since its own verdict has run out (`fallback.py`; the claimant's loop is
+`claimant.py`). Which incident a node's incident
 belongs to, and whether it files, is decided in `jobincident.py`; this module is the file
 adapter. The filesystem's exclusive create is the only arbitration: no home-made consensus.
 """
@@ -28,13 +29,12 @@ import logging
 import os
 import re
 import secrets
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import fields, replace
 from pathlib import Path
 
+from diag.agent.job import claimant
 from diag.agent.job.decisions import (
-    DEATH,
     JOB_VERDICT_FORMAT,
     Claim,
     JobVerdict,
@@ -42,24 +42,13 @@ from diag.agent.job.decisions import (
     NodeReport,
     ReportName,
     Where,
-    assemble,
     attempt_of,
     fresh,
-    kind_of,
     parse_name,
     pick_culprit,
     ready,
 )
-from diag.agent.job.fallback import (
-    QUIET,
-    Progress,
-    Step,
-    Views,
-    first_hand_in,
-    from_views,
-    step,
-    wake_in,
-)
+from diag.agent.job.fallback import QUIET
 from diag.agent.job.files import (
     MAX_CLAIM_BYTES,
     MAX_VERDICT_BYTES,
@@ -293,7 +282,7 @@ class JobVerdictStore:
         self.io.bytes_read += size
         return r
 
-    def _read_all(
+    def read_reports(
         self, job: str, incident_id: str, names: list[ReportName]
     ) -> dict[str, NodeReport]:
         where = self.incident_dir(job, incident_id) / REPORTS_DIR
@@ -324,54 +313,9 @@ class JobVerdictStore:
         )
         return find_dirs(self.timeline, key)
 
-    def conclude(
-        self,
-        job: str,
-        incident_id: str,
-        *,
-        first_seen: float,
-        now_wall: float,
-        force: bool,
-        names: list[ReportName] | None = None,
-        cached: dict[str, NodeReport] | None = None,
-        pick: tuple[int | None, str, str] | None = None,
-    ) -> JobVerdict | None:
-        """One attempt: lists the reports, and when `ready` (or `force`) reads the first-hand
-        ones (those of the suspects' nodes; in a fallback, every report and its view) and puts
-        the job verdict in place (once: link(2) refuses a second). `pick`: in a fallback, the
-        culprit the analysis of the views `cached` already found."""
-        if names is None:
-            names = self.names(job, incident_id)
-        cascade = self.cascade if kind_of(incident_id) == DEATH else 0.0
-        if not names or not (
-            force or ready(names, first_seen, now_wall, self.settle, cascade=cascade)
-        ):
-            return None
-        first_hand = any(n.where == Where.LOCAL and n.culprit is not None for n in names)
-        wanted = [n for n in names if n.where == Where.LOCAL or not first_hand]
-        cached = cached or {}
-        read = {n.file: cached[n.file] for n in wanted if n.file in cached}
-        read.update(self._read_all(job, incident_id, [n for n in wanted if n.file not in read]))
-        if first_hand or pick is None:
-            pick = pick_culprit(names, read)
-            if not first_hand:
-                pick = from_views(list(read.values()), now_wall) or pick
-        # Evidence directories sit in the timeline, named in each report's name.
-        evidence = {
-            n.file: (read[n.file].evidence if n.file in read else str(self.timeline / n.evidence_name))
-            for n in names
-        }  # fmt: skip
-        verdict = assemble(
-            incident_id, job, names, read, evidence, now_wall, pick,
-            evidence_glob=self.evidence_glob(job, incident_id),
-        )  # fmt: skip
-        if self.publish(self.incident_dir(job, incident_id), verdict):
-            return verdict
-        try:
-            return self.load(job, incident_id)
-        except UntrustedInput as e:
-            log.warning("ignoring the job verdict %s", e)
-            return None
+    # The claimant's side (claimant.py), as methods of the store it works through.
+    conclude = claimant.conclude
+    wait_and_conclude = claimant.wait_and_conclude
 
     def publish(self, d: Path, verdict: JobVerdict) -> bool:
         """True when this verdict is the one in place (`d`: its incident directory)."""
@@ -414,78 +358,7 @@ class JobVerdictStore:
         # Where the nodes' directories are is this node's business, not the file's.
         return replace(v, evidence_glob=self.evidence_glob(v.job, v.incident_id))
 
-    def wait_and_conclude(
-        self,
-        job: str,
-        incident_id: str,
-        first_seen: float,
-        on_verdict: Callable[[JobVerdict], None] | None = None,
-        *,
-        until: float | None = None,
-    ) -> JobVerdict | None:
-        """The claimant's loop: one listing per `poll` seconds until ready, at most `settle`.
-        A verdict reached early (a first-hand report) gets the nodes that report first-hand
-        later added once, at the end of the settle time; its culprit stays. A fallback (views
-        only) concludes as `fallback.step` says: once the views hold every rank, or when the
-        settle time has run out with a view missing; `until`: the end of that settle time
-        (default `first_seen` + settle; a claimant that filed its view `view_after` its verdict
-        passes its verdict's)."""
-        # Views may be filed by thousands of nodes: with a first-hand report known (the claim
-        # or the marker says so) only first-hand reports are read; without, each view is read
-        # once as it comes, and the analysis runs once, when the views hold every rank.
-        deadline = first_seen + self.settle if until is None else until
-        first_hand = self._claimed_first_hand(job, incident_id)
-        got = Views()
-        parsed: dict[str, ReportName | None] = {}
-        covered: tuple[list[ReportName], tuple[int | None, str, str]] | None = None
-        covered_at: float | None = None
-        while True:
-            first_hand = first_hand or self.first_hand_marked(job, incident_id)
-            if not first_hand and covered is None:
-                names = self.names(job, incident_id, parsed)
-                first_hand = first_hand_in(names)
-                if not first_hand and self._views_cover(job, incident_id, names, got):
-                    # No view is to come that could change the analysis: it runs now, while
-                    # the claimant still looks for a first-hand report (`fallback.QUIET`).
-                    covered_at = self.covered_wall = time.time()
-                    covered = (names, got.pick(names, covered_at + self.quiet))
-            now = time.time()
-            s = step(Progress(first_hand, covered_at), now, deadline=deadline, quiet=self.quiet)
-            if s == Step.FIRST_HAND:
-                force = now - first_seen >= self.settle
-                v = self.conclude(
-                    job, incident_id, first_seen=first_seen, now_wall=now, force=force,
-                    cached=got.reports,
-                )  # fmt: skip
-                if v is not None or force:
-                    break
-            elif s == Step.VIEWS and self.first_hand_marked(job, incident_id):
-                first_hand = True  # a node changed its mind: its report wins
-                continue
-            elif s != Step.WAIT:
-                names, pick = covered if covered is not None else (None, None)
-                v = self.conclude(
-                    job, incident_id, first_seen=first_seen, now_wall=now, force=True,
-                    names=names, cached=got.reports, pick=pick,
-                )  # fmt: skip
-                force = True
-                break
-            time.sleep(wake_in(Progress(first_hand, covered_at), time.time(),
-                               deadline=deadline, poll=self.poll, quiet=self.quiet))  # fmt: skip
-        if v is not None and on_verdict is not None:
-            on_verdict(v)
-        if v is None or force:
-            return v
-        time.sleep(max(0.0, first_seen + self.settle - time.time()))
-        return self.add_late_reports(job, incident_id, v)
-
-    def _views_cover(self, job: str, incident_id: str, names: list[ReportName], got: Views) -> bool:
-        """Reads the reports not read yet (into `got`, so that each is read once however
-        often the claimant looks); True when their views hold every rank of the job."""
-        got.add(self._read_all(job, incident_id, [n for n in names if n.file not in got.reports]))
-        return got.cover
-
-    def _claimed_first_hand(self, job: str, incident_id: str) -> bool:
+    def claimed_first_hand(self, job: str, incident_id: str) -> bool:
         try:
             with self._at(job, _safe(incident_id)) as d:
                 if not exists(d, CLAIM_FILE):
@@ -495,22 +368,10 @@ class JobVerdictStore:
             return False
         return claim is not None and claim.where == Where.LOCAL
 
-    def add_late_reports(self, job: str, incident_id: str, v: JobVerdict) -> JobVerdict:
-        names = self.names(job, incident_id)
-        late = [n for n in names if n.where == Where.LOCAL and n.node not in set(v.nodes)]
-        count = len({n.node for n in names})
-        if not late and count == v.reports:
-            return v
-        evidence = dict(zip(v.nodes, v.evidence, strict=False))
-        read = self._read_all(job, incident_id, late)  # a name may cut a long directory name
-        for n in late:
-            r = read.get(n.file)
-            evidence[n.node] = r.evidence if r else str(self.timeline / n.evidence_name)
-        nodes = tuple(sorted(evidence))
-        full = replace(v, nodes=nodes, evidence=tuple(evidence[n] for n in nodes), reports=count)
-        data = verdict_bytes(full)
+    def replace_verdict(self, job: str, incident_id: str, verdict: JobVerdict) -> None:
+        """Puts `verdict` over the one in place (the same verdict, with late reports added)."""
+        data = verdict_bytes(verdict)
         with self._at(job, _safe(incident_id)) as d:
             write_replace(d, JOB_VERDICT_FILE, data)
         self.io.writes += 1
         self.io.bytes_written += len(data)
-        return full
