@@ -21,8 +21,8 @@ operation is a real one, and every node's traffic runs while the verdict is bein
   every node files its report with its view (8 ranks, all inside one all-reduce but rank 7 on
   node 0, which never joined) `view_after` (1 s) after its verdict, and the claimant reads them
   as they come and, once they hold every rank, runs the culprit analysis and puts the verdict
-  in place (`fallback.py`; with a view missing, at the end of the settle time since its own
-  verdict). Counted and timed the same way.
+  in place (`fallback.py`; with a view missing, at the end of the settle time since it filed
+  its own). Counted and timed the same way.
 
     python bench/jobverdict_bench.py [--nodes 2000,16000] [--dir PATH] [--workers 2]
 """
@@ -146,15 +146,15 @@ def _worker(plan: Plan, me: int, workers: int, q_in: Any, q_out: Any) -> None:
     events = [(t0 + plan.offsets[i], 0, i) for i in mine_nodes]  # (time, look number, node)
     heapq.heapify(events)
 
-    def conclude(first_seen: float, until: float | None) -> None:
+    def conclude(first_seen: float) -> None:
         own = JobVerdictStore(store.root, settle=plan.settle, poll=plan.poll)
         res.claimed_at = first_seen
-        res.due_at = until if until is not None else first_seen + plan.settle
+        res.due_at = first_seen + plan.settle
 
         def on_verdict(v: JobVerdict) -> None:
             res.verdict_at, res.verdict = time.time(), v
 
-        own.wait_and_conclude(JOB, INCIDENT, first_seen, on_verdict, until=until)
+        own.wait_and_conclude(JOB, INCIDENT, first_seen, on_verdict)
         res.claimant_reads = own.io.reads
         res.covered_at = own.covered_wall
         claimant_io.append(own.io)
@@ -185,10 +185,7 @@ def _worker(plan: Plan, me: int, workers: int, q_in: Any, q_out: Any) -> None:
         res.filed += 1
         res.report_bytes.append(store.io.bytes_written - before)
         if claimed:
-            # As the agent does (joblink): a view's claimant waits for a missing view until
-            # the settle time since its own verdict has run out.
-            until = decided + plan.settle if n_look == 1 else None
-            t = threading.Thread(target=conclude, args=(now, until))
+            t = threading.Thread(target=conclude, args=(now,))
             t.start()
             claimant.append(t)
     for t in claimant:

@@ -93,20 +93,18 @@ def wait_and_conclude(
     incident_id: str,
     first_seen: float,
     on_verdict: Callable[[JobVerdict], None] | None = None,
-    *,
-    until: float | None = None,
 ) -> JobVerdict | None:
     """The claimant's loop: one listing per `poll` seconds until ready, at most `settle`.
     A verdict reached early (a first-hand report) gets the nodes that report first-hand
     later added once, at the end of the settle time; its culprit stays. A fallback (views
     only) concludes as `fallback.step` says: once the views hold every rank, or when the
-    settle time has run out with a view missing; `until`: the end of that settle time
-    (default `first_seen` + settle; a claimant that filed its view `view_after` its verdict
-    passes its verdict's)."""
+    settle time since `first_seen` (its own filing) has run out with a view missing."""
     # Views may be filed by thousands of nodes: with a first-hand report known (the claim
     # or the marker says so) only first-hand reports are read; without, each view is read
     # once as it comes, and the analysis runs once, when the views hold every rank.
-    deadline = first_seen + store.settle if until is None else until
+    # A claimant that files late (its agent was slow) still waits the settle time for a view
+    # to come, rather than conclude at once on the few it finds.
+    deadline = first_seen + store.settle
     first_hand = store.claimed_first_hand(job, incident_id)
     got = Views()
     parsed: dict[str, ReportName | None] = {}

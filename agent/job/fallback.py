@@ -12,7 +12,7 @@ so the claimant concludes from the views only when none can still come:
   more just before it puts the verdict in place; the analysis of the views runs meanwhile;
 - while a view is missing (a node's agent is gone, or it has not filed yet) the culprit's node
   may still report first-hand: the claimant waits until its settle time has run out (the
-  settle time since its own verdict), then concludes on the views it has.
+  settle time since it filed its own view), then concludes on the views it has.
 """
 
 from __future__ import annotations

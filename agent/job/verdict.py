@@ -15,7 +15,7 @@ report covers the incident: it looks once at its verdict and once `view_after` (
 first-hand report came (the culprit's node saw nothing, or its agent is gone). The claimant
 reads the views as they come and runs the culprit analysis over them (`nodeview.py`) once they
 hold every rank of the job; while a view is missing it waits for a first-hand report until the
-settle time since its own verdict has run out (`fallback.py`; the claimant's loop is
+settle time since it filed its view has run out (`fallback.py`; the claimant's loop is
 `claimant.py`). Which incident a node's incident
 belongs to, and whether it files, is decided in `jobincident.py`; this module is the file
 adapter. The filesystem's exclusive create is the only arbitration: no home-made consensus.
@@ -107,8 +107,8 @@ class JobVerdictStore:
         self.cascade = cascade  # a death's verdict waits this long for an earlier death
         # A node that only waits for ranks elsewhere files its view this long after its verdict
         # when no first-hand report came by then (the local verdicts of one stall come within a
-        # fraction of a second of each other): the claimant reads the views while the rest of
-        # the settle time runs, and a first-hand report still wins until it has run out.
+        # fraction of a second of each other): the claimant reads the views as they come, and
+        # a first-hand report still wins until they hold every rank (fallback.py).
         self.view_after = min(view_after, settle)
         self.quiet = quiet  # fallback.QUIET
         self.covered_wall: float | None = None  # when this claimant saw the views complete

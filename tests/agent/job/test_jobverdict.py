@@ -230,8 +230,8 @@ def test_views_filed_early_conclude_once_they_hold_every_rank_and_a_changed_mind
     tmp_path: Path,
 ) -> None:
     """Views filed `view_after` seconds after the nodes' verdicts: once they hold every rank the
-    claimant concludes from them after the quiet time, well before the settle time since its
-    own verdict (`until`); a node that reports its own rank first-hand after its view (it
+    claimant concludes from them after the quiet time, well before the settle time since it
+    filed its own; a node that reports its own rank first-hand after its view (it
     changed its mind) before the verdict is in place wins."""
     from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
     from diag.agent.job.nodeview import view_document
@@ -264,7 +264,7 @@ def test_views_filed_early_conclude_once_they_hold_every_rank_and_a_changed_mind
             JobVerdictStore(root).file(
                 "j", "inc", NodeReport("n1", 3, Where.LOCAL, str(tmp_path / "e1"))
             )
-        v = store.wait_and_conclude("j", "inc", time.time(), until=decided + store.settle)
+        v = store.wait_and_conclude("j", "inc", time.time())
         assert v is not None and (v.culprit, v.culprit_node) == (3, "n1"), v
         assert v.decided_wall < decided + store.settle  # neither waited the settle time out
         if changed_mind:
