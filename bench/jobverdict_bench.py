@@ -20,8 +20,9 @@ operation is a real one, and every node's traffic runs while the verdict is bein
 - job verdict, (b) the fallback: no node blames its own rank (the culprit's node saw nothing);
   every node files its report with its view (8 ranks, all inside one all-reduce but rank 7 on
   node 0, which never joined) `view_after` (1 s) after its verdict, and the claimant reads them
-  as they come, runs the culprit analysis over all of them, and puts the verdict in place at
-  the end of the settle time since its own verdict. Counted and timed the same way.
+  as they come and, once they hold every rank, runs the culprit analysis and puts the verdict
+  in place (`fallback.py`; with a view missing, at the end of the settle time since it filed
+  its own). Counted and timed the same way.
 
     python bench/jobverdict_bench.py [--nodes 2000,16000] [--dir PATH] [--workers 2]
 """
@@ -119,9 +120,11 @@ class WorkerResult:
     verdict_at: float | None = None  # when its claimant put the verdict in place
     claimed_at: float | None = None  # when its claimant filed (and claimed)
     claimant_reads: int = 0  # reports its claimant read
-    due_at: float | None = None  # when its claimant's verdict was due at the earliest
+    due_at: float | None = None  # the end of its claimant's settle time
+    covered_at: float | None = None  # when its claimant saw the views hold every rank
     verdict: JobVerdict | None = None
     late_s: float = 0.0  # how far behind its schedule it ran, at worst
+    filed_at: list[float] = field(default_factory=list)  # when each of its filings was done
     report_bytes: list[int] = field(default_factory=list)
 
 
@@ -144,16 +147,17 @@ def _worker(plan: Plan, me: int, workers: int, q_in: Any, q_out: Any) -> None:
     events = [(t0 + plan.offsets[i], 0, i) for i in mine_nodes]  # (time, look number, node)
     heapq.heapify(events)
 
-    def conclude(first_seen: float, not_before: float | None) -> None:
+    def conclude(first_seen: float) -> None:
         own = JobVerdictStore(store.root, settle=plan.settle, poll=plan.poll)
         res.claimed_at = first_seen
-        res.due_at = not_before if not_before is not None else first_seen + plan.settle
+        res.due_at = first_seen + plan.settle
 
         def on_verdict(v: JobVerdict) -> None:
             res.verdict_at, res.verdict = time.time(), v
 
-        own.wait_and_conclude(JOB, INCIDENT, first_seen, on_verdict, not_before=not_before)
+        own.wait_and_conclude(JOB, INCIDENT, first_seen, on_verdict)
         res.claimant_reads = own.io.reads
+        res.covered_at = own.covered_wall
         claimant_io.append(own.io)
 
     while events:
@@ -180,12 +184,10 @@ def _worker(plan: Plan, me: int, workers: int, q_in: Any, q_out: Any) -> None:
         before = store.io.bytes_written
         claimed = store.file(JOB, target.incident_id, report)
         res.filed += 1
+        res.filed_at.append(time.time())
         res.report_bytes.append(store.io.bytes_written - before)
         if claimed:
-            # As the agent does (joblink): a view filed before the settle time ran out is
-            # concluded on no earlier than that.
-            not_before = decided + plan.settle if n_look == 1 else None
-            t = threading.Thread(target=conclude, args=(now, not_before))
+            t = threading.Thread(target=conclude, args=(now,))
             t.start()
             claimant.append(t)
     for t in claimant:
@@ -228,6 +230,8 @@ def scenario(
     io = {k: sum(r.io[k] for r in results) for k in results[0].io}
     sizes = [b for r in results for b in r.report_bytes]
     verdict_file = root / ".jobs" / JOB / INCIDENT / "job-verdict.json"
+    at = claimant.verdict_at
+    assert at is not None
     return {
         "writes": float(io["writes"]),
         "reads": float(io["reads"]),
@@ -243,9 +247,17 @@ def scenario(
         "verdict_after_culprit_s": verdicts[0].verdict_at - (t0 + offsets[0]),  # type: ignore[operator]
         "late_s": max(r.late_s for r in results),
         "claimant_reads": float(claimant.claimant_reads),
-        # (b): from the end of the claimant's settle time (its verdict's, for a view filed
-        # before that) to the job verdict: what reading the views and the analysis added
-        "conclude_s": claimant.verdict_at - claimant.due_at,  # type: ignore[operator]
+        # (b): from when the claimant saw the views hold every rank to the job verdict (the
+        # analysis, the quiet time); nan when a view was still missing at the settle time
+        "conclude_s": claimant.verdict_at - claimant.covered_at  # type: ignore[operator]
+        if claimant.covered_at is not None
+        else float("nan"),
+        "first_to_covered_s": claimant.covered_at - min(r.first_look for r in results)
+        if claimant.covered_at is not None
+        else float("nan"),
+        # (b): from the last view filed (by the nodes that filed before the verdict) to the job
+        # verdict: the claimant's own part, whatever the simulation's delay in filing
+        "last_filed_to_verdict_s": at - max(t for r in results for t in r.filed_at if t <= at),
     }
 
 
@@ -319,8 +331,11 @@ def _print(n: int, args: argparse.Namespace, old: dict, runs: dict[str, dict]) -
         f"  report {a['report_bytes'] / 1024:.1f} KiB (a), {b['report_bytes'] / 1024:.1f} KiB "
         f"(b); job verdict file {a['verdict_bytes']:.0f} B (a), {b['verdict_bytes']:.0f} B (b); "
         f"the simulation ran up to {a['late_s']:.2f} s (a) / {b['late_s']:.2f} s (b) behind "
-        f"its schedule; (b) claimant read {b['claimant_reads']:.0f} reports and concluded "
-        f"{b['conclude_s']:.2f} s after the end of its settle time"
+        f"its schedule; (b) claimant read {b['claimant_reads']:.0f} reports, saw them hold "
+        f"every rank {b['first_to_covered_s']:.2f} s after the first local verdict, and "
+        f"concluded {b['conclude_s']:.2f} s after that (nan: a view was still missing at the "
+        f"end of its settle time); the last view filed before the verdict came "
+        f"{b['last_filed_to_verdict_s']:.2f} s before it"
     )
 
 

@@ -43,12 +43,15 @@ def _verb(ranks: Iterable[int], one: str, many: str) -> str:
 
 
 def find_deadlocks(obs: Observation, graph: Mapping[int, Blocked]) -> list[Deadlock]:
+    found = cycles(graph)
+    if not found:
+        return []  # the common case, 128,000 ranks waiting in one collective: no more passes
     by_rank = {r.rank: r for r in obs.all_ranks}
     in_key: dict[tuple[str | int, ...], list[int]] = {}
     for b in graph.values():
         in_key.setdefault(b.key, []).append(b.rank)
     out = []
-    for ranks in cycles(graph):
+    for ranks in found:
         keys: dict[tuple[str | int, ...], list[int]] = {}
         for r in ranks:
             keys.setdefault(graph[r].key, []).append(r)

@@ -125,7 +125,14 @@ def cycles(graph: Mapping[int, Blocked]) -> list[tuple[int, ...]]:
     """Sets of ranks that wait on each other (strongly connected, two ranks or more), each
     sorted, ordered by their lowest rank. Only waiting ranks take part: a rank that waits for
     one outside any op is not on a cycle through it."""
-    edges = {v: [w for w in b.on if w in graph] for v, b in graph.items()}
+    # Ranks waiting in one collective share their `on` tuple (blocked_ranks): filtered once.
+    shared: dict[int, list[int]] = {}
+    edges: dict[int, list[int]] = {}
+    for v, b in graph.items():
+        out = shared.get(id(b.on))
+        if out is None:
+            out = shared[id(b.on)] = [w for w in b.on if w in graph]
+        edges[v] = out
     # A rank that waits for no waiting rank is on no cycle, nor is one that waits only for such
     # ranks: peeled off first (linear), so that 128,000 ranks waiting in one collective for a
     # rank outside it cost no search.

@@ -8,9 +8,9 @@
    assembles the verdict in a thread); a node that only waits for ranks elsewhere files nothing
    yet, and looks again `view_after` seconds after its verdict, filing its view only if no
    first-hand report or verdict covers the incident (the fallback). A claimant of views reads
-   them while the rest of its settle time runs, and puts a verdict from the views in place
-   only once the settle time since its own verdict has run out: a first-hand report that
-   comes within it still wins.
+   them as they come and concludes once they hold every rank of the job (no first-hand report
+   can then be on its way), or, with a view missing, once the settle time since it filed its
+   own has run out (`fallback.py`).
 """
 
 from __future__ import annotations
@@ -186,9 +186,7 @@ class JobLink:
         )  # fmt: skip
         now = time.time()
         if self._file(job, target.incident_id, replace(node_report, wall=now)):
-            self._conclude(
-                job, target.incident_id, now, not_before=o.mine.decided_wall + self.store.settle
-            )
+            self._conclude(job, target.incident_id, now)
 
     def _file(self, job: str, incident_id: str, node_report: NodeReport) -> bool:
         """True when this node claimed the incident (and so assembles its verdict)."""
@@ -199,9 +197,7 @@ class JobLink:
                       self.store.root, e)  # fmt: skip
             return False
 
-    def _conclude(
-        self, job: str, incident_id: str, first_seen: float, *, not_before: float | None = None
-    ) -> None:
+    def _conclude(self, job: str, incident_id: str, first_seen: float) -> None:
         where = self.store.incident_dir(job, incident_id)
 
         def announce(jv: JobVerdict) -> None:
@@ -211,8 +207,6 @@ class JobLink:
             )  # fmt: skip
 
         try:
-            self.store.wait_and_conclude(
-                job, incident_id, first_seen, announce, not_before=not_before
-            )
+            self.store.wait_and_conclude(job, incident_id, first_seen, announce)
         except (OSError, UntrustedInput) as e:
             log.error("could not write the job verdict under %s: %s", self.store.root, e)

@@ -11,9 +11,10 @@ seconds that hang limits are made of.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from diag.agent.detect.culprit import SuspectKind, find_suspects
@@ -284,6 +285,74 @@ def expand(doc: dict[str, Any]) -> list[RankSnapshot] | None:
         return None
 
 
+@dataclass
+class _Part:
+    """The ranks and groups of one attempt's views, as `analyse` gathers them."""
+
+    ranks: dict[int, RankSnapshot] = field(default_factory=dict)
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    members: int = 0
+    world: int = 0
+    latest: float = -math.inf  # the latest writing time of its views (their clocks)
+
+    def add(self, d: dict[str, Any], snaps: list[RankSnapshot]) -> None:
+        try:
+            more = groups_from(d, frozenset(self.groups), MAX_MEMBERS - self.members)
+        except (ValueError, KeyError, TypeError, OverflowError):
+            return  # not a view (read back checked, so only one made here by hand)
+        self.members += sum(len(m) for m in more)
+        self.groups.update(more)
+        for s in snaps:
+            self.ranks.setdefault(s.rank, s)
+            self.world = max(self.world, s.rank + 1)
+        self.world = max(self.world, min(MAX_RANKS, int(d.get("world_size", 0))))
+
+
+class Gathered:
+    """Views added one by one (a claimant adds each as it reads it, while it waits for the
+    rest): their ranks and groups gathered as `analyse` does, so that when the last view comes
+    only the analysis itself is left to run (`attribution`)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[int, _Part] = {}
+        self._docs: list[tuple[dict[str, Any], list[RankSnapshot] | None]] = []
+
+    def add(self, d: object, snaps: list[RankSnapshot] | None = None) -> None:
+        """`snaps`: the view's `expand`, where already done."""
+        if not isinstance(d, dict) or d.get("format") not in VIEW_FORMATS:
+            return
+        part = self._parts.setdefault(int(d.get("attempt", 0)), _Part())
+        self._docs.append((d, snaps))
+        try:
+            wall = float(d["written_wall"])
+            part.add(d, snaps if snaps is not None else snapshots_from(d, wall, wall))
+        except (ValueError, KeyError, TypeError, OverflowError):
+            return
+        part.latest = max(part.latest, wall)
+
+    def attribution(self, now_wall: float) -> Attribution:
+        """What the views of the newest attempt say together, at `now_wall` (this reader's
+        clock)."""
+        if not self._parts:
+            return Attribution(None, "", "no node filed a readable view of its ranks")
+        attempt = max(self._parts)
+        part = self._parts[attempt]
+        if part.latest > now_wall:
+            # A writer's clock is ahead of ours: its view is taken as written now (the others
+            # as gathered, at their writing time).
+            part = _Part()
+            for d, snaps in self._docs:
+                if int(d.get("attempt", 0)) != attempt:
+                    continue
+                try:
+                    if snaps is None or float(d["written_wall"]) > now_wall:
+                        snaps = snapshots_from(d, now_wall, now_wall)
+                    part.add(d, snaps)
+                except (ValueError, KeyError, TypeError, OverflowError):
+                    continue
+        return _attribute(part, attempt, now_wall)
+
+
 def analyse(
     views: list[dict[str, Any]],
     now_wall: float,
@@ -294,39 +363,20 @@ def analyse(
     cross-node deadlock. Views that are not views (or of another attempt than the newest) are
     left out. `now_wall` is this reader's wall clock. `expanded`: each view's `expand`, in the
     order of `views`, where already done."""
-    docs = [
-        (d, expanded[i] if expanded is not None else None)
-        for i, d in enumerate(views)
-        if isinstance(d, dict) and d.get("format") in VIEW_FORMATS
-    ]
-    attempt = max((int(d.get("attempt", 0)) for d, _ in docs), default=0)
-    ranks: dict[int, RankSnapshot] = {}
-    groups: dict[str, tuple[int, ...]] = {}
-    members = 0
-    world = 0
-    for d, snaps in docs:
-        if int(d.get("attempt", 0)) != attempt:
-            continue
-        try:
-            # Expanded at its writing time: the same snapshots, unless its writer's clock is
-            # ahead of ours (then it is taken as written now).
-            if snaps is None or float(d["written_wall"]) > now_wall:
-                snaps = snapshots_from(d, now_wall, now_wall)
-            more = groups_from(d, frozenset(groups), MAX_MEMBERS - members)
-        except (ValueError, KeyError, TypeError, OverflowError):
-            continue  # not a view (read back checked, so only one made here by hand)
-        members += sum(len(m) for m in more)
-        groups.update(more)
-        for s in snaps:
-            ranks.setdefault(s.rank, s)
-            world = max(world, s.rank + 1)
-        world = max(world, min(MAX_RANKS, int(d.get("world_size", 0))))
+    g = Gathered()
+    for i, d in enumerate(views):
+        g.add(d, expanded[i] if expanded is not None else None)
+    return g.attribution(now_wall)
+
+
+def _attribute(part: _Part, attempt: int, now_wall: float) -> Attribution:
+    ranks, world = part.ranks, part.world
     if not ranks:
         return Attribution(None, "", "no node filed a readable view of its ranks")
     obs = Observation(
         now=now_wall,
         ranks=tuple(sorted(ranks.values(), key=lambda r: r.rank)),
-        groups=groups,
+        groups=part.groups,
         world_size=world,
         attempt=attempt,
     )

@@ -13,9 +13,10 @@ wait in) files at once. A node that only waits for ranks elsewhere files nothing
 report covers the incident: it looks once at its verdict and once `view_after` (1 s) later
 (one listing of the job's incidents each time), and files its view of its ranks only when no
 first-hand report came (the culprit's node saw nothing, or its agent is gone). The claimant
-reads the views as they come and runs the culprit analysis over them (`nodeview.py`); it puts
-the verdict in place once the settle time since its own verdict has run out, so that a
-first-hand report coming within it still wins. Which incident a node's incident
+reads the views as they come and runs the culprit analysis over them (`nodeview.py`) once they
+hold every rank of the job; while a view is missing it waits for a first-hand report until the
+settle time since it filed its view has run out (`fallback.py`; the claimant's loop is
+`claimant.py`). Which incident a node's incident
 belongs to, and whether it files, is decided in `jobincident.py`; this module is the file
 adapter. The filesystem's exclusive create is the only arbitration: no home-made consensus.
 """
@@ -28,14 +29,12 @@ import logging
 import os
 import re
 import secrets
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Iterator
+from dataclasses import fields, replace
 from pathlib import Path
 
-from diag.agent.detect.observation import RankSnapshot
+from diag.agent.job import claimant
 from diag.agent.job.decisions import (
-    DEATH,
     JOB_VERDICT_FORMAT,
     Claim,
     JobVerdict,
@@ -43,14 +42,13 @@ from diag.agent.job.decisions import (
     NodeReport,
     ReportName,
     Where,
-    assemble,
     attempt_of,
     fresh,
-    kind_of,
     parse_name,
     pick_culprit,
     ready,
 )
+from diag.agent.job.fallback import QUIET
 from diag.agent.job.files import (
     MAX_CLAIM_BYTES,
     MAX_VERDICT_BYTES,
@@ -61,7 +59,6 @@ from diag.agent.job.files import (
     verdict_bytes,
     verdict_from,
 )
-from diag.agent.job.nodeview import analyse, expand, fold_rank_lists
 from diag.formats.incidentdir import find_dirs, incident_key
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.untrusted import (
@@ -86,47 +83,6 @@ __all__ = [
 ]  # fmt: skip
 
 
-def _from_views(
-    reports: list[NodeReport],
-    now_wall: float,
-    expanded: dict[int, list[RankSnapshot] | None] | None = None,
-) -> tuple[int, str, str] | None:
-    """(rank, node, basis) from the culprit analysis over every report's view; None when the
-    views name no single rank. `expanded`: views already expanded, by the id of the view."""
-    views = [r.view for r in reports if r.view is not None]
-    a = analyse(views, now_wall, [(expanded or {}).get(id(v)) for v in views])
-    if a.culprit is None:
-        return None
-    return a.culprit, a.node, f"from the views of {len(views)} nodes: {fold_rank_lists(a.reason)}"
-
-
-@dataclass
-class _Views:
-    """What a claimant of a fallback has read so far: each report once, its view expanded once
-    (the analysis's share of it, done while the claimant waits), and the ranks they hold."""
-
-    reports: dict[str, NodeReport] = field(default_factory=dict)
-    expanded: dict[int, list[RankSnapshot] | None] = field(default_factory=dict)  # by id(view)
-    ranks: set[int] = field(default_factory=set)
-    world: int = 0
-    viewless: bool = False  # a report without a view: the settle time decides
-
-    def add(self, new: dict[str, NodeReport]) -> None:
-        self.reports.update(new)
-        for r in new.values():
-            if r.view is None:
-                self.viewless = True
-                continue
-            snaps = expand(r.view)
-            self.expanded[id(r.view)] = snaps
-            self.world = max(self.world, int(r.view.get("world_size", 0)))
-            self.ranks.update(s.rank for s in snaps or ())
-
-    @property
-    def cover(self) -> bool:
-        return not self.viewless and self.world > 0 and len(self.ranks) >= self.world
-
-
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.~-]+", "_", name)[:100] or "node"
 
@@ -143,6 +99,7 @@ class JobVerdictStore:
         poll: float = 0.5,
         cascade: float = 1.0,
         view_after: float = 1.0,
+        quiet: float = QUIET,
     ) -> None:
         self.root = root
         self.settle = settle
@@ -150,9 +107,11 @@ class JobVerdictStore:
         self.cascade = cascade  # a death's verdict waits this long for an earlier death
         # A node that only waits for ranks elsewhere files its view this long after its verdict
         # when no first-hand report came by then (the local verdicts of one stall come within a
-        # fraction of a second of each other): the claimant reads the views while the rest of
-        # the settle time runs, and a first-hand report still wins until it has run out.
+        # fraction of a second of each other): the claimant reads the views as they come, and
+        # a first-hand report still wins until they hold every rank (fallback.py).
         self.view_after = min(view_after, settle)
+        self.quiet = quiet  # fallback.QUIET
+        self.covered_wall: float | None = None  # when this claimant saw the views complete
         self.io = IOCount()
 
     @property
@@ -283,7 +242,11 @@ class JobVerdictStore:
         except FileNotFoundError:
             return False
 
-    def names(self, job: str, incident_id: str) -> list[ReportName]:
+    def names(
+        self, job: str, incident_id: str, parsed: dict[str, ReportName | None] | None = None
+    ) -> list[ReportName]:
+        """The reports' names. `parsed`: names parsed at an earlier listing of the same
+        directory (a claimant lists thousands every poll; each is parsed once)."""
         self.io.listings += 1
         try:
             with self._at(job, _safe(incident_id), REPORTS_DIR) as d:
@@ -291,8 +254,16 @@ class JobVerdictStore:
         except FileNotFoundError:
             return []
         self.io.bytes_read += sum(len(e) for e in entries)  # the names are the listing's payload
-        out = [n for n in map(parse_name, entries) if n is not None]
-        odd = sum(not e.startswith(".") for e in entries) - len(out)
+        if parsed is None:
+            parsed = {}
+        out = []
+        odd = 0
+        for e in entries:
+            n = parsed[e] if e in parsed else parsed.setdefault(e, parse_name(e))
+            if n is not None:
+                out.append(n)
+            elif not e.startswith("."):
+                odd += 1
         if odd:
             log.warning("ignoring %d files in %s whose names are not reports' names", odd,
                         self.incident_dir(job, incident_id) / REPORTS_DIR)  # fmt: skip
@@ -311,7 +282,7 @@ class JobVerdictStore:
         self.io.bytes_read += size
         return r
 
-    def _read_all(
+    def read_reports(
         self, job: str, incident_id: str, names: list[ReportName]
     ) -> dict[str, NodeReport]:
         where = self.incident_dir(job, incident_id) / REPORTS_DIR
@@ -342,54 +313,9 @@ class JobVerdictStore:
         )
         return find_dirs(self.timeline, key)
 
-    def conclude(
-        self,
-        job: str,
-        incident_id: str,
-        *,
-        first_seen: float,
-        now_wall: float,
-        force: bool,
-        names: list[ReportName] | None = None,
-        cached: dict[str, NodeReport] | None = None,
-        pick: tuple[int | None, str, str] | None = None,
-    ) -> JobVerdict | None:
-        """One attempt: lists the reports, and when `ready` (or `force`) reads the first-hand
-        ones (those of the suspects' nodes; in a fallback, every report and its view) and puts
-        the job verdict in place (once: link(2) refuses a second). `pick`: in a fallback, the
-        culprit the analysis of the views `cached` already found."""
-        if names is None:
-            names = self.names(job, incident_id)
-        cascade = self.cascade if kind_of(incident_id) == DEATH else 0.0
-        if not names or not (
-            force or ready(names, first_seen, now_wall, self.settle, cascade=cascade)
-        ):
-            return None
-        first_hand = any(n.where == Where.LOCAL and n.culprit is not None for n in names)
-        wanted = [n for n in names if n.where == Where.LOCAL or not first_hand]
-        cached = cached or {}
-        read = {n.file: cached[n.file] for n in wanted if n.file in cached}
-        read.update(self._read_all(job, incident_id, [n for n in wanted if n.file not in read]))
-        if first_hand or pick is None:
-            pick = pick_culprit(names, read)
-            if not first_hand:
-                pick = _from_views(list(read.values()), now_wall) or pick
-        # Evidence directories sit in the timeline, named in each report's name.
-        evidence = {
-            n.file: (read[n.file].evidence if n.file in read else str(self.timeline / n.evidence_name))
-            for n in names
-        }  # fmt: skip
-        verdict = assemble(
-            incident_id, job, names, read, evidence, now_wall, pick,
-            evidence_glob=self.evidence_glob(job, incident_id),
-        )  # fmt: skip
-        if self.publish(self.incident_dir(job, incident_id), verdict):
-            return verdict
-        try:
-            return self.load(job, incident_id)
-        except UntrustedInput as e:
-            log.warning("ignoring the job verdict %s", e)
-            return None
+    # The claimant's side (claimant.py), as methods of the store it works through.
+    conclude = claimant.conclude
+    wait_and_conclude = claimant.wait_and_conclude
 
     def publish(self, d: Path, verdict: JobVerdict) -> bool:
         """True when this verdict is the one in place (`d`: its incident directory)."""
@@ -432,85 +358,7 @@ class JobVerdictStore:
         # Where the nodes' directories are is this node's business, not the file's.
         return replace(v, evidence_glob=self.evidence_glob(v.job, v.incident_id))
 
-    def wait_and_conclude(
-        self,
-        job: str,
-        incident_id: str,
-        first_seen: float,
-        on_verdict: Callable[[JobVerdict], None] | None = None,
-        *,
-        not_before: float | None = None,
-    ) -> JobVerdict | None:
-        """The claimant's loop: one listing per `poll` seconds until ready, at most `settle`.
-        A verdict reached early (a first-hand report) gets the nodes that report first-hand
-        later added once, at the end of the settle time; its culprit stays. `not_before`: a
-        verdict from the views is put in place no earlier (a claimant that filed its view
-        before its settle time ran out: a first-hand report wins until then)."""
-        # Views may be filed by thousands of nodes: with a first-hand report known (the claim
-        # or the marker says so) only first-hand reports are read; without, each view is read
-        # once as it comes, and the analysis runs as soon as the views hold every rank.
-        first_hand = self._claimed_first_hand(job, incident_id)
-        got = _Views()
-        views = got.reports  # the views read so far, each read once
-        covered: tuple[list[ReportName], tuple[int | None, str, str]] | None = None
-        due = not_before or 0.0
-        while True:
-            now = time.time()
-            force = now - first_seen >= self.settle
-            first_hand = first_hand or self.first_hand_marked(job, incident_id)
-            v = None
-            if first_hand or (force and covered is None):
-                v = self.conclude(
-                    job, incident_id, first_seen=first_seen, now_wall=now, force=force,
-                    cached=views,
-                )  # fmt: skip
-            elif covered is None:
-                names = self.names(job, incident_id)
-                if self._views_cover(job, incident_id, names, got):
-                    # A fallback whose views hold every rank of the job: no view is to come
-                    # that could change the analysis. It runs now, its ages as of when the
-                    # verdict is due; the verdict waits for that time only.
-                    at = max(now, due)
-                    covered = (names, self._pick_from_views(names, views, at, got.expanded))
-            if covered is not None and not first_hand and time.time() >= due:
-                names, pick = covered
-                v = self.conclude(
-                    job, incident_id, first_seen=first_seen, now_wall=max(time.time(), due),
-                    force=True, names=names, cached=views, pick=pick,
-                )  # fmt: skip
-                force = True
-            if v is not None or force:
-                break
-            wait = self.poll if covered is None else min(self.poll, due - time.time())
-            time.sleep(max(0.0, wait))
-        if v is not None and on_verdict is not None:
-            on_verdict(v)
-        if v is None or force:
-            return v
-        time.sleep(max(0.0, first_seen + self.settle - time.time()))
-        return self.add_late_reports(job, incident_id, v)
-
-    def _pick_from_views(
-        self,
-        names: list[ReportName],
-        views: dict[str, NodeReport],
-        now_wall: float,
-        expanded: dict[int, list[RankSnapshot] | None],
-    ) -> tuple[int | None, str, str]:
-        read = {n.file: views[n.file] for n in names if n.file in views}
-        return _from_views(list(read.values()), now_wall, expanded) or pick_culprit(names, read)
-
-    def _views_cover(
-        self, job: str, incident_id: str, names: list[ReportName], got: _Views
-    ) -> bool:
-        """Reads the reports not read yet (into `got`, so that each is read once however
-        often the claimant looks); True when their views hold every rank of the job."""
-        if any(n.where == Where.LOCAL and n.culprit is not None for n in names):
-            return False  # a first-hand report: `conclude` reads what it needs
-        got.add(self._read_all(job, incident_id, [n for n in names if n.file not in got.reports]))
-        return got.cover
-
-    def _claimed_first_hand(self, job: str, incident_id: str) -> bool:
+    def claimed_first_hand(self, job: str, incident_id: str) -> bool:
         try:
             with self._at(job, _safe(incident_id)) as d:
                 if not exists(d, CLAIM_FILE):
@@ -520,22 +368,10 @@ class JobVerdictStore:
             return False
         return claim is not None and claim.where == Where.LOCAL
 
-    def add_late_reports(self, job: str, incident_id: str, v: JobVerdict) -> JobVerdict:
-        names = self.names(job, incident_id)
-        late = [n for n in names if n.where == Where.LOCAL and n.node not in set(v.nodes)]
-        count = len({n.node for n in names})
-        if not late and count == v.reports:
-            return v
-        evidence = dict(zip(v.nodes, v.evidence, strict=False))
-        read = self._read_all(job, incident_id, late)  # a name may cut a long directory name
-        for n in late:
-            r = read.get(n.file)
-            evidence[n.node] = r.evidence if r else str(self.timeline / n.evidence_name)
-        nodes = tuple(sorted(evidence))
-        full = replace(v, nodes=nodes, evidence=tuple(evidence[n] for n in nodes), reports=count)
-        data = verdict_bytes(full)
+    def replace_verdict(self, job: str, incident_id: str, verdict: JobVerdict) -> None:
+        """Puts `verdict` over the one in place (the same verdict, with late reports added)."""
+        data = verdict_bytes(verdict)
         with self._at(job, _safe(incident_id)) as d:
             write_replace(d, JOB_VERDICT_FILE, data)
         self.io.writes += 1
         self.io.bytes_written += len(data)
-        return full

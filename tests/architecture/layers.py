@@ -46,6 +46,7 @@ PURE = (
     "diag.agent.drain.plan",
     "diag.agent.evidence.parallelism",
     "diag.agent.job.decisions",
+    "diag.agent.job.fallback",  # the claimant of a fallback: when it concludes
     "diag.agent.job.nodeview",  # the node's view as plain data, parsed by checkedjson
     "diag.agent.job.waiters",  # the compact rows of a view's waiting ranks
     "diag.agent.metrics.collectives",

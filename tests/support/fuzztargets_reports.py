@@ -77,7 +77,7 @@ def _claim_seeds(scratch: Path) -> list[bytes]:
 
 def _parse_claim(path: Path) -> object:
     store = JobVerdictStore(path.parents[2])
-    return store.known(JOB, 0, since_wall=0.0), store._claimed_first_hand(JOB, INCIDENT)
+    return store.known(JOB, 0, since_wall=0.0), store.claimed_first_hand(JOB, INCIDENT)
 
 
 def _precheck_seeds(scratch: Path) -> list[bytes]:

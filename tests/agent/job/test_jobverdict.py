@@ -226,12 +226,13 @@ def test_a_fallback_concludes_once_the_views_hold_every_rank(tmp_path: Path) -> 
             assert (v.culprit, v.culprit_node) == (3, "n1"), v.basis
 
 
-def test_views_filed_early_wait_for_the_settle_time_and_a_first_hand_report_still_wins(
+def test_views_filed_early_conclude_once_they_hold_every_rank_and_a_changed_mind_still_wins(
     tmp_path: Path,
 ) -> None:
-    """Views filed `view_after` seconds after the nodes' verdicts: the claimant reads them as
-    they come but puts the verdict from the views in place only when the settle time since its
-    own verdict (`not_before`) has run out; a first-hand report within it wins."""
+    """Views filed `view_after` seconds after the nodes' verdicts: once they hold every rank the
+    claimant concludes from them after the quiet time, well before the settle time since it
+    filed its own; a node that reports its own rank first-hand after its view (it
+    changed its mind) before the verdict is in place wins."""
     from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
     from diag.agent.job.nodeview import view_document
     from diag.formats.records import OpCode, OpState
@@ -250,32 +251,28 @@ def test_views_filed_early_wait_for_the_settle_time_and_a_first_hand_report_stil
         obs = Observation(now=now, ranks=ranks, groups={"0": (0, 1, 2, 3)}, world_size=4)
         return view_document(obs, f"n{node}", time.time())
 
-    for first_hand in (False, True):
-        root = tmp_path / f".jobs-{first_hand}"
-        store = JobVerdictStore(root, settle=1.5, poll=0.05, view_after=0.2)
+    for changed_mind in (False, True):
+        root = tmp_path / f".jobs-{changed_mind}"
+        store = JobVerdictStore(root, settle=3.0, poll=0.05, view_after=0.2, quiet=0.3)
         assert store.view_after == 0.2
         decided = time.time()
         for i in (0, 1):
             store.file("j", "inc", NodeReport(f"n{i}", None, Where.REMOTE, str(tmp_path / f"e{i}"),
                                               view=view(i, 100.0), wall=time.time()))  # fmt: skip
-        t = threading.Thread(
-            target=store.wait_and_conclude,
-            args=("j", "inc", time.time()),
-            kwargs={"not_before": decided + store.settle},
-        )
-        t.start()
-        time.sleep(0.5)
-        assert store.load("j", "inc") is None  # covered, analysed, not yet due
-        if first_hand:
-            late = NodeReport("n1", 3, Where.LOCAL, str(tmp_path / "e1"))
-            JobVerdictStore(root).file("j", "inc", late)
-        t.join(30)
-        v = store.load("j", "inc")
+        if changed_mind:
+            # n1 reports its own rank 3 after its view: the marker tells the claimant.
+            JobVerdictStore(root).file(
+                "j", "inc", NodeReport("n1", 3, Where.LOCAL, str(tmp_path / "e1"))
+            )
+        v = store.wait_and_conclude("j", "inc", time.time())
         assert v is not None and (v.culprit, v.culprit_node) == (3, "n1"), v
-        if first_hand:
-            assert v.basis.startswith("first-hand") and v.decided_wall < decided + store.settle
+        assert v.decided_wall < decided + store.settle  # neither waited the settle time out
+        if changed_mind:
+            assert v.basis.startswith("first-hand") and v.nodes == ("n1",)
+            assert store.covered_wall is None  # concluded on the report, the views not analysed
         else:
             assert v.basis.startswith("from the views of 2 nodes") and "never joined" in v.basis
-            assert v.decided_wall >= decided + store.settle
-        # The claim, each view once, the first-hand report, and the verdict this test loaded.
-        assert store.io.reads == 4 + first_hand
+            assert store.covered_wall is not None
+            assert v.decided_wall >= store.covered_wall + store.quiet
+        # The claim, and each view once; with a first-hand report known, that report only.
+        assert store.io.reads == (2 if changed_mind else 3)
