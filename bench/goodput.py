@@ -1,0 +1,199 @@
+"""Training time lost per fault, end to end, side by side: one job, one seeded fault schedule, three
+stacks.
+
+    nice -n 19 .venv/bin/python bench/goodput.py --quick          # a short try (small model)
+    nice -n 19 .venv/bin/python bench/goodput.py --svg goodput.svg  # the full run (many minutes)
+
+The job (tests/support/goodput_job.py): DeepSpeed ZeRO-2 on CPU (gloo), 4 ranks as 2 "nodes" on
+this machine, each node with its own launcher, run directory and shared memory, meeting in a c10d
+rendezvous (tests/support/goodputkit.py); --hidden 2900 is 34M parameters, 0.54 GB of checkpoint
+state (fp32 weights and Adam's two moments); a fixed number of steps. The schedule puts one fault
+of each kind at seeded steps and ranks: kill (SIGKILL a rank), hang (a rank sleeps in Python), gil
+(a rank spins in C with the GIL held), preempt (node-b's launcher and agent get SIGTERM, SIGKILL
+after --grace, then it comes back) and lost (node-b's processes killed, its run directory and
+shared memory wiped; it comes back empty). The stacks:
+
+- default: torchrun --max-restarts, `engine.save_checkpoint` every --every steps, collective
+  timeouts of 60 s (torch's defaults are 30 min for gloo and 10 min for NCCL), resume from
+  `latest`;
+- dlrover: dlrover-run with DLRover's flash checkpoint (memory every step, storage every --every);
+- diag: `diag agent --on-hang stop` per node (it drains on SIGTERM), `attach`, a flash checkpoint
+  in memory every step (the agent writes every --every-th to storage), `graceful_exit`,
+  torchrun's restarts.
+
+Printed per stack: the wall time to finish the steps, goodput (the seconds of the steps kept at the
+end, each step's last run from its start to the end of engine.step(), over the wall time), and per
+fault the time lost, in parts measured as tests/support/goodputtimes.py says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
+
+from goodputkit import KINDS, GoodputJob, JobSpec, read_events, schedule  # noqa: E402
+from goodputsvg import draw  # noqa: E402
+from goodputtimes import PARTS, RunTimes, analyse  # noqa: E402
+from scratch import private_tmpdir  # noqa: E402
+
+STACKS = ("default", "dlrover", "diag")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a short schedule and a small model")
+    p.add_argument("--stacks", default=",".join(STACKS))
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--steps", type=int, help="default: 120 (--quick: 40)")
+    p.add_argument("--hidden", type=int, help="default: 2900 (--quick: 256)")
+    p.add_argument("--every", type=int, help="storage checkpoint every N steps (default 20; 5)")
+    p.add_argument("--grace", type=float, default=30.0, help="preemption's grace period, s")
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--svg", type=Path, help="write the picture here")
+    p.add_argument("--keep", type=Path, help="keep every run's logs and events under this folder")
+    a = p.parse_args(argv)
+    a.steps = a.steps or (40 if a.quick else 120)
+    a.hidden = a.hidden or (256 if a.quick else 2900)
+    a.every = a.every or (5 if a.quick else 20)
+    return a
+
+
+def log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def run_stack(args: argparse.Namespace, stack: str, root: Path) -> RunTimes | str:
+    faults = schedule(args.seed, args.steps, tuple(args.kinds.split(",")))
+    spec = JobSpec(stack, args.steps, args.hidden, args.every, grace=args.grace)
+    if stack == "dlrover":
+        try:
+            import dlrover  # noqa: F401
+        except ImportError:
+            return "not run: dlrover is not installed"
+    job = GoodputJob(spec, faults, root, log)
+    try:
+        outcome = job.run()
+    finally:
+        job.close()
+    events = read_events(root)
+    times = analyse(
+        events, faults, outcome.t0, outcome.wall, 2 * spec.nproc, root / "timeline",
+        spec.pg_timeout,
+    )  # fmt: skip
+    if not outcome.finished:
+        log(f"{stack}: {outcome.why}")
+        return f"did not finish: {outcome.why} ({times.wall:.0f} s)"
+    return times
+
+
+def _state_gb(root: Path) -> float:
+    ckpt = root / "ckpt"
+    tags = sorted(ckpt.glob("global_step*"), key=lambda p: int(p.name[11:] or 0))
+    if not tags:
+        return 0.0
+    return sum(f.stat().st_size for f in tags[-1].rglob("*") if f.is_file()) / 1e9
+
+
+def report(args: argparse.Namespace, runs: dict[str, RunTimes | str], gb: dict[str, float]) -> None:
+    names = list(runs)
+    print()
+    print(
+        f"{dt.date.today()} {platform.node()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} "
+        f"(1 min, at the end); {args.steps} steps, --hidden {args.hidden} "
+        f"({max(gb.values(), default=0):.2f} GB of state on storage), seed {args.seed}, "
+        f"storage every {args.every} steps, grace {args.grace:g} s"
+    )
+    print()
+    print("| | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+
+    def row(label: str, fn) -> None:  # type: ignore[no-untyped-def]
+        cells = [fn(r) if not isinstance(r, str) else r for r in runs.values()]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+    row("wall time to finish (s)", lambda r: f"{r.wall:.0f}")
+    row("goodput (steps kept / wall)", lambda r: f"{r.goodput:.1%}")
+    row("steps kept (s)", lambda r: f"{r.kept:.0f}")
+    row("first start (s)", lambda r: f"{r.startup:.0f}")
+    row("lost to faults (s)", lambda r: f"{sum(x.total for x in r.losses):.0f}")
+    row("median step (s)", lambda r: f"{r.step_s:.2f}")
+    row(
+        "median save (s), saves",
+        lambda r: f"{r.save_s:.2f}, {r.saves}" if r.saves else "-",
+    )
+    for kind in args.kinds.split(","):
+
+        def cell(r: RunTimes, kind: str = kind) -> str:
+            found = [x for x in r.losses if x.fault.kind == kind]
+            if not found:
+                return "not fired"
+            x = found[0]
+            if x.restored is None:
+                return f"not recovered ({x.how})"
+            parts = " + ".join(f"{x.parts[p]:.1f}" for p in PARTS)
+            return (
+                f"**{x.total:.1f}** = {parts}; step {x.fault.step}: trained {x.trained}, "
+                f"restored {x.restored}; {x.how}"
+            )
+
+        row(f"{kind}: lost (s) = " + " + ".join(PARTS), cell)
+    default = runs.get("default")
+    if not isinstance(default, RunTimes) or not default.saves:
+        return
+    cost = default.save_s / (args.every * default.step_s) if default.step_s else 0.0
+    print(
+        f"\ndefault: engine.save_checkpoint took {default.save_s:.2f} s (median) every "
+        f"{args.every} steps of {default.step_s:.2f} s: {cost:.1%} of step time"
+        + ("" if cost <= 0.05 else " (over the 5% aimed at: raise --every)")
+    )
+    for name, r in runs.items():
+        if isinstance(r, RunTimes) and name != "default" and isinstance(default, RunTimes):
+            lost = sum(x.total for x in r.losses)
+            ref = sum(x.total for x in default.losses)
+            if lost:
+                print(f"time lost to faults, default / {name}: {ref / lost:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    stacks = [s for s in args.stacks.split(",") if s]
+    faults = schedule(args.seed, args.steps, tuple(args.kinds.split(",")))
+    log("schedule: " + ", ".join(f"{f.kind}@{f.step}" + (f"/r{f.rank}" if f.rank >= 0 else "/node-b")
+                                 for f in faults))  # fmt: skip
+    top = args.keep or Path(tempfile.mkdtemp(prefix="diag-goodput-"))
+    runs: dict[str, RunTimes | str] = {}
+    gb: dict[str, float] = {}
+    try:
+        for stack in stacks:
+            root = top / stack
+            root.mkdir(parents=True, exist_ok=True)
+            log(f"{stack}: starting")
+            runs[stack] = run_stack(args, stack, root)
+            gb[stack] = _state_gb(root)
+            r = runs[stack]
+            log(f"{stack}: " + (r if isinstance(r, str) else f"{r.wall:.0f} s, {r.goodput:.1%}"))
+    finally:
+        if not args.keep:
+            shutil.rmtree(top, ignore_errors=True)
+    report(args, runs, gb)
+    if args.svg:
+        title = f"goodput bench, seed {args.seed}, {args.steps} steps, {dt.date.today()}"
+        args.svg.write_text(draw(runs, args.steps, title))
+        print(f"\npicture: {args.svg}")
+    return 0 if all(isinstance(r, RunTimes) for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    with private_tmpdir():
+        rc = main()
+    sys.exit(rc)
