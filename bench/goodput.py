@@ -46,7 +46,7 @@ from goodputsvg import draw  # noqa: E402
 from goodputtimes import PARTS, RunTimes, analyse  # noqa: E402
 from scratch import private_tmpdir  # noqa: E402
 
-STACKS = ("default", "dlrover", "diag")
+STACKS = ("default", "diag", "dlrover")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,17 +54,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a short schedule and a small model")
     p.add_argument("--stacks", default=",".join(STACKS))
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--steps", type=int, help="default: 120 (--quick: 40)")
+    p.add_argument("--steps", type=int, help="default: 50 (--quick: 40)")
     p.add_argument("--hidden", type=int, help="default: 2900 (--quick: 256)")
-    p.add_argument("--every", type=int, help="storage checkpoint every N steps (default 20; 5)")
+    p.add_argument("--every", type=int, help="storage checkpoint every N steps (default 12; 5)")
     p.add_argument("--grace", type=float, default=30.0, help="preemption's grace period, s")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--svg", type=Path, help="write the picture here")
     p.add_argument("--keep", type=Path, help="keep every run's logs and events under this folder")
     a = p.parse_args(argv)
-    a.steps = a.steps or (40 if a.quick else 120)
+    a.steps = a.steps or (40 if a.quick else 50)
     a.hidden = a.hidden or (256 if a.quick else 2900)
-    a.every = a.every or (5 if a.quick else 20)
+    a.every = a.every or (5 if a.quick else 12)
     return a
 
 
@@ -98,7 +98,11 @@ def run_stack(args: argparse.Namespace, stack: str, root: Path) -> RunTimes | st
 
 def _state_gb(root: Path) -> float:
     ckpt = root / "ckpt"
-    tags = sorted(ckpt.glob("global_step*"), key=lambda p: int(p.name[11:] or 0))
+    # DeepSpeed's tags are global_step<N>; DLRover's are <N>.
+    tags = sorted(
+        (p for p in ckpt.glob("*") if p.is_dir() and p.name.removeprefix("global_step").isdigit()),
+        key=lambda p: int(p.name.removeprefix("global_step")),
+    )
     if not tags:
         return 0.0
     return sum(f.stat().st_size for f in tags[-1].rglob("*") if f.is_file()) / 1e9
@@ -131,22 +135,30 @@ def report(args: argparse.Namespace, runs: dict[str, RunTimes | str], gb: dict[s
         "median save (s), saves",
         lambda r: f"{r.save_s:.2f}, {r.saves}" if r.saves else "-",
     )
-    for kind in args.kinds.split(","):
-
-        def cell(r: RunTimes, kind: str = kind) -> str:
+    print()
+    print(
+        "| stack | fault (step) | lost (s) | "
+        + " | ".join(PARTS)
+        + " | trained, restored | ended by |"
+    )
+    print("|---|---|---|" + "---|" * len(PARTS) + "---|---|")
+    for name, r in runs.items():
+        if isinstance(r, str):
+            continue
+        for kind in args.kinds.split(","):
             found = [x for x in r.losses if x.fault.kind == kind]
             if not found:
-                return "not fired"
+                print(f"| {name} | {kind} | not fired |" + " |" * (len(PARTS) + 2))
+                continue
             x = found[0]
+            head = f"| {name} | {kind} ({x.fault.step}) |"
             if x.restored is None:
-                return f"not recovered ({x.how})"
-            parts = " + ".join(f"{x.parts[p]:.1f}" for p in PARTS)
-            return (
-                f"**{x.total:.1f}** = {parts}; step {x.fault.step}: trained {x.trained}, "
-                f"restored {x.restored}; {x.how}"
-            )
-
-        row(f"{kind}: lost (s) = " + " + ".join(PARTS), cell)
+                print(
+                    f"{head} not recovered |" + " - |" * len(PARTS) + f" {x.trained}, - | {x.how} |"
+                )
+                continue
+            parts = " | ".join(f"{x.parts[p]:.1f}" for p in PARTS)
+            print(f"{head} **{x.total:.1f}** | {parts} | {x.trained}, {x.restored} | {x.how} |")
     default = runs.get("default")
     if not isinstance(default, RunTimes) or not default.saves:
         return
@@ -182,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             gb[stack] = _state_gb(root)
             r = runs[stack]
             log(f"{stack}: " + (r if isinstance(r, str) else f"{r.wall:.0f} s, {r.goodput:.1%}"))
+            if stack != stacks[-1]:
+                report(args, runs, gb)  # so far: a long run shows what it has
     finally:
         if not args.keep:
             shutil.rmtree(top, ignore_errors=True)

@@ -297,6 +297,7 @@ class GoodputJob:
         for p in Path("/dev/shm").glob(f"*{self.run_id}-{node.name}*"):
             with contextlib.suppress(OSError):
                 p.unlink()
+        shutil.rmtree(Path("/tmp/ckpt_sock") / f"{self.run_id}-{node.name}", ignore_errors=True)
         self.note("node_down", node=node.name)
         self.start_node(node)
 
@@ -370,6 +371,11 @@ class GoodputJob:
         for p in Path("/dev/shm").glob(f"*{self.run_id}*"):
             with contextlib.suppress(OSError):
                 p.unlink()
+        # DLRover's sockets, named after the job (a launcher killed never removes them).
+        for p in Path("/tmp/ckpt_sock").glob(f"{self.run_id}*"):
+            shutil.rmtree(p, ignore_errors=True)
+        with contextlib.suppress(OSError):  # only when no other job's sockets are left in it
+            os.rmdir("/tmp/ckpt_sock")
         os.close(self.events_fd)
 
 

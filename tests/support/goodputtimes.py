@@ -38,8 +38,8 @@ class Loss:
     at: float  # wall time of the fault
     parts: dict[str, float]  # PARTS -> seconds (empty when not recovered)
     restored: int | None  # the step the job resumed from (None: it never did)
-    trained: int  # newest step every rank of the attempt had trained at the fault
-    saved: int  # newest step every rank had saved (a save returned) at the fault
+    trained: int  # newest step every rank of the broken attempt trained
+    saved: int  # newest step every rank of the broken attempt saved (a save returned)
     latest: int | None  # the step storage's `latest` named at the fault (node faults)
     how: str  # what ended the broken attempt
 
@@ -110,14 +110,16 @@ def analyse(
             faulty = {e["pid"]}
         elif f.kind == "lost":
             faulty = {p for p in old if start[p].get("node") == "node-b"}
-        old_steps = [s for s in steps if s["pid"] in old and s["t"] < tf]
+        # What the broken attempt's ranks did in all their life: a peer may finish the save of
+        # a step a moment after the fault, a drain trains on to the step it saves.
+        old_steps = [s for s in steps if s["pid"] in old]
         per_rank: dict[int, int] = {}
         for s in old_steps:
             per_rank[s["pid"]] = max(per_rank.get(s["pid"], 0), s["step"])
         trained = min(per_rank.values()) if len(per_rank) >= world else 0
         saved_rank: dict[int, int] = {}
         for s in events:
-            if s["ev"] == "saved" and s["pid"] in old and s["t"] < tf:
+            if s["ev"] == "saved" and s["pid"] in old:
                 saved_rank[s["pid"]] = max(saved_rank.get(s["pid"], 0), s["step"])
         saved = min(saved_rank.values()) if len(saved_rank) >= world else 0
         new = [
