@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import platform
 import shutil
@@ -41,7 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 
-from goodputkit import KINDS, GoodputJob, JobSpec, read_events, schedule  # noqa: E402
+from goodputkit import KINDS, Fault, GoodputJob, JobSpec, read_events, schedule  # noqa: E402
 from goodputsvg import draw  # noqa: E402
 from goodputtimes import PARTS, RunTimes, analyse  # noqa: E402
 from scratch import private_tmpdir  # noqa: E402
@@ -61,6 +62,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--svg", type=Path, help="write the picture here")
     p.add_argument("--keep", type=Path, help="keep every run's logs and events under this folder")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per stack at most")
+    p.add_argument(
+        "--from", dest="runs_from", type=Path,
+        help="run nothing: the table and picture of the runs kept in this folder by --keep",
+    )  # fmt: skip
     a = p.parse_args(argv)
     a.steps = a.steps or (40 if a.quick else 50)
     a.hidden = a.hidden or (256 if a.quick else 2900)
@@ -74,7 +80,9 @@ def log(msg: str) -> None:
 
 def run_stack(args: argparse.Namespace, stack: str, root: Path) -> RunTimes | str:
     faults = schedule(args.seed, args.steps, tuple(args.kinds.split(",")))
-    spec = JobSpec(stack, args.steps, args.hidden, args.every, grace=args.grace)
+    spec = JobSpec(
+        stack, args.steps, args.hidden, args.every, grace=args.grace, timeout=args.timeout
+    )
     if stack == "dlrover":
         try:
             import dlrover  # noqa: F401
@@ -85,14 +93,30 @@ def run_stack(args: argparse.Namespace, stack: str, root: Path) -> RunTimes | st
         outcome = job.run()
     finally:
         job.close()
-    events = read_events(root)
-    times = analyse(
-        events, faults, outcome.t0, outcome.wall, 2 * spec.nproc, root / "timeline",
-        spec.pg_timeout,
-    )  # fmt: skip
+    (root / "outcome.json").write_text(
+        json.dumps({"t0": outcome.t0, "wall": outcome.wall, "why": outcome.why})
+    )
     if not outcome.finished:
         log(f"{stack}: {outcome.why}")
-        return f"did not finish: {outcome.why} ({times.wall:.0f} s)"
+    return kept_run(root, spec.pg_timeout)
+
+
+def kept_run(root: Path, pg_timeout: float = 60.0, world: int = 4) -> RunTimes | str:
+    """The times of a run kept under `root`: its events, its faults, its outcome."""
+    faults = [Fault(**f) for f in json.loads((root / "faults.json").read_text())]
+    events = read_events(root)
+    if (root / "outcome.json").exists():
+        outcome = json.loads((root / "outcome.json").read_text())
+    else:  # a run cut short: from its first event to its last
+        t0 = min(e["t"] for e in events if e["ev"] in ("begin", "node_up"))
+        last = max(e["t"] for e in events)
+        done = {e["pid"] for e in events if e["ev"] == "done"}
+        outcome = {"t0": t0, "wall": last - t0, "why": "" if len(done) >= world else "cut short"}
+    times = analyse(
+        events, faults, outcome["t0"], outcome["wall"], world, root / "timeline", pg_timeout
+    )
+    if outcome["why"]:
+        return f"did not finish: {outcome['why']} ({times.wall:.0f} s)"
     return times
 
 
@@ -182,9 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     faults = schedule(args.seed, args.steps, tuple(args.kinds.split(",")))
     log("schedule: " + ", ".join(f"{f.kind}@{f.step}" + (f"/r{f.rank}" if f.rank >= 0 else "/node-b")
                                  for f in faults))  # fmt: skip
-    top = args.keep or Path(tempfile.mkdtemp(prefix="diag-goodput-"))
+    top = args.runs_from or args.keep or Path(tempfile.mkdtemp(prefix="diag-goodput-"))
     runs: dict[str, RunTimes | str] = {}
     gb: dict[str, float] = {}
+    if args.runs_from:
+        for stack in stacks:
+            root = top / stack
+            runs[stack] = kept_run(root) if (root / "faults.json").exists() else "not run"
+            gb[stack] = _state_gb(root)
+        stacks = []
     try:
         for stack in stacks:
             root = top / stack
@@ -197,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             if stack != stacks[-1]:
                 report(args, runs, gb)  # so far: a long run shows what it has
     finally:
-        if not args.keep:
+        if not args.keep and not args.runs_from:
             shutil.rmtree(top, ignore_errors=True)
     report(args, runs, gb)
     if args.svg:

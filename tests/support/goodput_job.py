@@ -121,13 +121,6 @@ class Saver:
             return int(self.flash.load() or 0)
         if self.dl is not None:
             self.dl.load_checkpoint(self.args.save_dir)
-            # After a restore from memory, DLRover 0.6.1 keeps the layout it read and the next
-            # save fails on it (KeyError 'model_states' in ckpt_saver._traverse_copy_to_shm):
-            # the next save lays the shared memory out anew (same size: the same segment).
-            shm = self.dl._async_save_engine._shm_handler
-            if shm.shared_memory is not None:
-                shm.shared_memory.close()
-                shm.shared_memory, shm._buffer_size = None, 0
             return int(self.engine.global_steps)
         if (Path(self.args.save_dir) / "latest").exists():
             self.engine.load_checkpoint(self.args.save_dir)

@@ -305,6 +305,7 @@ class GoodputJob:
 
     def run(self) -> Outcome:
         t0 = time.time()
+        self.note("begin")
         a, b = self.nodes
         self.start_node(a)
         deadline = time.monotonic() + (0 if self.spec.stack == "dlrover" else 120)
