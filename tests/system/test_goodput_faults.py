@@ -47,8 +47,8 @@ def test_each_fault_kind_is_recovered_from_the_newest_complete_step(tmp_path: Pa
             assert x.restored == x.saved, what
         elif x.fault.kind == "preempt":
             assert x.saved <= x.restored <= x.trained + 1, what
-        else:  # lost: storage's newest step, at the fault or committed since from what was left
+        else:  # lost: storage's newest step (a periodic persist or a drain's), at the fault or
+            # committed since from what the other node held
             assert x.latest is not None and x.latest <= x.restored <= x.saved, what
-            assert x.restored % EVERY == 0, what
     done = {e["rank"] for e in events if e["ev"] == "done"}
     assert done == {0, 1}, logs
