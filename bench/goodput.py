@@ -136,8 +136,9 @@ def report(args: argparse.Namespace, runs: dict[str, RunTimes | str], gb: dict[s
     names = list(runs)
     print()
     print(
-        f"{dt.date.today()} {platform.node()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} "
-        f"(1 min, at the end); {args.steps} steps, --hidden {args.hidden} "
+        f"{dt.date.today()} {platform.node()}, {os.cpu_count()} cores, "
+        + ("" if args.runs_from else f"load {os.getloadavg()[0]:.1f} (1 min, at the end); ")
+        + f"{args.steps} steps, --hidden {args.hidden} "
         f"({max(gb.values(), default=0):.2f} GB of state on storage), seed {args.seed}, "
         f"storage every {args.every} steps, grace {args.grace:g} s"
     )
