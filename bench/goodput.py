@@ -37,6 +37,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -116,7 +117,7 @@ def kept_run(root: Path, pg_timeout: float = 60.0, world: int = 4) -> RunTimes |
         events, faults, outcome["t0"], outcome["wall"], world, root / "timeline", pg_timeout
     )
     if outcome["why"]:
-        return f"did not finish: {outcome['why']} ({times.wall:.0f} s)"
+        return replace(times, unfinished=f"did not finish: {outcome['why']} ({times.wall:.0f} s)")
     return times
 
 
@@ -147,7 +148,10 @@ def report(args: argparse.Namespace, runs: dict[str, RunTimes | str], gb: dict[s
     print("|---|" + "---|" * len(names))
 
     def row(label: str, fn) -> None:  # type: ignore[no-untyped-def]
-        cells = [fn(r) if not isinstance(r, str) else r for r in runs.values()]
+        cells = [
+            r if isinstance(r, str) else r.unfinished if r.unfinished else fn(r)
+            for r in runs.values()
+        ]
         print(f"| {label} | " + " | ".join(cells) + " |")
 
     row("wall time to finish (s)", lambda r: f"{r.wall:.0f}")
@@ -194,7 +198,7 @@ def report(args: argparse.Namespace, runs: dict[str, RunTimes | str], gb: dict[s
         + ("" if cost <= 0.05 else " (over the 5% aimed at: raise --every)")
     )
     for name, r in runs.items():
-        if isinstance(r, RunTimes) and name != "default" and isinstance(default, RunTimes):
+        if isinstance(r, RunTimes) and not r.unfinished and name != "default":
             lost = sum(x.total for x in r.losses)
             ref = sum(x.total for x in default.losses)
             if lost:
@@ -224,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[stack] = run_stack(args, stack, root)
             gb[stack] = _state_gb(root)
             r = runs[stack]
-            log(f"{stack}: " + (r if isinstance(r, str) else f"{r.wall:.0f} s, {r.goodput:.1%}"))
+            done = r if isinstance(r, str) else r.unfinished or f"{r.wall:.0f} s, {r.goodput:.1%}"
+            log(f"{stack}: {done}")
             if stack != stacks[-1]:
                 report(args, runs, gb)  # so far: a long run shows what it has
     finally:
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         title = f"goodput bench, seed {args.seed}, {args.steps} steps, {dt.date.today()}"
         args.svg.write_text(draw(runs, args.steps, title))
         print(f"\npicture: {args.svg}")
-    return 0 if all(isinstance(r, RunTimes) for r in runs.values()) else 1
+    return 0 if all(isinstance(r, RunTimes) and not r.unfinished for r in runs.values()) else 1
 
 
 if __name__ == "__main__":

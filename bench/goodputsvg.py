@@ -47,7 +47,7 @@ def draw(runs: dict[str, Any], steps: int, title: str) -> str:
             out.append(f'<text x="{LEFT + 5}" y="{top - 6}" font-size="12">{escape(name)}</text>')
             out.append(f'<text x="{LEFT + 10}" y="{top + PANEL / 2}">{escape(r)}</text>')
             continue
-        label = f"{name}: {r.wall:.0f} s, goodput {r.goodput:.1%}"
+        label = f"{name}: " + (r.unfinished or f"{r.wall:.0f} s, goodput {r.goodput:.1%}")
         out.append(f'<text x="{LEFT + 5}" y="{top - 6}" font-size="12">{escape(label)}</text>')
         for loss in r.losses:
             t = loss.at - r.t0 - loss.parts.get("trained again", 0.0)

@@ -59,6 +59,7 @@ class RunTimes:
     step_s: float  # median seconds per step
     save_s: float  # median seconds per save that saved something
     saves: int  # how many of those
+    unfinished: str = ""  # why the job did not finish its steps ("" when it did)
 
     @property
     def goodput(self) -> float:
