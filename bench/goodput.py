@@ -1,5 +1,4 @@
-"""Training time lost per fault, end to end, side by side: one job, one seeded fault schedule, three
-stacks.
+"""Training time lost per fault, end to end: one job and one fault schedule through three stacks.
 
     nice -n 19 .venv/bin/python bench/goodput.py --quick          # a short try (small model)
     nice -n 19 .venv/bin/python bench/goodput.py --svg goodput.svg  # the full run (many minutes)
@@ -58,7 +57,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--steps", type=int, help="default: 50 (--quick: 40)")
     p.add_argument("--hidden", type=int, help="default: 2900 (--quick: 256)")
-    p.add_argument("--every", type=int, help="storage checkpoint every N steps (default 12; 5)")
+    p.add_argument("--every", type=int, help="storage checkpoint every N steps (default 15; 5)")
     p.add_argument("--grace", type=float, default=30.0, help="preemption's grace period, s")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--svg", type=Path, help="write the picture here")
@@ -71,7 +70,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.steps = a.steps or (40 if a.quick else 50)
     a.hidden = a.hidden or (256 if a.quick else 2900)
-    a.every = a.every or (5 if a.quick else 12)
+    a.every = a.every or (5 if a.quick else 15)
     return a
 
 
