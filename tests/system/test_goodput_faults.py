@@ -1,0 +1,56 @@
+"""Every kind of fault of the goodput bench, through the diag stack, in one job: two "nodes" (a
+launcher, a `diag agent` and a run directory each), one rank per node, a small model, and a rank
+killed, a rank hung in Python, a rank spinning in C with the GIL held, node-b preempted and node-b
+lost. The job recovers from each and finishes, resuming each time from the newest step that was
+complete: in memory for the faults of a rank and the preemption (whose drain may save one step
+more), on storage for the lost node, whose memory went with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from goodputkit import KINDS, GoodputJob, JobSpec, read_events, schedule
+from goodputtimes import analyse
+
+# The long tier: five restarts of a two-node job cost minutes of both cores. The default tier
+# recovers from each kind apart (docs/contributing.md lists where).
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(900)]
+
+STEPS, EVERY = 50, 4
+
+
+def test_each_fault_kind_is_recovered_from_the_newest_complete_step(tmp_path: Path) -> None:
+    faults = schedule(seed=3, steps=STEPS, world=2)
+    assert sorted(f.kind for f in faults) == sorted(KINDS)
+    spec = JobSpec(
+        "diag", STEPS, hidden=32, every=EVERY, nproc=1, grace=20.0, wait_saves=True,
+        # Short limits: this test is about recovering, not about how long detection takes.
+        agent_args=("--hang-floor", "3", "--stop-grace", "3", "--interval", "0.25"),
+        timeout=800.0,
+    )  # fmt: skip
+    lines: list[str] = []
+    job = GoodputJob(spec, faults, tmp_path, lines.append)
+    try:
+        outcome = job.run()
+    finally:
+        job.close()
+    logs = "\n".join(lines[-20:])
+    assert outcome.finished, f"{outcome.why}\n{logs}"
+    events = read_events(tmp_path)
+    times = analyse(
+        events, faults, outcome.t0, outcome.wall, 2, tmp_path / "timeline", spec.pg_timeout
+    )
+    assert sorted(x.fault.kind for x in times.losses) == sorted(KINDS), logs
+    for x in times.losses:
+        what = f"{x.fault}: trained {x.trained}, saved {x.saved}, restored {x.restored}, {x.how}"
+        assert x.restored is not None, f"not recovered: {what}\n{logs}"
+        if x.fault.kind in ("kill", "hang", "gil"):
+            assert x.restored == x.saved, what
+        elif x.fault.kind == "preempt":
+            assert x.saved <= x.restored <= x.trained + 1, what
+        else:  # lost: storage's newest step (a periodic persist or a drain's), at the fault or
+            # committed since from what the other node held
+            assert x.latest is not None and x.latest <= x.restored <= x.saved, what
+    done = {e["rank"] for e in events if e["ev"] == "done"}
+    assert done == {0, 1}, logs
