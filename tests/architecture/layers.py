@@ -58,6 +58,7 @@ PURE = (
     "diag.agent.precheck.measurements",
     "diag.agent.precheck.rounds",
     "diag.agent.precheck.units",
+    "diag.agent.replica.ring",
     "diag.agent.taint.model",
     "diag.agent.taint.planner",
     "diag.trainer.elastic.search",
@@ -122,6 +123,7 @@ SUB_ROOMS: dict[str, dict[str, tuple[str, ...]]] = {
         "health": ("diag.agent.health.*",),
         "drain": ("diag.agent.drain.*",),
         "checkpoint": ("diag.agent.checkpoint.*",),
+        "replica": ("diag.agent.replica.*",),
         "metrics": ("diag.agent.metrics.*",),
         "precheck": ("diag.agent.precheck.*",),
         # Option tables: flag > environment > TOML, parsed into typed values.
@@ -163,6 +165,8 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
         "observe": frozenset({"detect"}),
         "evidence": frozenset({"detect", "observe"}),
         "checkpoint": frozenset({"observe"}),
+        # Replicas across nodes: slots and snapshots (formats) only.
+        "replica": frozenset(),
         "drain": frozenset({"observe", "checkpoint"}),
         # job, metrics and taint hear of incidents through evidence's IncidentReport.
         "job": frozenset({"detect", "evidence"}),
@@ -175,6 +179,7 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
                 "detect",
                 "observe",
                 "checkpoint",
+                "replica",
                 "drain",
                 "metrics",
                 "taint",
@@ -195,6 +200,7 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
                 "health",
                 "drain",
                 "checkpoint",
+                "replica",
                 "metrics",
                 "precheck",
                 "optiontable",
