@@ -17,36 +17,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from diag.agent.replica.ring import Offer, RestoreChoice, Ring, Source, choose_restore
+from diag.agent.replica.settings import NodeAddress as NodeAddress
+from diag.agent.replica.settings import ReplicaSettings
 from diag.agent.replica.source import local_replica, local_steps
 from diag.agent.replica.store import ReplicaStore
 from diag.agent.replica.transport import Address, Peers, ReplicaServer, ask_offer, pull, push
 from diag.formats.slotfile import open_slot
 from diag.formats.snapshot import find_slots
-from diag.formats.untrusted import MIB, Owners, UntrustedInput
+from diag.formats.untrusted import Owners, UntrustedInput
 
 log = logging.getLogger(__name__)
 
 REPLICA_DIR = ".replicas"
 VERIFY_EVERY = 10  # rounds between asking the holders what they hold  # in the run directory: shared memory, like the slots
-
-
-@dataclass(frozen=True)
-class NodeAddress:
-    name: str
-    host: str
-    port: int
-
-
-@dataclass(frozen=True)
-class ReplicaSettings:
-    nodes: tuple[NodeAddress, ...]  # the job's nodes, in the ring's order
-    factor: int = 1
-    token: str = ""
-    max_bytes: int = 65536 * MIB  # one peer's replica, all its ranks
-    directory: Path | None = None  # None: <run dir>/.replicas
-    interval: float = 1.0
-    listen_host: str = "0.0.0.0"
-    timeout: float = 30.0  # a connection silent this long fails
 
 
 @dataclass

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from snapshot_helpers import captured, model_states, new_slot, write_snapshot
+from replica_helpers import CAP, JOB, OWNERS, WORLD, fill
 
 from diag.agent.replica.ring import Ring
 from diag.agent.replica.source import local_replica
@@ -26,36 +26,9 @@ from diag.agent.replica.wire import (
     recv,
     send,
 )
-from diag.formats.slotfile import SlotFile, read_snapshots
-from diag.formats.snapshot import HEADER_SIZE, find_slots, slot_path
-from diag.formats.untrusted import Owners, UntrustedInput
-
-JOB = "rj"
-WORLD = 4  # two nodes of two ranks; node a holds ranks 0 and 1
-CAP = 64 << 20
-OWNERS = Owners.this_process()
-
-
-def fill(run_dir: Path, save_dir: Path, steps: dict[int, list[int]], node: str = "a", run="r1"):
-    """rank -> the steps it writes, each into the next of its two slots."""
-    slots = {}
-    for rank, todo in steps.items():
-        for i, step in enumerate(todo):
-            key = (rank, i % 2)
-            if key not in slots:
-                path = slot_path(run_dir, JOB, rank, i % 2)
-                slots[key] = (
-                    SlotFile.open(path, writable=True)
-                    if path.exists()
-                    else new_slot(run_dir, JOB, rank, i % 2, world=WORLD)
-                )
-            files = captured(
-                {f"global_step{step}/zero_pp_rank_{rank}_optim.pt": model_states(step, rank)}
-            )
-            write_snapshot(slots[key], step, files, job=JOB, rank=rank, world=WORLD,
-                           save_dir=save_dir, node=node, run=run)  # fmt: skip
-    for s in slots.values():
-        s.close()
+from diag.formats.slotfile import read_snapshots
+from diag.formats.snapshot import HEADER_SIZE, find_slots
+from diag.formats.untrusted import UntrustedInput
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from jobrun import free_port
-from test_replica_transport import JOB, OWNERS, fill
+from replica_helpers import JOB, OWNERS, fill
 
 from diag.agent.replica.replicator import NodeAddress, ReplicaSettings, Replicator
 from diag.agent.replica.ring import Source
