@@ -81,6 +81,11 @@ def _resolve(host: str) -> set[str]:
         return set()
 
 
+class _Server(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True  # a restarted agent binds its port again at once
+    daemon_threads = True
+
+
 class ReplicaServer:
     """Serves pushes, offers and pulls on a listening socket, one thread per connection."""
 
@@ -101,9 +106,7 @@ class ReplicaServer:
             def handle(self) -> None:
                 server._serve(self.request, self.client_address)
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._tcp = socketserver.ThreadingTCPServer(listen, Handler, bind_and_activate=True)
-        self._tcp.daemon_threads = True
+        self._tcp = _Server(listen, Handler)
         self._thread = threading.Thread(
             target=self._tcp.serve_forever, name="replica-server", daemon=True
         )
