@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
 IDLE_TIMEOUT_S = 30.0  # a peer silent this long in the middle of a frame or a part is dropped
+MAX_CONNECTIONS = 64  # at once; more are closed unanswered (a peer opening many is not served)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class ReplicaServer:
         self.store = store
         self.peers = peers
         self.on_event = on_event or (lambda kind, detail: None)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         server = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -125,6 +127,15 @@ class ReplicaServer:
         self._thread.join(10)
 
     def _serve(self, sock: socket.socket, peer: Address) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.warning("replica peer %s:%d: over %d connections, closed", *peer, MAX_CONNECTIONS)
+            return
+        try:
+            self._serve_one(sock, peer)
+        finally:
+            self._slots.release()
+
+    def _serve_one(self, sock: socket.socket, peer: Address) -> None:
         source = f"replica peer {peer[0]}:{peer[1]}"
         sock.settimeout(IDLE_TIMEOUT_S)
         try:
@@ -142,8 +153,8 @@ class ReplicaServer:
             self.on_event("refused", str(e))
             with contextlib.suppress(OSError):
                 send(sock, Kind.RESULT, result_body(Result(False, str(e))))
-        except (OSError, StoreBusy, ShmSpaceError) as e:
-            log.warning("%s: %s", source, e, exc_info=True)
+        except (OSError, StoreBusy, ShmSpaceError, ValueError) as e:
+            log.warning("%s: %s", source, e)
             self.on_event("failed", str(e))
             with contextlib.suppress(OSError):
                 send(sock, Kind.RESULT, result_body(Result(False, str(e))))

@@ -245,3 +245,28 @@ def wait_until(pred, timeout: float = 30.0) -> bool:
             return True
         done.wait(0.05)
     return bool(pred())
+
+
+def test_connections_past_the_cap_are_closed_unanswered(tmp_path, monkeypatch):
+    import diag.agent.replica.transport as transport
+
+    monkeypatch.setattr(transport, "MAX_CONNECTIONS", 2)
+    ring = Ring.of(["a", "b"], 1)
+    addrs = {"a": ("127.0.0.1", 0), "b": ("127.0.0.1", 0)}
+    server = ReplicaServer(
+        ReplicaStore(tmp_path / "b", CAP), Peers(ring, addrs, "b", JOB), ("127.0.0.1", 0)
+    ).start()
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(2)]
+    try:
+        # the two idle peers hold both places: a third is closed without a word
+        assert wait_until(lambda: server._slots._value == 0)  # type: ignore[attr-defined]
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as third:
+            assert third.recv(1) == b""
+    finally:
+        for s in idle:
+            s.close()
+    # once they leave, peers are served again
+    assert wait_until(lambda: server._slots._value == 2)  # type: ignore[attr-defined]
+    peers = Peers(ring, {"a": ("127.0.0.1", 0), "b": ("127.0.0.1", server.port)}, "a", JOB)
+    assert ask_offer(peers, "b").step is None
+    server.close()
