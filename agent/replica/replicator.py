@@ -10,6 +10,7 @@ reads the slot under a shared lock, while the ranks write their next snapshot in
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from diag.agent.replica.source import local_replica, local_steps
 from diag.agent.replica.store import ReplicaStore
 from diag.agent.replica.transport import Address, Peers, ReplicaServer, ask_offer, pull, push
 from diag.formats.slotfile import open_slot
-from diag.formats.snapshot import find_slots
+from diag.formats.snapshot import find_slots, pull_marker_path
 from diag.formats.untrusted import Owners, UntrustedInput
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,32 @@ class Replicator:
     def restore_at_start(self) -> RestoreChoice:
         """Before the ranks start: an empty node takes its newest replica from a holder."""
         t0 = time.monotonic()
+        marker = pull_marker_path(self.run_dir, self.job)
+        try:
+            choice = self._restore(marker)
+        finally:
+            marker.unlink(missing_ok=True)  # also one a killed agent left
+        seconds = time.monotonic() - t0
+        log.info(
+            "replica restore: %s%s (%s; %.2f s)",
+            choice.source.value,
+            f" step {choice.step}" if choice.step is not None else "",
+            choice.reason,
+            seconds,
+        )
+        with self._lock:
+            self._stats.restore, self._stats.restore_seconds = choice, seconds
+        return choice
+
+    def _restore(self, marker: Path) -> RestoreChoice:
         held = local_steps(self.run_dir, self.job, self.node, self.owners)
+        if not held and self.holders:
+            # ranks starting meanwhile wait for this to go before they look for snapshots
+            self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            marker.unlink(missing_ok=True)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            os.close(os.open(marker, flags, 0o600))
         offers = [] if held else self._offers()
-        ranks = sorted({r for o in offers for r in o.ranks})
         choice = choose_restore(
             local_steps=held,
             offers=offers,
@@ -99,17 +123,6 @@ class Replicator:
                 choice, source=Source.STORAGE, holder=None,
                 reason=f"{choice.reason}, but no holder gave it: storage",
             )  # fmt: skip
-        seconds = time.monotonic() - t0
-        log.info(
-            "replica restore: %s%s (%s; %.2f s; ranks offered %s)",
-            choice.source.value,
-            f" step {choice.step}" if choice.step is not None else "",
-            choice.reason,
-            seconds,
-            ranks,
-        )
-        with self._lock:
-            self._stats.restore, self._stats.restore_seconds = choice, seconds
         return choice
 
     def _offers(self) -> list[Offer]:

@@ -184,12 +184,16 @@ def test_hostile_manifests_and_parts_leave_the_previous_replica(tmp_path, ring2)
         "torn part": (body, payload[:16] + b"\x07" + payload[17:]),  # odd generation
         "cut short": (body, payload[: len(payload) // 2]),
     }
+    ended: list[str] = []
+    server.on_event = lambda kind, detail: ended.append(kind)
     for what, (m, data) in cases.items():
         result = raw_push(server.port, hello, m, data, close=what == "cut short")
         assert result is None or not result.ok, what
         assert store.held("a") == good, what
-    # the connection cut in the middle: the server notices when the socket closes
-    assert wait_until(lambda: not staging(store))
+    # the connection cut in the middle ends when the server sees the socket close
+    assert wait_until(lambda: len(ended) == len(cases)), ended
+    assert ended == ["refused"] * len(cases)
+    assert not staging(store)
     assert [p.name for p in store.directory.iterdir()] == [good.path.name]
 
 

@@ -98,3 +98,14 @@ def test_no_holder_up_means_storage_or_nothing(two_nodes):
     choice = a.restore_at_start()
     assert (choice.source, choice.step) == (Source.STORAGE, 7)
     assert make("b").restore_at_start().source == Source.NONE
+
+
+def test_the_pull_marker_is_gone_after_the_restore_stale_ones_too(two_nodes):
+    from diag.formats.snapshot import pull_marker_path
+
+    make, _ = two_nodes
+    a = make("a", storage_step=lambda: 1)
+    stale = pull_marker_path(a.run_dir, JOB)
+    stale.touch()  # a killed agent's
+    assert a.restore_at_start().source == Source.STORAGE
+    assert not stale.exists()
