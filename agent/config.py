@@ -25,6 +25,7 @@ from diag.agent.observe.rundircheck import TrainerUsers
 from diag.agent.options import OPTIONS, REMOVED, Until, check_removed, parse_port
 from diag.agent.options import add_arguments as add_arguments
 from diag.agent.optiontable import Option, read_toml_table
+from diag.agent.replica.settings import ReplicaSettings
 from diag.agent.retention import DEFAULT_INCIDENT_RETENTION, Retention
 from diag.agent.taint import taintconfig
 from diag.agent.taint.taintconfig import TaintSettings
@@ -57,6 +58,7 @@ class AgentConfig:
     notice: NoticeSettings | None = None  # the early preemption notice watcher; None: off
     trainer: TrainerUsers = field(default_factory=TrainerUsers)  # --trainer-uid / --trainer-gid
     retention: Retention = DEFAULT_INCIDENT_RETENTION  # of the incident directories it writes
+    replica: ReplicaSettings | None = None  # replicas of flash checkpoints in peers; None: off
 
 
 def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> AgentConfig:
@@ -89,10 +91,11 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         xpu_timer = XpuTimerIdentity.from_env(env, values["job"])
         if metrics_port is None:
             metrics_port = _xpu_timer_port(env)
+    node = values["node"] or node_name(env)
     return AgentConfig(
         run_dir=run_dir,
         timeline=values["timeline"],
-        node=values["node"] or node_name(env),
+        node=node,
         job=values["job"],
         interval=values["interval"],
         policy=Policy(
@@ -129,6 +132,29 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         taint=taintconfig.load(
             args, job=values["job"], env=env, config=getattr(args, "config", None)
         ),
+        replica=_replica_settings(values, node),
+    )
+
+
+def _replica_settings(values: dict[str, Any], node: str) -> ReplicaSettings | None:
+    nodes = values["replica_nodes"]
+    if not nodes:
+        return None
+    if not values["job"]:
+        raise UsageError("--replica-nodes needs --job: replicas are of one job's checkpoints")
+    if node not in {n.name for n in nodes}:
+        raise UsageError(
+            f"this node, {node!r}, is not in --replica-nodes: name it there as --node (or "
+            "$NODE_NAME, the hostname) names it"
+        )
+    return ReplicaSettings(
+        nodes=nodes,
+        factor=values["replica_factor"],
+        token=values["replica_token"] or "",
+        max_bytes=values["replica_max_bytes"],
+        directory=values["replica_dir"],
+        interval=values["replica_interval"],
+        listen_host=values["replica_listen"],
     )
 
 

@@ -34,18 +34,23 @@ from diag.agent.job.link import JobLink
 from diag.agent.job.nodeview import view_document
 from diag.agent.job.verdict import JobVerdictStore
 from diag.agent.metrics.exporter import AgentMetrics
+from diag.agent.metrics.replicastats import ReplicaFacts
 from diag.agent.metrics.server import MetricsServer
 from diag.agent.observe.observer import Observer
 from diag.agent.observe.rundircheck import owners_of
 from diag.agent.observe.rundircheck import prepare as prepare_run_dir
 from diag.agent.options import Until
 from diag.agent.prune import prune_incidents, prune_job_verdicts
+from diag.agent.replica.replicator import Replicator
+from diag.agent.replica.ring import RingError
 from diag.agent.taint.evidencesources import JOB_VERDICTS_DIR
 from diag.agent.taint.step import NodeTainter
 from diag.agent.taint.taintconfig import TaintMode
 from diag.formats import exitcodes
+from diag.formats.exitcodes import UsageError
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.rundir import control_socket_path
+from diag.formats.snapshot import read_latest_step
 from diag.formats.untrusted import Owners
 
 log = logging.getLogger(__name__)
@@ -120,6 +125,7 @@ class Agent:
         )
         self.executor.listeners.append(self.tainter.on_incident)
         self.control: ControlServer | None = None
+        self.replicator: Replicator | None = None
         self._checkpoint_fed = float("-inf")
         self.drainer = (
             Drainer(self.checkpoints, cfg.drain, prover=self.observer.prover)
@@ -262,6 +268,22 @@ class Agent:
                 persist_seconds=r.last_persist_seconds or None,
                 persist_bytes=r.last_persist_bytes or None,
             )
+        if self.replicator is not None:
+            st = self.replicator.stats()
+            restore = st.restore
+            self.metrics.replica.update(
+                ReplicaFacts(
+                    sent_step=st.sent_step,
+                    pushes=st.pushes,
+                    push_failures=st.push_failures,
+                    push_seconds=st.last_push_seconds if st.pushes else None,
+                    push_bytes=st.last_push_bytes if st.pushes else None,
+                    held=st.held,
+                    restore_source=restore.source.value if restore else None,
+                    restore_step=restore.step if restore else None,
+                    restore_seconds=st.restore_seconds if restore else None,
+                )
+            )
 
     def run(self) -> int:
         cfg = self.cfg
@@ -280,6 +302,7 @@ class Agent:
         server = self._serve_metrics()
         if self.health is not None:
             self.health.start(self.tainter.plan_health)
+        self._start_replicas()
         if cfg.control:
             socket = cfg.control_socket or control_socket_path(cfg.run_dir, cfg.job)
             self.control = ControlServer(
@@ -320,6 +343,8 @@ class Agent:
             self.job_link.join(timeout=min(self.job_link.longest_wait, self._time_left()))
             if self.control is not None:
                 self.control.stop()
+            if self.replicator is not None:
+                self.replicator.close()
             self.checkpoints.close(timeout=min(60, left))
             self.checkpoints.tick(time.monotonic(), final=ended)
             self.observer.close()
@@ -330,6 +355,29 @@ class Agent:
         if self.drained is not None and self.drained.outcome.startswith("deadline reached:"):
             return exitcodes.DRAIN_INCOMPLETE
         return exitcodes.HANG_DETECTED if self.incidents and cfg.until != Until.FOREVER else 0
+
+    def _start_replicas(self) -> None:
+        """An empty node takes its ranks' newest replica from a peer, before the control channel
+        opens; then replication runs in the background."""
+        cfg = self.cfg
+        if cfg.replica is None or cfg.job is None:
+            return
+        save_dir = cfg.checkpoint.save_dir
+        try:
+            self.replicator = Replicator(
+                cfg.replica, run_dir=cfg.run_dir, job=cfg.job, node=cfg.node, owners=self.owners,
+                storage_step=lambda: read_latest_step(save_dir) if save_dir else None,
+            )  # fmt: skip
+        except RingError as e:
+            raise UsageError(f"--replica-nodes: {e}") from None
+        self.replicator.restore_at_start()
+        try:
+            self.replicator.start()
+        except OSError as e:
+            raise UsageError(
+                f"cannot serve replicas on {cfg.replica.listen_host}: {e.strerror}; check the "
+                "port this node has in --replica-nodes"
+            ) from None
 
     def _time_left(self) -> float:
         d = self.drained

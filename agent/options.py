@@ -25,6 +25,7 @@ from diag.agent.optiontable import (
     positive,
     size,
 )
+from diag.agent.replica.settings import parse_nodes
 from diag.agent.retention import DEFAULT_INCIDENT_RETENTION
 from diag.agent.taint import taintconfig
 from diag.formats.exitcodes import UsageError
@@ -203,6 +204,48 @@ OPTIONS = OptionTable(
         ),
         Option("persist_workers", count, 2, "threads writing checkpoints to storage"),
         Option(
+            "replica_nodes",
+            parse_nodes,
+            None,
+            "keep each node's newest flash checkpoint also in the memory of the next nodes of a "
+            "ring: the job's nodes as NAME=HOST:PORT,... (NAME as --node names them, HOST:PORT "
+            "where each node's agent listens for replicas), in the same order on every node; "
+            "needs --job (default: no replicas)",
+        ),
+        Option(
+            "replica_factor",
+            count,
+            1,
+            "how many peer nodes hold each node's replica (the next ones in --replica-nodes)",
+        ),
+        Option(
+            "replica_token",
+            str,
+            None,
+            "a secret the job's agents share: a replica peer that does not present it is refused "
+            "(set it through the environment, DIAG_REPLICA_TOKEN, not a flag others can read)",
+        ),
+        Option(
+            "replica_max_bytes",
+            size,
+            64 << 30,
+            "the most memory one peer's replica may take, e.g. 64GiB (the replica directory "
+            "needs room for twice that per peer while a newer replica arrives)",
+        ),
+        Option(
+            "replica_dir",
+            Path,
+            None,
+            "where the replicas held for peers live (default: <run dir>/.replicas, shared memory)",
+        ),
+        Option(
+            "replica_interval",
+            positive,
+            1.0,
+            "seconds between looks at the ranks' slots for a newer step to send",
+        ),
+        Option("replica_listen", str, "0.0.0.0", "address the replica server binds"),
+        Option(
             "drain",
             boolean,
             True,
@@ -276,6 +319,9 @@ BOUNDS = {
     "dump_parallel": Bounds(0, 1024),
     "metrics_port": Bounds(0, 65535),
     "keep_last": Bounds(0, 1_000_000),
+    "replica_factor": Bounds(0, 64),
+    "replica_max_bytes": Bounds(1 << 20, 1 << 50),
+    "replica_interval": Bounds(0, 3600, lo_open=True),
     "snapshot_linger": Bounds(0, _WEEK, lo_open=True),
     "persist_workers": Bounds(0, 256),
     "termination_grace": Bounds(0, _DAY, lo_open=True),

@@ -5,6 +5,7 @@ figures: kills per stage, target and phase; torn, lost or backwards checkpoints;
 restored step was from the newest step trained and from the newest step complete at the kill.
 
     .venv/bin/python bench/kill_bench.py --kills 210 --seed 1 --out /tmp/kills.json
+    .venv/bin/python bench/kill_bench.py --replicas --kills 24   # node kills, replica in a peer
 """
 
 from __future__ import annotations
@@ -28,21 +29,24 @@ from faults import PHASES  # noqa: E402
 from killsuite import TARGETS, KillResult, KillSuite  # noqa: E402
 
 
-def run_stage(zero: int, kills: int, rng: random.Random, root: Path) -> list[KillResult]:
-    suite = KillSuite(root / f"z{zero}", zero, log=print)
+def run_stage(
+    zero: int, kills: int, rng: random.Random, root: Path, replicas: bool = False
+) -> list[KillResult]:
+    suite = KillSuite(root / f"z{zero}", zero, log=print, replicas=replicas)
     out = []
     try:
         suite.start()
         for i in range(kills):
-            target = TARGETS[i % len(TARGETS)]
-            phase = PHASES[(i // len(TARGETS)) % len(PHASES)]
+            target = "node" if replicas else TARGETS[i % len(TARGETS)]
+            phase = PHASES[(i if replicas else i // len(TARGETS)) % len(PHASES)]
             mode = rng.choice(("tick", "timer"))
             r = suite.kill(target, phase, mode, rng.random())
             out.append(r)
             print(
                 f"{time.strftime('%H:%M:%S')} z{zero} #{i + 1}/{kills} {target}@{r.phase or '-'} "
                 f"({r.mode}) latest={r.latest_at_kill} memory={r.memory_at_kill} "
-                f"held={r.memory_by_rank} trained={r.trained_at_kill} restored={r.restored}({r.source}) "
+                f"held={r.memory_by_rank} replica={r.replica_at_kill} trained={r.trained_at_kill} "
+                f"restored={r.restored}({r.source}) "
                 f"committed_after={r.committed_after} {r.seconds:.1f}s "
                 + ("OK" if not r.problems else "PROBLEMS: " + "; ".join(r.problems)),
                 flush=True,
@@ -97,6 +101,11 @@ def main() -> int:
     p.add_argument("--zero", default="1,2,3")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", help="write every kill's record here (JSON)")
+    p.add_argument(
+        "--replicas",
+        action="store_true",
+        help="node kills only, with a second agent holding the node's replica (agent.replica)",
+    )
     args = p.parse_args()
     stages = [int(z) for z in args.zero.split(",")]
     rng = random.Random(args.seed)
@@ -107,7 +116,7 @@ def main() -> int:
     try:
         for i, zero in enumerate(stages):
             n = args.kills // len(stages) + (1 if i < args.kills % len(stages) else 0)
-            results += run_stage(zero, n, rng, root)
+            results += run_stage(zero, n, rng, root, args.replicas)
         ok = not any(r.problems for r in results)
     finally:
         if ok:

@@ -93,6 +93,15 @@ def slot_path(run_dir: Path, job: str, rank: int, slot: int) -> Path:
     return run_dir / f"{safe_job_name(job)}-rank{rank:05d}{SLOT_SUFFIX}{slot}"
 
 
+PULL_SUFFIX = ".replica-pull"
+
+
+def pull_marker_path(run_dir: Path, job: str) -> Path:
+    """Present while the node's agent pulls the job's replica from a peer into the run
+    directory: ranks wait for it to go before they look for snapshots (agent.replica)."""
+    return run_dir / f".{safe_job_name(job)}{PULL_SUFFIX}"
+
+
 @dataclass(frozen=True)
 class SlotName:
     job: str  # the safe job name as it appears in the file name

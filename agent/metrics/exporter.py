@@ -39,6 +39,7 @@ from diag.agent.metrics.gpu import GpuCollector, Nvml, open_nvml
 from diag.agent.metrics.host import HostCollector
 from diag.agent.metrics.prechecktext import PrecheckFileCollector
 from diag.agent.metrics.rankstate import RankMetrics, rank_metrics
+from diag.agent.metrics.replicastats import ReplicaMetrics
 from diag.agent.metrics.xputimer import XpuTimerIdentity, render
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ class AgentMetrics:
         self.iteration_seconds = _counter(f.AGENT_ITERATION_SECONDS, reg).labels(node)
         self.checkpoint = CheckpointMetrics(lambda: self.job, node, clock)
         reg.register(self.checkpoint)
+        self.replica = ReplicaMetrics(lambda: self.job, node)
+        reg.register(self.replica)
         reg.register(_StateCollector(self))
         reg.register(HostCollector(node))
         self.nvml: Nvml | None = open_nvml() if gpu else None

@@ -223,6 +223,52 @@ CKPT_PERSISTED_TIME = Family(
     CKPT,
 )
 
+# -- replicas of flash checkpoints in peer nodes' memory (agent.replica) --------------------------
+REPLICA = ("job", "node")
+REPLICA_SENT_STEP = Family(
+    "diag_replica_sent_step",
+    Kind.GAUGE,
+    "Newest step of this node's checkpoint that every one of its replica holders holds",
+    REPLICA,
+)
+REPLICA_PUSHES = Family(
+    "diag_replica_pushes",
+    Kind.COUNTER,
+    "Replicas of this node's checkpoint sent to a holder",
+    REPLICA,
+)
+REPLICA_PUSH_FAILURES = Family(
+    "diag_replica_push_failures",
+    Kind.COUNTER,
+    "Replicas of this node's checkpoint that a holder did not take (down, refused, cut off)",
+    REPLICA,
+)
+REPLICA_PUSH_SECONDS = Family(
+    "diag_replica_push_seconds", Kind.GAUGE, "Seconds the last replica sent took", REPLICA
+)
+REPLICA_PUSH_BYTES = Family(
+    "diag_replica_push_bytes", Kind.GAUGE, "Bytes of the last replica sent", REPLICA
+)
+REPLICA_HELD_STEP = Family(
+    "diag_replica_held_step",
+    Kind.GAUGE,
+    "Step of the replica this node holds for a peer node",
+    ("job", "node", "peer"),
+)
+REPLICA_RESTORE_STEP = Family(
+    "diag_replica_restore_step",
+    Kind.GAUGE,
+    "Step this node's ranks found in memory at the agent's start, by where it came from "
+    "(local: memory survived; peer: pulled from a replica holder; storage, none: nothing pulled)",
+    ("job", "node", "source"),
+)
+REPLICA_RESTORE_SECONDS = Family(
+    "diag_replica_restore_seconds",
+    Kind.GAUGE,
+    "Seconds the start-up choice and pull of a replica took",
+    REPLICA,
+)
+
 # -- host (psutil) --------------------------------------------------------------------------------
 HOST_CPU_BUSY = Family(
     "diag_host_cpu_busy_seconds",

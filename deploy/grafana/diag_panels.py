@@ -273,6 +273,49 @@ ROWS: tuple[tuple[str, tuple[P, ...]], ...] = (
         ),
     ),
     (
+        "Replicas in peer nodes",
+        (
+            P(
+                "Replica steps",
+                (
+                    Q(f"min by (job) (diag_replica_sent_step{R})", "held by every node's holders"),
+                    Q(f"diag_replica_held_step{R}", "{{node}} holds {{peer}}"),
+                ),
+                width=6,
+            ),
+            P(
+                "Restore at agent start",
+                (
+                    Q(f"diag_replica_restore_step{R}", "{{node}} from {{source}}"),
+                    Q(f"diag_replica_restore_seconds{R}", "{{node}} seconds"),
+                ),
+                kind="table",
+                extra={"instant": True},
+                width=6,
+            ),
+            P(
+                "Replica sends",
+                (
+                    Q(f"sum by (node) (rate(diag_replica_pushes_total{R}[5m]))", "{{node}} sent"),
+                    Q(
+                        f"sum by (node) (rate(diag_replica_push_failures_total{R}[5m]))",
+                        "{{node}} failed",
+                    ),
+                ),
+                unit="ops",
+                width=6,
+            ),
+            P(
+                "Replica send time and size",
+                (
+                    Q(f"diag_replica_push_seconds{R}", "{{node}} seconds"),
+                    Q(f"diag_replica_push_bytes{R}", "{{node}} bytes"),
+                ),
+                width=6,
+            ),
+        ),
+    ),
+    (
         "Precheck",
         (
             P(

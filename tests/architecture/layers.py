@@ -59,6 +59,7 @@ PURE = (
     "diag.agent.precheck.measurements",
     "diag.agent.precheck.rounds",
     "diag.agent.precheck.units",
+    "diag.agent.replica.ring",
     "diag.agent.taint.model",
     "diag.agent.taint.planner",
     "diag.trainer.elastic.search",
@@ -123,6 +124,7 @@ SUB_ROOMS: dict[str, dict[str, tuple[str, ...]]] = {
         "health": ("diag.agent.health.*",),
         "drain": ("diag.agent.drain.*",),
         "checkpoint": ("diag.agent.checkpoint.*",),
+        "replica": ("diag.agent.replica.*",),
         "metrics": ("diag.agent.metrics.*",),
         "precheck": ("diag.agent.precheck.*",),
         # Option tables: flag > environment > TOML, parsed into typed values.
@@ -164,6 +166,8 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
         "observe": frozenset({"detect"}),
         "evidence": frozenset({"detect", "observe"}),
         "checkpoint": frozenset({"observe"}),
+        # Replicas across nodes: slots and snapshots (formats) only.
+        "replica": frozenset(),
         "drain": frozenset({"observe", "checkpoint"}),
         # job, metrics and taint hear of incidents through evidence's IncidentReport.
         "job": frozenset({"detect", "evidence"}),
@@ -176,6 +180,7 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
                 "detect",
                 "observe",
                 "checkpoint",
+                "replica",
                 "drain",
                 "metrics",
                 "taint",
@@ -196,6 +201,7 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
                 "health",
                 "drain",
                 "checkpoint",
+                "replica",
                 "metrics",
                 "precheck",
                 "optiontable",

@@ -12,7 +12,9 @@ chosen instant of save, copy, persist or commit (faults.py), restarted, and chec
 - after an agent kill, the restarted agent commits a step newer than what memory held at the kill;
 - a node kill (ranks and agent, and the node's shared memory lost with it, as when a node dies and
   the job comes back elsewhere) restores from storage, never older than what `latest` named at
-  the kill.
+  the kill; with `replicas`, a second agent on this machine stands in for the next node of the
+  ring and holds the node's replica: the node's ranks restore from memory (the replica pulled
+  back by the new agent), never older than the replica held at the kill.
 
 Each restart is prepared ahead: the next generation of ranks and the next agent are started and
 have imported everything; a go file releases them. Used by tests/system/test_kill_suite.py and
@@ -72,11 +74,12 @@ class KillResult:
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
     memory_lost: bool = False  # a node kill: the node's shared memory went with it
+    replica_at_kill: int | None = None  # the step the holder held for the node at the kill
 
     @property
     def bound(self) -> int | None:
         memory = None if self.memory_lost else self.memory_at_kill
-        known = [s for s in (self.latest_at_kill, memory) if s is not None]
+        known = [s for s in (self.latest_at_kill, memory, self.replica_at_kill) if s is not None]
         return max(known) if known else None
 
 
@@ -190,7 +193,9 @@ def memory_step(by_rank: dict[int, list[int]]) -> int | None:
 class KillSuite:
     """One ZeRO stage: one long job, its agent, and kills one after another."""
 
-    def __init__(self, root: Path, zero: int, *, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, root: Path, zero: int, *, log: Callable[[str], None] = print, replicas: bool = False
+    ) -> None:
         self.root = root
         self.zero = zero
         self.log = log
@@ -216,6 +221,16 @@ class KillSuite:
         self.problems: list[str] = []
         self.watch = LatestWatch(self.save_dir, zero)
         self.results: list[KillResult] = []
+        # The holder of the node's replica: another node's agent, here on loopback.
+        self.replicas = replicas
+        self.holder: subprocess.Popen | None = None
+        self.holder_run = Path(tempfile.mkdtemp(prefix="diag-kill-h-", dir="/dev/shm"))
+        if replicas:
+            from jobrun import free_port
+
+            self.env["DIAG_NODE"] = "node-a"  # the ranks' and the agent's node name
+            self.env["DIAG_REPLICA_TOKEN"] = "kill-suite"
+            self.ring = f"node-a=127.0.0.1:{free_port()},node-b=127.0.0.1:{free_port()}"
 
     # -- processes --------------------------------------------------------------------------------
 
@@ -242,8 +257,34 @@ class KillSuite:
             "--run-dir", str(self.run_dir), "--job", self.job, "--timeline", str(self.timeline),
             "--native-stacks", "false", "--interval", "0.5", "--keep-last", "3", "-v",
         ]  # fmt: skip
+        if self.replicas:
+            cmd += ["--replica-nodes", self.ring, "--replica-interval", "0.05"]
         with open(self.root / "agent.log", "ab") as out:
             return subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+
+    def _spawn_holder(self) -> subprocess.Popen:
+        cmd = [
+            sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(self.holder_run),
+            "--job", self.job, "--node", "node-b", "--timeline", str(self.timeline),
+            "--native-stacks", "false", "--replica-nodes", self.ring, "-v",
+        ]  # fmt: skip
+        env = dict(self.env, DIAG_RUN_DIR=str(self.holder_run), DIAG_NODE="node-b")
+        with open(self.root / "holder.log", "ab") as out:
+            return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def replica_step(self) -> int | None:
+        """The step of the node's replica the holder holds complete, or None."""
+        steps = [
+            int(p.name.split("-")[-2])
+            for p in (self.holder_run / ".replicas").glob("node-a-*-*")
+            if (p / "replica.json").exists()
+        ]
+        return max(steps, default=None)
+
+    def restores_logged(self) -> int:
+        with contextlib.suppress(OSError):
+            return (self.root / "agent.log").read_text(errors="replace").count("replica restore: ")
+        return 0
 
     def _release_agent(self) -> None:
         assert self.next_agent is not None
@@ -259,6 +300,8 @@ class KillSuite:
         self.next_ranks = self._spawn_ranks(self.gen)
 
     def start(self, warm_steps: int = 3) -> None:
+        if self.replicas:
+            self.holder = self._spawn_holder()
         self.next_agent = self._spawn_agent(0)
         self.next_ranks = self._spawn_ranks(0)
         self._release_agent()
@@ -368,21 +411,31 @@ class KillSuite:
             # step a rank may have finished copying before the other was killed copying it.
             result.problems.append(f"the ranks hold different steps in memory: {held}")
         if target == "node":
+            result.replica_at_kill = self.replica_step() if self.replicas else None
             self._lose_memory()
             result.memory_lost = True
+        restores = self.restores_logged()
         if killed_agent:
             self._release_agent()
         if killed_ranks:
+            # The replacement node's ranks start once its agent has pulled the replica (a
+            # trainer container started after its sidecar is ready).
+            pulled = lambda: self.restores_logged() > restores  # noqa: E731
+            if self.replicas and killed_agent and not wait_for(pulled, 300, every=0.05):
+                raise RuntimeError(f"the new agent chose no restore\n{self.tail()}")
             self._release_ranks()
             start = self.ctl / f"start-{self.gen - 1}.json"
             if not wait_for(start.exists, 600, every=0.05):
                 raise RuntimeError(f"generation {self.gen - 1} never loaded\n{self.tail()}")
             doc = json.loads(start.read_text())
             result.restored, result.source = doc["step"], doc["from"]
-            if result.memory_lost and result.restored and result.source != "storage":
+            # Memory from the replica, unless storage names a newer step (it wins then).
+            replica, latest = result.replica_at_kill, result.latest_at_kill
+            want = "memory" if replica is not None and replica >= (latest or 0) else "storage"
+            if result.memory_lost and result.restored and result.source != want:
                 result.problems.append(
                     f"step {result.restored} restored from {result.source!r} after the node's "
-                    "memory was lost"
+                    f"memory was lost (replica held: {result.replica_at_kill}), not from {want}"
                 )
             bound = result.bound
             if bound is not None and (result.restored or 0) < bound:
@@ -427,7 +480,7 @@ class KillSuite:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(10)
-        for p in (self.agent, self.next_agent):
+        for p in (self.agent, self.next_agent, self.holder):
             if p is None or p.poll() is not None:
                 continue
             p.send_signal(signal.SIGTERM)
@@ -437,6 +490,7 @@ class KillSuite:
                 p.kill()
                 p.wait(10)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        shutil.rmtree(self.holder_run, ignore_errors=True)
 
     def leftovers(self) -> list[str]:
         """Temporary files in the save directory outside step directories and markers."""

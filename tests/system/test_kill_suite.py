@@ -62,3 +62,31 @@ def test_kills_lose_nothing_committed_or_in_memory(root: Path, zero: int) -> Non
     finally:
         suite.close()
     assert not suite.watch.problems
+
+
+# A node killed and wiped while a second agent holds its replica (the next node of the ring):
+# its ranks restore from memory, the replica pulled back, never older than the replica held or
+# the step committed at the kill. Stage 2 in the default tier; the others in the long tier.
+REPLICA_KILLS = {
+    1: [("node", "save", "timer", 0.5), ("node", "persist", "tick", 0.5)],
+    2: [("node", "copy", "timer", 0.5), ("node", "commit", "tick", 0.5)],
+    3: [("node", "persist", "timer", 0.3), ("node", "save", "tick", 0.6)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "zero",
+    [pytest.param(z, marks=[] if z == 2 else [pytest.mark.long]) for z in sorted(REPLICA_KILLS)],
+)
+def test_node_kills_restore_from_the_replica_in_a_peer(root: Path, zero: int) -> None:
+    suite = KillSuite(root, zero, replicas=True)
+    try:
+        suite.start()
+        for target, phase, mode, fraction in REPLICA_KILLS[zero]:
+            r = suite.kill(target, phase, mode, fraction)
+            assert not r.problems, (r, suite.tail())
+            assert r.replica_at_kill is not None, r
+            assert r.restored is not None and r.restored >= r.replica_at_kill, r
+    finally:
+        suite.close()
+    assert not suite.watch.problems

@@ -17,6 +17,8 @@ import logging
 import os
 import pickle
 import shutil
+import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,13 @@ from typing import Any
 
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.slotfile import SlotFile, Snapshot, read_snapshots, warn_once
-from diag.formats.snapshot import FileEntry, SnapshotError, find_slots, step_tag
+from diag.formats.snapshot import (
+    FileEntry,
+    SnapshotError,
+    find_slots,
+    pull_marker_path,
+    step_tag,
+)
 from diag.formats.untrusted import Owners, UntrustedInput, create_new, open_dir, walk_beneath
 from diag.trainer.elastic import reshard
 from diag.trainer.flash.capture import loading_engine, relative, swapped_engine, unpickle_state
@@ -33,6 +41,7 @@ from diag.trainer.flash.unpickler import check_globals
 log = logging.getLogger(__name__)
 
 LOAD_LOCK_TIMEOUT_S = 30.0
+PULL_WAIT_S = 120.0  # the longest a rank waits for its agent to pull the node's replica
 
 # relative path -> (slot file holding it, its entry)
 FileIndex = dict[str, tuple[Path, FileEntry]]
@@ -64,9 +73,34 @@ def needed_files(engine: Any, save_dir: str, tag: str) -> set[str]:
     return needed
 
 
+def wait_for_pull(place: Place, timeout: float = PULL_WAIT_S) -> bool:
+    """Waits while the node's agent pulls this node's replica from a peer into the run directory
+    (its marker is there: a regular file of the rank's user or root); True when it went. A
+    marker left by a killed agent costs at most `timeout` seconds."""
+    marker = pull_marker_path(place.run_dir, place.job)
+    owners = Owners.this_process()
+    deadline = time.monotonic() + timeout
+    told = False
+    while True:
+        try:
+            st = os.lstat(marker)
+        except FileNotFoundError:
+            return True
+        if not stat.S_ISREG(st.st_mode) or not owners.trusts(st):
+            return True  # not the agent's: ignored
+        if time.monotonic() >= deadline:
+            log.warning("diag: the agent's replica pull took over %.0f s; not waiting", timeout)
+            return False
+        if not told:
+            log.info("diag: waiting for the agent to pull this node's replica (%s)", marker)
+            told = True
+        time.sleep(0.05)
+
+
 def memory_index(place: Place, needed: Callable[[str], set[str]]) -> dict[int, FileIndex]:
     """step -> file index, for the snapshots this rank could load: complete, of this job layout,
     with every file it needs held on this node (its own, or a local rank's)."""
+    wait_for_pull(place)
     local = [
         s for s in read_snapshots(find_slots(place.run_dir, place.job), Owners.this_process())
         if s.meta.node == place.node and s.meta.world_size == place.world_size

@@ -1,0 +1,275 @@
+"""A node's replication, end to end: at start, restore an empty node from its holders; then hold
+the replicas of the nodes before it in the ring and send its own newest complete step to the
+nodes after it, in the background, whenever its ranks complete a newer one.
+
+The sending thread reads slot headers every `interval` seconds (a few bytes of shared memory per
+slot) and parses descriptions only when a header changed; the ranks are never waited for: a push
+reads the slot under a shared lock, while the ranks write their next snapshot into another slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from diag.agent.replica.ring import Offer, RestoreChoice, Ring, Source, choose_restore
+from diag.agent.replica.settings import NodeAddress as NodeAddress
+from diag.agent.replica.settings import ReplicaSettings
+from diag.agent.replica.source import local_replica, local_steps
+from diag.agent.replica.store import ReplicaStore
+from diag.agent.replica.transport import Address, Peers, ReplicaServer, ask_offer, pull, push
+from diag.formats.slotfile import open_slot
+from diag.formats.snapshot import find_slots, pull_marker_path
+from diag.formats.untrusted import Owners, UntrustedInput
+
+log = logging.getLogger(__name__)
+
+REPLICA_DIR = ".replicas"
+VERIFY_EVERY = 10  # rounds between asking the holders what they hold  # in the run directory: shared memory, like the slots
+
+
+@dataclass
+class ReplicaStats:
+    sent_step: int | None = None  # the newest step every holder took
+    pushes: int = 0
+    push_failures: int = 0
+    last_push_seconds: float = 0.0
+    last_push_bytes: int = 0
+    held: dict[str, int] = field(default_factory=dict)  # peer -> step held for it
+    restore: RestoreChoice | None = None
+    restore_seconds: float = 0.0
+
+
+class Replicator:
+    def __init__(
+        self,
+        settings: ReplicaSettings,
+        *,
+        run_dir: Path,
+        job: str,
+        node: str,
+        owners: Owners,
+        storage_step: Callable[[], int | None] = lambda: None,
+    ) -> None:
+        self.settings = settings
+        self.run_dir = run_dir
+        self.job = job
+        self.node = node
+        self.owners = owners
+        self.storage_step = storage_step
+        ring = Ring.of([n.name for n in settings.nodes], settings.factor)
+        addresses: dict[str, Address] = {n.name: (n.host, n.port) for n in settings.nodes}
+        self.peers = Peers(ring, addresses, node, job, settings.token)
+        self.holders = ring.holders(node)  # raises RingError for a node not in the ring
+        self._stats = ReplicaStats()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._sent: dict[str, tuple[int, str]] = {}
+        self._signature: tuple[tuple[str, int, int], ...] | None = None
+        self._failed_last = False
+        self._verified_at = float("-inf")
+        self.store: ReplicaStore | None = None
+        self.server: ReplicaServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- at start ---------------------------------------------------------------------------------
+
+    def restore_at_start(self) -> RestoreChoice:
+        """Before the ranks start: an empty node takes its newest replica from a holder."""
+        t0 = time.monotonic()
+        marker = pull_marker_path(self.run_dir, self.job)
+        try:
+            choice = self._restore(marker)
+        finally:
+            marker.unlink(missing_ok=True)  # also one a killed agent left
+        seconds = time.monotonic() - t0
+        log.info(
+            "replica restore: %s%s (%s; %.2f s)",
+            choice.source.value,
+            f" step {choice.step}" if choice.step is not None else "",
+            choice.reason,
+            seconds,
+        )
+        with self._lock:
+            self._stats.restore, self._stats.restore_seconds = choice, seconds
+        return choice
+
+    def _restore(self, marker: Path) -> RestoreChoice:
+        held = local_steps(self.run_dir, self.job, self.node, self.owners)
+        if not held and self.holders:
+            # ranks starting meanwhile wait for this to go before they look for snapshots
+            self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            marker.unlink(missing_ok=True)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            os.close(os.open(marker, flags, 0o600))
+        offers = [] if held else self._offers()
+        choice = choose_restore(
+            local_steps=held,
+            offers=offers,
+            storage_step=None if held else self.storage_step(),
+            ranks=(),
+            holders=self.holders,
+        )
+        # The best offer first, then the others: a holder that fails mid-pull is not the end.
+        if choice.source == Source.PEER:
+            ordered = sorted(offers, key=lambda o: o.step, reverse=True)
+            choice = self._pull_first(ordered, choice) or replace(
+                choice, source=Source.STORAGE, holder=None,
+                reason=f"{choice.reason}, but no holder gave it: storage",
+            )  # fmt: skip
+        return choice
+
+    def _offers(self) -> list[Offer]:
+        out = []
+        for holder in self.holders:
+            try:
+                o = ask_offer(self.peers, holder, timeout=min(5.0, self.settings.timeout))
+            except (OSError, UntrustedInput) as e:
+                log.info("replica holder %s has no offer: %s", holder, e)
+                continue
+            if o.step is not None:
+                out.append(Offer(holder, o.step, o.run, o.world_size, o.ranks))
+        return out
+
+    def _pull_first(self, offers: list[Offer], choice: RestoreChoice) -> RestoreChoice | None:
+        for o in offers:
+            if choice.step is not None and o.step < choice.step:
+                break  # never an older replica than the choice: storage instead
+            try:
+                m, _ = pull(
+                    self.peers, o.holder, self.run_dir,
+                    max_bytes=self.settings.max_bytes, timeout=self.settings.timeout,
+                )  # fmt: skip
+            except (OSError, UntrustedInput) as e:
+                log.warning("pulling the replica from %s failed: %s", o.holder, e)
+                continue
+            return RestoreChoice(Source.PEER, m.step, o.holder, f"{o.holder} held step {m.step}")
+        return None
+
+    # -- holding and sending ----------------------------------------------------------------------
+
+    def start(self) -> Replicator:
+        s = self.settings
+        directory = s.directory or self.run_dir / REPLICA_DIR
+        self.store = ReplicaStore(directory, s.max_bytes)
+        port = self.peers.address(self.node)[1]
+        self.server = ReplicaServer(self.store, self.peers, (s.listen_host, port)).start()
+        self._thread = threading.Thread(target=self._run, name="replica-push", daemon=True)
+        self._thread.start()
+        return self
+
+    def notify(self) -> None:
+        """A rank completed a snapshot: look for a newer step now rather than at the next tick."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                now = time.monotonic()
+                if now - self._verified_at >= VERIFY_EVERY * self.settings.interval:
+                    self._verified_at = now
+                    self.verify_holders()
+                self.push_once()
+            except Exception:  # the thread must outlive any one bad round
+                log.exception("replication round failed")
+            self._wake.wait(self.settings.interval)
+            self._wake.clear()
+
+    def verify_holders(self) -> None:
+        """Asks each holder what it holds: a holder replaced since (its memory lost with it) or
+        one that dropped the replica is sent it again."""
+        for holder in self.holders:
+            try:
+                o = ask_offer(self.peers, holder, timeout=min(5.0, self.settings.timeout))
+            except (OSError, UntrustedInput):
+                continue  # down: the next push to it says more
+            if o.step is None:
+                self._sent.pop(holder, None)
+            else:
+                self._sent[holder] = (o.step, o.run)
+
+    def _headers_changed(self) -> bool:
+        sig = []
+        for p in find_slots(self.run_dir, self.job):
+            slot = open_slot(p, self.owners)
+            if slot is None:
+                continue
+            try:
+                h = slot.header()
+                sig.append((p.name, h.gen, h.step))
+            except ValueError:
+                continue
+            finally:
+                slot.close()
+        signature = tuple(sig)
+        changed = signature != self._signature
+        self._signature = signature
+        return changed
+
+    def push_once(self) -> bool:
+        """Sends the newest complete step to every holder that lacks it; True when all have it."""
+        if not self.holders:
+            return True
+        changed = self._headers_changed()
+        if not changed and not self._failed_last and all(h in self._sent for h in self.holders):
+            return True
+        local = local_replica(self.run_dir, self.job, self.node, self.owners)
+        if local is None:
+            return True
+        want = (local.manifest.step, local.manifest.run)
+        ok = True
+        for holder in self.holders:
+            if self._sent.get(holder) == want:
+                continue
+            t0 = time.monotonic()
+            try:
+                result = push(self.peers, holder, local, self.owners, timeout=self.settings.timeout)
+                error = "" if result.ok else result.error
+            except (OSError, UntrustedInput) as e:
+                error = str(e)
+            seconds = time.monotonic() - t0
+            with self._lock:
+                if error:
+                    self._stats.push_failures += 1
+                else:
+                    self._stats.pushes += 1
+                    self._stats.last_push_seconds = seconds
+                    self._stats.last_push_bytes = local.manifest.nbytes
+            if error:
+                ok = False
+                log.warning("replica of step %d to %s failed: %s", want[0], holder, error)
+                continue
+            self._sent[holder] = want
+            log.debug("replica of step %d to %s in %.3f s", want[0], holder, seconds)
+        with self._lock:
+            if all(self._sent.get(h) == want for h in self.holders):
+                self._stats.sent_step = want[0]
+        self._failed_last = not ok
+        return ok
+
+    def stats(self) -> ReplicaStats:
+        with self._lock:
+            out = replace(self._stats)
+        if self.store is not None:
+            out.held = {
+                n: r.manifest.step
+                for n in self.store.nodes()
+                if (r := self.store.held(n)) is not None
+            }
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(self.settings.timeout + 5)
+        if self.server is not None:
+            self.server.close()
+        if self.store is not None:
+            self.store.close()

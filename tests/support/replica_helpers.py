@@ -1,0 +1,46 @@
+"""Slots of several ranks written as the flash checkpointer writes them, for the replica tests
+(tests/agent/replica, tests/system/test_replica_netns.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from snapshot_helpers import captured, model_states, new_slot, write_snapshot
+
+from diag.formats.slotfile import SlotFile
+from diag.formats.snapshot import slot_path
+from diag.formats.untrusted import Owners
+
+JOB = "rj"
+WORLD = 4  # two nodes of two ranks; node a holds ranks 0 and 1
+CAP = 64 << 20
+OWNERS = Owners.this_process()
+
+
+def fill(
+    run_dir: Path,
+    save_dir: Path,
+    steps: dict[int, list[int]],
+    node: str = "a",
+    run: str = "r1",
+    world: int = WORLD,
+) -> None:
+    """rank -> the steps it writes, each into the next of its two slots."""
+    slots: dict[tuple[int, int], SlotFile] = {}
+    for rank, todo in steps.items():
+        for i, step in enumerate(todo):
+            key = (rank, i % 2)
+            if key not in slots:
+                path = slot_path(run_dir, JOB, rank, i % 2)
+                slots[key] = (
+                    SlotFile.open(path, writable=True)
+                    if path.exists()
+                    else new_slot(run_dir, JOB, rank, i % 2, world=world)
+                )
+            files = captured(
+                {f"global_step{step}/zero_pp_rank_{rank}_optim.pt": model_states(step, rank)}
+            )
+            write_snapshot(slots[key], step, files, job=JOB, rank=rank, world=world,
+                           save_dir=save_dir, node=node, run=run)  # fmt: skip
+    for s in slots.values():
+        s.close()
