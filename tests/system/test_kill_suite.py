@@ -66,7 +66,8 @@ def test_kills_lose_nothing_committed_or_in_memory(root: Path, zero: int) -> Non
 
 # A node killed and wiped while a second agent holds its replica (the next node of the ring):
 # its ranks restore from memory, the replica pulled back, never older than the replica held or
-# the step committed at the kill. Stage 2 in the default tier; the others in the long tier.
+# the step committed at the kill. The long tier: the default tier has the same pull and restore
+# through real agents in network namespaces (test_replica_netns) and stage 2's node kill above.
 REPLICA_KILLS = {
     1: [("node", "save", "timer", 0.5), ("node", "persist", "tick", 0.5)],
     2: [("node", "copy", "timer", 0.5), ("node", "commit", "tick", 0.5)],
@@ -76,7 +77,7 @@ REPLICA_KILLS = {
 
 @pytest.mark.parametrize(
     "zero",
-    [pytest.param(z, marks=[] if z == 2 else [pytest.mark.long]) for z in sorted(REPLICA_KILLS)],
+    [pytest.param(z, marks=[pytest.mark.long]) for z in sorted(REPLICA_KILLS)],
 )
 def test_node_kills_restore_from_the_replica_in_a_peer(root: Path, zero: int) -> None:
     suite = KillSuite(root, zero, replicas=True)
