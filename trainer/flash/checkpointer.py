@@ -253,8 +253,15 @@ class FlashCheckpointer:
         """Waits until the last save's copy into shared memory is complete."""
         self._copier.wait()
 
+    def wait_slots(self) -> None:
+        """Waits until the last save's copy is complete and every slot is allocated (a fresh
+        launch allocates the slots its first save does not use in the background after it)."""
+        self.wait()
+        self._slots.settle()
+
     def _copied(self, c: Copy, seconds: float | None) -> None:
         """The copy of a save finished (seconds None: it failed); runs on the copying thread."""
+        self._slots.reserve_deferred()  # off the first save's path, not competing with its copy
         if seconds is None:
             self.stats.failed_copies += 1
             return
