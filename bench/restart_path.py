@@ -211,14 +211,10 @@ def main(argv: list[str] | None = None) -> int:
 
         exit_process(rc)
     work = Path(tempfile.mkdtemp(prefix="bench-restart-"))
-    jobs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    jobs: dict[str, list[dict]] = {"restart": []}
     try:
-        for i in range(args.repeats):
-            order = (
-                args.variants[i % len(args.variants) :] + args.variants[: i % len(args.variants)]
-            )
-            for v in order:
-                jobs[v].append(run_job(args, v, work))
+        for _ in range(args.repeats):
+            jobs["restart"].append(run_job(args, work))
     finally:
         import shutil
 
