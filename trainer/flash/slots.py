@@ -7,7 +7,7 @@ What a launch pays for its slots, at the first save: a relaunched rank adopts th
 previous launch left (validated, reserved and mapped when the checkpointer starts), so its first
 save is a plain copy. A fresh rank allocates only the slot that first save goes into (its pages
 zeroed as the copy touches them, as any fresh shared memory is); the others are allocated in the
-background once that copy is done (`reserve_deferred`), and a save that needs one before it is
+background from the next step on (`reserve_deferred`), and a save that needs one before it is
 ready waits for it. The room for all of them is checked at the first save, so a shared-memory
 directory too small for the slots is still an error there, before anything is allocated.
 """
