@@ -106,25 +106,48 @@ class SlotFile:
         slot: int,
         writer_pid: int,
         writer_start: float,
+        prefault: bool = False,
     ) -> SlotFile:
         """Creates a new slot file with room for `capacity` bytes in all. The space is reserved up
-        front: a full tmpfs fails here with a clear error, never later with SIGBUS."""
+        front: a full tmpfs fails here with a clear error, never later with SIGBUS.
+
+        The header goes in before the data area is reserved, so a writer killed while reserving
+        leaves an empty slot its restart adopts (or the agent removes), not a nameless file. The
+        pages are mapped by the first copy into them (each page is zeroed once either way), or
+        here with `prefault` (for a slot made ahead of the save that uses it)."""
         capacity = max(align(capacity, 1 << 20), HEADER_SIZE + (1 << 20))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        mm: mmap.mmap | None = None
         try:
-            _reserve(fd, path, capacity)
-            mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED | _POPULATE)
+            _reserve(fd, path, HEADER_SIZE)
+            os.ftruncate(fd, capacity)
+            mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED)
             HEADER_STRUCT.pack_into(
                 mm, 0, MAGIC, VERSION, HEADER_SIZE, 0, -1, 0, 0, 0, capacity, rank, world_size,
                 local_rank, slot, writer_pid, 0, writer_start, 0.0, 0.0,
                 safe_job_name(job).encode()[:64],
             )  # fmt: skip
+            _reserve(fd, path, capacity, allocated=HEADER_SIZE)
+            if prefault:
+                prefault_writable(mm)
         except BaseException:
+            if mm is not None:
+                mm.close()
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
         return cls(path, fd, mm, True)
+
+    def reserve(self) -> None:
+        """Reserves every page of the file (an adopted slot: one left sparse by a writer killed
+        while reserving, or by anyone, must not SIGBUS in the middle of a copy); ShmSpaceError
+        when tmpfs has no room left for the rest. Cheap for a file already allocated."""
+        _reserve(self.fd, self.path, self.capacity, allocated=0)
+
+    def prefault(self) -> None:
+        """Maps every page writable now, so the next copy runs at memory speed."""
+        prefault_writable(self.mm)
 
     def take_over(self, writer_pid: int, writer_start: float) -> None:
         """A new writer (a restarted rank) adopts an existing slot without touching its data."""
@@ -142,7 +165,7 @@ class SlotFile:
             return
         _reserve(self.fd, self.path, capacity)
         self.mm.close()
-        self.mm = mmap.mmap(self.fd, capacity, mmap.MAP_SHARED | _POPULATE)
+        self.mm = mmap.mmap(self.fd, capacity, mmap.MAP_SHARED)
         struct.pack_into("<Q", self.mm, 56, capacity)
 
     @property
@@ -243,25 +266,48 @@ class SlotFile:
             os.close(self.fd)
 
 
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; not in Python's mmap module before 3.13
 
 
-def _reserve(fd: int, path: Path, size: int) -> None:
-    """Allocates the pages now (tmpfs reserves memory for them), so that running out of room is an
-    error here rather than SIGBUS in the middle of a copy."""
-    current = os.fstat(fd).st_size
-    if size <= current:
+def prefault_writable(mm: mmap.mmap) -> None:
+    """Faults every page of a shared mapping in, writable, without writing to it, releasing the
+    GIL meanwhile (mmap's own MAP_POPULATE holds it for the whole walk, which stalls training
+    when a slot is prepared in the background). Best effort: where the kernel cannot, the first
+    copy faults the pages in instead."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        anchor = ctypes.c_char.from_buffer(mm)  # holds an export of `mm` while it lives
+    except (OSError, TypeError, ValueError):
         return
     try:
-        os.posix_fallocate(fd, 0, size)
+        addr = ctypes.addressof(anchor)
+        libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(mm)), _MADV_POPULATE_WRITE)
+    finally:
+        del anchor
+
+
+def _reserve(fd: int, path: Path, size: int, allocated: int | None = None) -> None:
+    """Allocates the pages now (tmpfs reserves memory for them), so that running out of room is an
+    error here rather than SIGBUS in the middle of a copy. `allocated`: how much of the file is
+    known to be reserved already (default: its size, as when a slot grows)."""
+    current = os.fstat(fd).st_size
+    done = current if allocated is None else allocated
+    if size <= done:
+        return
+    try:
+        os.posix_fallocate(fd, done, size - done)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, current)
-            raise ShmSpaceError(space_message(path.parent, size - current)) from e
+            if size > current:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, current)
+            raise ShmSpaceError(space_message(path.parent, size - done)) from e
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
-        os.ftruncate(fd, size)  # a filesystem without fallocate: sparse, as good as it gets
+        if size > current:
+            os.ftruncate(fd, size)  # a filesystem without fallocate: sparse, as good as it gets
 
 
 def free_bytes(directory: Path) -> int:

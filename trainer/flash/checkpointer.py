@@ -253,6 +253,13 @@ class FlashCheckpointer:
         """Waits until the last save's copy into shared memory is complete."""
         self._copier.wait()
 
+    def wait_slots(self) -> None:
+        """Waits until the last save's copy is complete and every slot is allocated (a fresh
+        launch allocates the slots its first save does not use in the background after it)."""
+        self.wait()
+        self._slots.reserve_deferred()
+        self._slots.settle()
+
     def _copied(self, c: Copy, seconds: float | None) -> None:
         """The copy of a save finished (seconds None: it failed); runs on the copying thread."""
         if seconds is None:
@@ -360,6 +367,10 @@ class FlashCheckpointer:
         self.wait()  # the optimizer is about to change what the last save is copying
 
     def _after_step(self, engine: Any) -> None:
+        # A fresh launch's other slots are allocated from here, off the first save's path: at the
+        # end of this rank's copy the other ranks may still be copying theirs, and the
+        # allocation would compete with them for the memory bandwidth (and here for the cores).
+        self._slots.reserve_deferred()
         self.at_boundary()
 
     def at_boundary(self) -> None:

@@ -1,7 +1,15 @@
 """This rank's snapshot slots in shared memory: allocated once, reused, grown when the state grows.
 
-Which slot the next snapshot goes into is decided by `collector.snapshot.write_order` (pure);
+Which slot the next snapshot goes into is decided by `formats.snapshot.write_order` (pure);
 this module adds the files, the locks and the pins (slots whose persist is still pending).
+
+What a launch pays for its slots, at the first save: a relaunched rank adopts the slots its
+previous launch left (validated, reserved and mapped when the checkpointer starts), so its first
+save is a plain copy. A fresh rank allocates only the slot that first save goes into (its pages
+zeroed as the copy touches them, as any fresh shared memory is); the others are allocated in the
+background from the next step on (`reserve_deferred`), and a save that needs one before it is
+ready waits for it. The room for all of them is checked at the first save, so a shared-memory
+directory too small for the slots is still an error there, before anything is allocated.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from diag.formats.journalmeta import safe_job_name
 from diag.formats.rundir import make_run_dir
 from diag.formats.slotfile import SlotFile, check_space, is_memory_backed
 from diag.formats.snapshot import SlotView, SnapshotError, align, slot_path, write_order
@@ -43,14 +52,25 @@ class RankSlots:
         self.run_dir = run_dir
         self.owner = owner
         self.paths = [slot_path(run_dir, owner.job, owner.rank, i) for i in range(count)]
-        self.slots: list[SlotFile | None] = [self._adopt(p) for p in self.paths]
+        self.slots: list[SlotFile | None] = [self._adopt(i, p) for i, p in enumerate(self.paths)]
         self.pins: dict[int, tuple[int, float]] = {}  # slot -> (step, since)
         self.on_unmap: Callable[[int], None] | None = None  # before a slot's mapping goes away
         self._pin_lock = threading.Lock()  # acknowledgements arrive on the control thread
         self._warned_disk = False
+        # Slots to allocate off the save's path: (indexes, capacity), set by the save that found
+        # them missing; then the thread allocating them, and what it failed with.
+        self._deferred: tuple[list[int], int] | None = None
+        self._reserver: threading.Thread | None = None
+        self._reserving: frozenset[int] = frozenset()
+        self._reserve_error: BaseException | None = None
 
-    def _adopt(self, path: Path) -> SlotFile | None:
-        """Opens a slot left by an earlier attempt of this rank (its snapshot may be loaded)."""
+    def _adopt(self, index: int, path: Path) -> SlotFile | None:
+        """Opens a slot left by an earlier attempt of this rank (its snapshot may be loaded, and
+        the next save reuses its memory). The file was written by another process: only one of
+        this rank's user, naming this job, rank, world size and slot index, is adopted; its pages
+        are reserved (a sparse file would SIGBUS in a copy) and mapped now. Its generation is
+        kept as it is: a torn snapshot stays torn, a complete one is offered to the resume plan,
+        which checks it against the other ranks' (the same step, the same launch)."""
         try:
             # Only a slot this rank's user (or root) wrote: another user's file under our name
             # is not adopted (its snapshot would be loaded as ours).
@@ -63,15 +83,29 @@ class RankSlots:
                 path.unlink()
             return None
         h = slot.header()
-        if h.rank != self.owner.rank or h.world_size != self.owner.world_size:
-            slot.close()  # another job layout: start afresh
+        o = self.owner
+        job = safe_job_name(o.job).encode()[:64].decode(errors="replace")
+        why = ""
+        if h.rank != o.rank or h.world_size != o.world_size:
+            why = f"rank {h.rank} of {h.world_size}"  # another job layout: start afresh
+        elif h.job != job or h.slot != index:
+            why = f"job {h.job!r}, slot {h.slot}"
+        else:
+            try:
+                slot.reserve()
+            except (OSError, SnapshotError) as e:
+                why = str(e)
+        if why:
+            log.info("diag: replacing snapshot slot %s (%s)", path, why)
+            slot.close()
             with contextlib.suppress(OSError):
                 path.unlink()
             return None
-        slot.take_over(self.owner.pid, self.owner.start_time)
+        slot.take_over(o.pid, o.start_time)
+        slot.prefault()
         return slot
 
-    def _create(self, index: int, capacity: int) -> SlotFile:
+    def _create(self, index: int, capacity: int, prefault: bool = False) -> SlotFile:
         o = self.owner
         with contextlib.suppress(FileNotFoundError):
             self.paths[index].unlink()
@@ -85,20 +119,23 @@ class RankSlots:
             slot=index,
             writer_pid=o.pid,
             writer_start=o.start_time,
+            prefault=prefault,
         )
 
-    def ensure(self, size: int) -> None:
-        """Creates missing slots, all at once, so that a shortage of room shows at the first save
-        rather than at the second; raises ShmSpaceError before anything is allocated."""
+    def _drop_replaced(self) -> None:
         for i, slot in enumerate(self.slots):
             if slot is not None and slot.replaced():
                 self._unmap(i)
                 slot.close()
                 self.slots[i] = None
-        missing = [i for i, s in enumerate(self.slots) if s is None]
-        if not missing:
-            return
+
+    def _missing(self, size: int) -> tuple[list[int], int]:
+        """The slots not allocated (nor being allocated) and the capacity to give them; raises
+        ShmSpaceError, before anything is allocated, when they do not all fit."""
+        missing = [i for i, s in enumerate(self.slots) if s is None and i not in self._reserving]
         capacity = align(int(size * HEADROOM), 1 << 20)
+        if not missing:
+            return missing, capacity
         make_run_dir(self.run_dir)  # private: a missing run directory is made 0700
         if not self._warned_disk and not is_memory_backed(self.run_dir):
             self._warned_disk = True
@@ -107,8 +144,38 @@ class RankSlots:
                 self.run_dir,
             )
         check_space(self.run_dir, capacity * len(missing))
-        for i in missing:
-            self.slots[i] = self._create(i, capacity)
+        return missing, capacity
+
+    def reserve_deferred(self) -> None:
+        """Starts allocating, in the background, the slots the last save left for later."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None or self._reserver is not None:
+            return
+        indexes = [i for i in deferred[0] if self.slots[i] is None]
+        if not indexes:
+            return
+        self._reserving = frozenset(indexes)
+        self._reserver = threading.Thread(
+            target=self._reserve, args=(indexes, deferred[1]), name="diag-flash-slots", daemon=True
+        )
+        self._reserver.start()
+
+    def _reserve(self, indexes: list[int], capacity: int) -> None:
+        try:
+            for i in indexes:
+                self.slots[i] = self._create(i, capacity, prefault=True)
+        except BaseException as e:  # handed to the save that needs the slot
+            self._reserve_error = e
+
+    def settle(self) -> None:
+        """Waits for the slots being allocated in the background; raises what that failed with."""
+        thread, self._reserver = self._reserver, None
+        if thread is not None:
+            thread.join()
+        self._reserving = frozenset()
+        error, self._reserve_error = self._reserve_error, None
+        if error is not None:
+            raise error
 
     def views(self, now: float) -> list[SlotView]:
         out = []
@@ -125,9 +192,20 @@ class RankSlots:
 
     def acquire(self, size: int) -> tuple[int, SlotFile] | None:
         """An exclusively locked slot with room for `size` bytes, or None when every candidate is
-        pinned by a pending persist or being read by the agent."""
-        self.ensure(size)
+        pinned by a pending persist or being read by the agent. A missing slot the snapshot goes
+        into is created now; the other missing ones are left to `reserve_deferred`."""
+        self._drop_replaced()
+        if self._reserve_error is not None:
+            self.settle()
+        missing, capacity = self._missing(size)
         for index in write_order(self.views(time.monotonic())):
+            if self.slots[index] is None:
+                if index in self._reserving:
+                    self.settle()
+                if self.slots[index] is None:
+                    self.slots[index] = self._create(index, capacity)
+            with contextlib.suppress(ValueError):
+                missing.remove(index)
             slot = self.slots[index]
             assert slot is not None
             if not slot.try_lock_exclusive():
@@ -141,6 +219,7 @@ class RankSlots:
                 raise
             with self._pin_lock:
                 self.pins.pop(index, None)
+            self._deferred = (missing, capacity) if missing else None
             return index, slot
         return None
 
@@ -193,6 +272,9 @@ class RankSlots:
         return out
 
     def close(self, remove: bool, failed: bool = False) -> None:
+        self._deferred = None
+        with contextlib.suppress(Exception):  # a slot it could not allocate is simply not there
+            self.settle()
         for i, slot in enumerate(self.slots):
             if slot is None:
                 continue
