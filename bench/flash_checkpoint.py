@@ -142,7 +142,7 @@ def worker(args: argparse.Namespace) -> int:
         ckpt.wait()
 
     first = timed(lambda: save_and_copy(1))
-    first_rest = timed(ckpt.wait_slots)  # the other slot, allocated in the background after it
+    first_rest = timed(ckpt.wait_slots)  # the other slot, mapped in the background after it
     flash, background, sync = [], [], []
     for s in range(2, 2 + args.repeats):
         flash.append(timed(lambda s=s: ckpt.save(s)))  # returns once the state is captured

@@ -160,7 +160,7 @@ def report(args: argparse.Namespace, launches: list[dict]) -> None:
         f"relaunches), slowest rank, barrier to copy complete\n"
     )
     rows = [
-        ("diag, fresh launch (allocates the slot it writes)", m("fresh", launches)),
+        ("diag, fresh launch (reserves both slots, maps one)", m("fresh", launches)),
         ("diag, relaunch (the previous launch's slots)", m("relaunch", relaunched)),
         ("DLRover, fresh launch", dl),
         ("diag, the relaunch's second save (steady state)", m("relaunch_second", relaunched)),
@@ -175,7 +175,7 @@ def report(args: argparse.Namespace, launches: list[dict]) -> None:
         print(f"| {name:<52} | {s:8.3f} | {largest / gb / s:6.2f} | {ratio} |")
     print("\noff the first save's path (not in the figures above):")
     for name, key, rows_ in (
-        ("diag, fresh: the other slot, allocated in the background", "fresh_rest", launches),
+        ("diag, fresh: the other slot, mapped in the background", "fresh_rest", launches),
         ("diag, fresh: checkpointer start", "fresh_start", launches),
         ("diag, relaunch: checkpointer start (adopts its slots)", "relaunch_start", relaunched),
     ):

@@ -5,11 +5,12 @@ this module adds the files, the locks and the pins (slots whose persist is still
 
 What a launch pays for its slots, at the first save: a relaunched rank adopts the slots its
 previous launch left (validated, reserved and mapped when the checkpointer starts), so its first
-save is a plain copy. A fresh rank allocates only the slot that first save goes into (its pages
-zeroed as the copy touches them, as any fresh shared memory is); the others are allocated in the
-background from the next step on (`reserve_deferred`), and a save that needs one before it is
-ready waits for it. The room for all of them is checked at the first save, so a shared-memory
-directory too small for the slots is still an error there, before anything is allocated.
+save is a plain copy. A fresh rank's first save reserves the pages of every slot (fallocate:
+tmpfs takes the memory then, so shared memory that fills up later cannot fail a save, and a
+directory too small is an error there, before anything is written), but maps only the slot that
+save goes into, its pages faulted in as the copy touches them; the others are mapped writable in
+the background from the next step on (`reserve_deferred`), and a save that needs one before that
+is done waits for it.
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ class RankSlots:
     def _drop_replaced(self) -> None:
         for i, slot in enumerate(self.slots):
             if slot is not None and slot.replaced():
+                if i in self._reserving:
+                    self.settle()  # its mapping is in use by the background thread
                 self._unmap(i)
                 slot.close()
                 self.slots[i] = None
@@ -147,23 +150,26 @@ class RankSlots:
         return missing, capacity
 
     def reserve_deferred(self) -> None:
-        """Starts allocating, in the background, the slots the last save left for later."""
+        """Starts mapping in, in the background, the slots the last save reserved for later."""
         deferred, self._deferred = self._deferred, None
         if deferred is None or self._reserver is not None:
             return
-        indexes = [i for i in deferred[0] if self.slots[i] is None]
-        if not indexes:
+        slots = [(i, s) for i in deferred[0] if (s := self.slots[i]) is not None]
+        if not slots:
             return
-        self._reserving = frozenset(indexes)
+        self._reserving = frozenset(i for i, _ in slots)
         self._reserver = threading.Thread(
-            target=self._reserve, args=(indexes, deferred[1]), name="diag-flash-slots", daemon=True
+            target=self._reserve,
+            args=([s for _, s in slots],),
+            name="diag-flash-slots",
+            daemon=True,
         )
         self._reserver.start()
 
-    def _reserve(self, indexes: list[int], capacity: int) -> None:
+    def _reserve(self, slots: list[SlotFile]) -> None:
         try:
-            for i in indexes:
-                self.slots[i] = self._create(i, capacity, prefault=True)
+            for slot in slots:
+                slot.prefault()
         except BaseException as e:  # handed to the save that needs the slot
             self._reserve_error = e
 
@@ -193,7 +199,7 @@ class RankSlots:
     def acquire(self, size: int) -> tuple[int, SlotFile] | None:
         """An exclusively locked slot with room for `size` bytes, or None when every candidate is
         pinned by a pending persist or being read by the agent. A missing slot the snapshot goes
-        into is created now; the other missing ones are left to `reserve_deferred`."""
+        into is created now, the other missing ones reserved now and mapped by `reserve_deferred`."""
         self._drop_replaced()
         if self._reserve_error is not None:
             self.settle()
@@ -204,8 +210,13 @@ class RankSlots:
                     self.settle()
                 if self.slots[index] is None:
                     self.slots[index] = self._create(index, capacity)
+            elif index in self._reserving:
+                self.settle()  # its pages are being mapped in the background
             with contextlib.suppress(ValueError):
                 missing.remove(index)
+            for other in missing:  # reserved now, mapped in the background later
+                if self.slots[other] is None:
+                    self.slots[other] = self._create(other, capacity)
             slot = self.slots[index]
             assert slot is not None
             if not slot.try_lock_exclusive():
