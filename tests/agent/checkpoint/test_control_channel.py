@@ -129,13 +129,17 @@ def test_persist_request_and_acknowledgement(run_dir: Path, agents, clients, tmp
     write_snapshot(slot, 7, files, job=JOB, rank=0, world=1, save_dir=tmp_path)
     slot.close()
     client.persist(7, str(tmp_path))
-    assert wait_for(lambda: len(acks) == 1)
+    # A request made while the new connection's resend of pending steps is on its way may go
+    # twice (persisting a step again is harmless): an acknowledgement of step 7 is what counts.
+    assert wait_for(lambda: len(acks) >= 1)
     assert acks[0].ok and acks[0].committed and acks[0].step == 7 and acks[0].bytes > 0
     assert client.persist_pending() == []
     assert (tmp_path / "latest").read_text() == "global_step7"
     client.persist(8, str(tmp_path))  # not in memory: refused with a reason, never blocks
-    assert wait_for(lambda: len(acks) == 2)
-    assert not acks[1].ok and "not in memory" in acks[1].error
+    assert wait_for(lambda: any(a.step == 8 for a in acks))
+    (refused,) = [a for a in acks if a.step == 8]
+    assert not refused.ok and "not in memory" in refused.error
+    assert all(a.ok for a in acks if a.step == 7)
     (stats,) = agent.manager.stats().ranks
     assert stats.persisted_step == 7 and stats.memory_step == 7 and stats.last_persist_bytes > 0
 
