@@ -141,7 +141,8 @@ def test_persist_request_and_acknowledgement(run_dir: Path, agents, clients, tmp
     assert not refused.ok and "not in memory" in refused.error
     assert all(a.ok for a in acks if a.step == 7)
     (stats,) = agent.manager.stats().ranks
-    assert stats.persisted_step == 7 and stats.memory_step == 7 and stats.last_persist_bytes > 0
+    # The last persist may be that second request's, which finds step 7 written already.
+    assert stats.persisted_step == 7 and stats.memory_step == 7
 
 
 @pytest.mark.timeout(60)
