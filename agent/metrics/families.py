@@ -162,6 +162,14 @@ INCIDENTS = Family(
     "Incidents detected (kind: hang, no_progress, rank_exited)",
     ("job", "node", "kind"),
 )
+JOB_STOPS = Family(
+    "diag_job_stops",
+    Kind.COUNTER,
+    "Times the local ranks were stopped (--on-hang stop) for an incident another node of the job "
+    "reported (trigger: first-hand, death, job-verdict); a stop at the node's own verdict counts "
+    "in diag_incidents only",
+    ("job", "node", "trigger"),
+)
 INCIDENT_OPEN = Family(
     "diag_incident_open",
     Kind.GAUGE,
