@@ -3,7 +3,9 @@ table-driven, times as plain numbers."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +19,7 @@ from diag.agent.detect.hang import (
     open_incident,
 )
 from diag.agent.detect.observation import Liveness, Observation, RankSnapshot
-from diag.agent.job.decisions import Claim, Known, Where
+from diag.agent.job.decisions import Claim, Known, NodeReport, Where
 from diag.agent.job.jobstop import (
     LOOK_EVERY,
     Follow,
@@ -29,6 +31,8 @@ from diag.agent.job.jobstop import (
     verdict_for,
     wants_look,
 )
+from diag.agent.job.link import JobLink
+from diag.agent.job.verdict import JobVerdictStore
 
 L, R = Where.LOCAL, Where.REMOTE
 SINCE = 1000.0  # this node's ranks started then (wall clock)
@@ -166,3 +170,29 @@ def test_the_stop_goes_through_the_actions_of_a_verdict() -> None:
     assert d.actions[-1].ranks == (0, 1)
     assert d.state.incident == v and [e.kind for e in d.events] == [EventKind.INCIDENT]
     assert verdict_for(Follow(StopState()), _obs()) is None
+
+
+def test_only_the_jobs_own_incidents_are_looked_at(tmp_path: Path) -> None:
+    """Through the real file adapter: an incident of another job on the same timeline, or of
+    another attempt, is not listed; a claim of views is looked at for its verdict."""
+    store = JobVerdictStore(tmp_path / "timeline" / ".jobs")
+    link = JobLink(store, "node-a")
+    now = time.time()
+
+    def report(node: str, where: Where, rank: int | None) -> NodeReport:
+        return NodeReport(node, rank, where, str(tmp_path / "timeline" / f"e-{node}"),
+                          wall=now, first_sign_wall=now)  # fmt: skip
+
+    assert store.file("other", HANG, report("node-x", L, 5))
+    assert store.file("mn", "a1-hang-pg0-seq9", report("node-b", L, 3))
+    assert link.incidents("mn", 0, now - 5) == []
+    assert store.file("mn", HANG, report("node-b", R, None))
+    (k,) = link.incidents("mn", 0, now - 5)
+    assert (k.incident_id, k.verdict, k.marked) == (HANG, False, False)
+    local = _local(since_wall=now - 5)
+    assert follow(StopState(), local, [k], now=50.0).incident is None
+    # A first-hand report under that claim: the marker, found at the next look.
+    assert not store.file("mn", HANG, report("node-c", L, 3))
+    (k,) = link.incidents("mn", 0, now - 5)
+    f = follow(StopState(), local, [k], now=50.0)
+    assert (f.incident, f.trigger) == (k, Trigger.FIRST_HAND) and k.marked
