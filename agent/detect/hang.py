@@ -208,12 +208,14 @@ def _no_steps_warning(obs: Observation, timeouts: TimeoutPolicy) -> Event | None
 
 
 def _progressed_since(state: WatchState, obs: Observation) -> bool:
-    """A live rank moved after the incident, and no dead rank is still in view (the observer
-    stops showing ranks that ended a while ago, so a relaunched job can recover), nor a rank
-    that left while the others need it."""
+    """A live rank moved after the incident, and no dead or failed rank is still in view (the
+    observer stops showing ranks that ended a while ago, so a relaunched job can recover), nor a
+    rank that left while the others need it."""
     before = dict(state.activity_at_incident)
     moved = any(r.alive and r.last_activity > before.get(r.rank, float("-inf")) for r in obs.ranks)
-    if not moved or any(r.liveness == Liveness.DIED for r in obs.ranks):
+    # A rank that failed after the incident (its collective broken by the stop of ranks
+    # elsewhere, or by its own) is as dead as one killed: its last record is no progress.
+    if not moved or any(r.liveness in (Liveness.DIED, Liveness.FAILED) for r in obs.ranks):
         return False
     return (
         state.incident is None
