@@ -280,9 +280,9 @@ class Agent:
             open_incident=incident.incident_id if incident is not None else None,
             stop=self.cfg.policy.on_hang == OnHang.STOP and bool(job),
         )
-        if not wants_look(closed(self.job_stop, local), local, now):
-            self.job_stop = closed(self.job_stop, local)
-            return decision
+        self.job_stop = closed(self.job_stop, local)
+        if not wants_look(self.job_stop, local, now):
+            return decision  # nothing listed: most checks of most nodes end here
         f = follow(
             self.job_stop, local, self.job_link.incidents(job, obs.attempt, local.since_wall), now
         )
