@@ -22,7 +22,16 @@ from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
 from diag.agent.checkpoint.sessions import CommandKind
 from diag.agent.config import AgentConfig
-from diag.agent.detect.hang import Decision, EventKind, Verdict, WatchState, decide
+from diag.agent.detect.hang import (
+    Decision,
+    EventKind,
+    OnHang,
+    Verdict,
+    WatchState,
+    decide,
+    open_incident,
+)
+from diag.agent.detect.observation import Observation
 from diag.agent.drain.executor import Drainer
 from diag.agent.drain.notice import Notice, NoticeWatcher, deadline_of
 from diag.agent.drain.plan import DrainRequest, DrainState
@@ -30,7 +39,8 @@ from diag.agent.evidence.collection import IncidentReport
 from diag.agent.evidence.pyspy import can_trace
 from diag.agent.health.monitors import monitors_for
 from diag.agent.health.watch import HealthWatch
-from diag.agent.job.link import JobLink
+from diag.agent.job.jobstop import Local, StopState, closed, follow, verdict_for, wants_look
+from diag.agent.job.link import JobLink, ranks_since_wall
 from diag.agent.job.nodeview import view_document
 from diag.agent.job.verdict import JobVerdictStore
 from diag.agent.metrics.exporter import AgentMetrics
@@ -104,6 +114,7 @@ class Agent:
         self.executor.listeners.append(self.prune_timeline)
         self.job_verdicts = JobVerdictStore(cfg.timeline / JOB_VERDICTS_DIR)
         self.job_link = JobLink(self.job_verdicts, cfg.node)
+        self.job_stop = StopState()
         self._views: dict[str, dict[str, Any]] = {}  # incident id -> our ranks at its verdict
         # The job verdict needs the incident directory, not the slower native stacks.
         self.executor.on_disk.append(self.file_job_report)
@@ -238,6 +249,8 @@ class Agent:
             # Our ranks as they are now travel with our report for the job verdict, if we file
             # one: whoever assembles it can weigh them against the other nodes'.
             self._views[verdict.incident_id] = view_document(obs, self.cfg.node, wall)
+        else:
+            decision = self._follow_job(obs, decision, now)
         self.state = decision.state
         if self.metrics is not None:
             self.metrics.update(obs, self.state, decision.verdict)
@@ -252,6 +265,34 @@ class Agent:
             self._feed_checkpoint_metrics(now)
             self.metrics.iteration_done(time.perf_counter() - t0)
         return [e.kind for e in decision.events]
+
+    def _follow_job(self, obs: Observation, decision: Decision, now: float) -> Decision:
+        """With no incident of its own, the ranks stop with the rest of the job when another
+        node's incident breaks it (jobstop.py): the same actions as a verdict of this node's."""
+        job = obs.job or self.cfg.job or ""
+        wall = time.time()
+        incident = decision.state.incident
+        local = Local(
+            node=self.cfg.node,
+            attempt=obs.attempt,
+            live_ranks=sum(r.alive for r in obs.ranks),
+            since_wall=ranks_since_wall(obs, wall),
+            open_incident=incident.incident_id if incident is not None else None,
+            stop=self.cfg.policy.on_hang == OnHang.STOP and bool(job),
+        )
+        self.job_stop = closed(self.job_stop, local)
+        if not wants_look(self.job_stop, local, now):
+            return decision  # nothing listed: most checks of most nodes end here
+        f = follow(
+            self.job_stop, local, self.job_link.incidents(job, obs.attempt, local.since_wall), now
+        )
+        self.job_stop = f.state
+        verdict = verdict_for(f, obs)
+        if verdict is None or f.trigger is None:
+            return decision
+        if self.metrics is not None:
+            self.metrics.job_stop(f.trigger.value)
+        return open_incident(decision.state, obs, self.cfg.policy, verdict, decision.events)
 
     def _feed_checkpoint_metrics(self, now: float) -> None:
         # Snapshot headers live in /dev/shm and the committed step on storage: cheap, but not

@@ -157,7 +157,19 @@ def decide(state: WatchState, obs: Observation, policy: Policy) -> Decision:
     if verdict is None:
         return Decision(_job_end(state, obs, events), events=tuple(events))
 
-    events.append(Event(EventKind.INCIDENT, verdict.summary))
+    return open_incident(state, obs, policy, verdict, events)
+
+
+def open_incident(
+    state: WatchState,
+    obs: Observation,
+    policy: Policy,
+    verdict: Verdict,
+    events: list[Event] | tuple[Event, ...] = (),
+) -> Decision:
+    """An incident opened under `verdict`, this node's own or one of the job's that another
+    node reported (`job/jobstop.py`): evidence, checkpoints, then (`--on-hang stop`) the live
+    ranks stopped. Until progress resumes or the ranks restart, no other incident opens."""
     actions = [Action(ActionKind.CAPTURE_EVIDENCE, verdict)]
     if policy.persist_on_incident:
         actions.append(Action(ActionKind.PERSIST_CHECKPOINT, verdict))
@@ -169,7 +181,9 @@ def decide(state: WatchState, obs: Observation, policy: Policy) -> Decision:
         incident=verdict,
         activity_at_incident=tuple((r.rank, r.last_activity) for r in obs.ranks),
     )
-    return Decision(state, verdict, tuple(actions), tuple(events))
+    return Decision(
+        state, verdict, tuple(actions), (*events, Event(EventKind.INCIDENT, verdict.summary))
+    )
 
 
 def _no_steps_warning(obs: Observation, timeouts: TimeoutPolicy) -> Event | None:
@@ -194,12 +208,14 @@ def _no_steps_warning(obs: Observation, timeouts: TimeoutPolicy) -> Event | None
 
 
 def _progressed_since(state: WatchState, obs: Observation) -> bool:
-    """A live rank moved after the incident, and no dead rank is still in view (the observer
-    stops showing ranks that ended a while ago, so a relaunched job can recover), nor a rank
-    that left while the others need it."""
+    """A live rank moved after the incident, and no dead or failed rank is still in view (the
+    observer stops showing ranks that ended a while ago, so a relaunched job can recover), nor a
+    rank that left while the others need it."""
     before = dict(state.activity_at_incident)
     moved = any(r.alive and r.last_activity > before.get(r.rank, float("-inf")) for r in obs.ranks)
-    if not moved or any(r.liveness == Liveness.DIED for r in obs.ranks):
+    # A rank that failed after the incident (its collective broken by the stop of ranks
+    # elsewhere, or by its own) is as dead as one killed: its last record is no progress.
+    if not moved or any(r.liveness in (Liveness.DIED, Liveness.FAILED) for r in obs.ranks):
         return False
     return (
         state.incident is None

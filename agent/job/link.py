@@ -27,6 +27,7 @@ from diag.agent.detect.observation import Observation
 from diag.agent.evidence.collection import IncidentReport
 from diag.agent.job.decisions import (
     Filing,
+    Known,
     Mine,
     NodeReport,
     Target,
@@ -35,11 +36,18 @@ from diag.agent.job.decisions import (
     choose,
     filing,
 )
+from diag.agent.job.jobstop import needs_settled
 from diag.agent.job.verdict import JobVerdict, JobVerdictStore
 from diag.formats.incidentdir import retag
 from diag.formats.untrusted import UntrustedInput
 
 log = logging.getLogger(__name__)
+
+
+def ranks_since_wall(obs: Observation, now_wall: float) -> float:
+    """When this node's ranks started, on the wall clock: incidents claimed before are an
+    earlier run's."""
+    return now_wall - (obs.now - min(r.started_at for r in obs.ranks)) if obs.ranks else 0.0
 
 
 def mine_of(verdict: Verdict, obs: Observation, now_wall: float) -> Mine:
@@ -55,7 +63,7 @@ def mine_of(verdict: Verdict, obs: Observation, now_wall: float) -> Mine:
     first = now_wall
     if verdict.kind == VerdictKind.RANK_EXITED and verdict.expired_at is not None:
         first = wall(verdict.expired_at)  # when its first rank was seen dead
-    since = wall(min(r.started_at for r in obs.ranks)) if obs.ranks else 0.0
+    since = ranks_since_wall(obs, now_wall)
     return Mine(verdict.incident_id, where, first, now_wall, since)
 
 
@@ -116,6 +124,16 @@ class JobLink:
             culprit=None if target.consequence else verdict.culprit,
             summary=as_consequence(verdict.summary, target),
         )
+
+    def incidents(self, job: str, attempt: int, since_wall: float) -> list[Known]:
+        """The job's incidents of `attempt` for `jobstop.follow`: one listing, and for a claim
+        that does not say enough by itself, whether its verdict or a first-hand report came."""
+        try:
+            known = self.store.known(job, attempt, since_wall)
+            return [self.store.settled(k, job) if needs_settled(k) else k for k in known]
+        except (OSError, UntrustedInput) as e:
+            log.error("cannot list the job's incidents under %s: %s", self.store.root, e)
+            return []
 
     def on_disk(self, report: IncidentReport, view: dict[str, Any] | None) -> None:
         o = self._open.get(report.verdict.incident_id)

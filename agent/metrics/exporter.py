@@ -85,6 +85,7 @@ class AgentMetrics:
         self.latency = _histogram(f.COLL_LATENCY, reg)
         self.bytes = _counter(f.COLL_BYTES, reg)
         self.incidents = _counter(f.INCIDENTS, reg)
+        self.job_stops = _counter(f.JOB_STOPS, reg)
         self.detection_delay = _histogram(f.DETECTION_DELAY, reg)
         self.evidence = _histogram(f.EVIDENCE_SECONDS, reg)
         self.iterations = _counter(f.AGENT_ITERATIONS, reg).labels(node)
@@ -140,6 +141,10 @@ class AgentMetrics:
         job = report.job or self._job
         self.evidence.labels(job, self.node, "on_disk").observe(ev.on_disk_seconds)
         self.evidence.labels(job, self.node, "complete").observe(ev.total_seconds)
+
+    def job_stop(self, trigger: str) -> None:
+        """The local ranks stop for another node's incident (`job/jobstop.py`)."""
+        self.job_stops.labels(self._job, self.node, trigger).inc()
 
     def _init_job(self, job: str) -> None:
         # Counters start at 0 so the first incident is an increase that rules can see.

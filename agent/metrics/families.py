@@ -1,8 +1,8 @@
 """Every metric family the agent exports, declared once: name, type, help text and labels.
 
 Labels stay bounded: `job`, `node`, `rank`, `local_rank`, the op kind (`op`, a dozen values),
-the incident kind, the evidence stage, the GPU index. Nothing unbounded (op sequence numbers,
-group names, PIDs, paths) ever becomes a label. The precheck's own `diag_precheck_*` families are
+the incident kind, the evidence stage, a stop's trigger, the GPU index. Nothing unbounded (op
+sequence numbers, group names, PIDs, paths) ever becomes a label. The precheck's own `diag_precheck_*` families are
 declared in `diag.agent.precheck.promfile` and re-exported as they are.
 """
 
@@ -161,6 +161,14 @@ INCIDENTS = Family(
     Kind.COUNTER,
     "Incidents detected (kind: hang, no_progress, rank_exited)",
     ("job", "node", "kind"),
+)
+JOB_STOPS = Family(
+    "diag_job_stops",
+    Kind.COUNTER,
+    "Times the local ranks were stopped (--on-hang stop) for an incident another node of the job "
+    "reported (trigger: first-hand, death, job-verdict); a stop at the node's own verdict counts "
+    "in diag_incidents only",
+    ("job", "node", "trigger"),
 )
 INCIDENT_OPEN = Family(
     "diag_incident_open",

@@ -196,7 +196,13 @@ ROWS: tuple[tuple[str, tuple[P, ...]], ...] = (
         (
             P(
                 "Incidents",
-                (Q(f"sum by (kind) (increase(diag_incidents_total{R}[{RI}]))", "{{kind}}"),),
+                (
+                    Q(f"sum by (kind) (increase(diag_incidents_total{R}[{RI}]))", "{{kind}}"),
+                    Q(
+                        f"sum by (trigger) (increase(diag_job_stops_total{R}[{RI}]))",
+                        "stopped with the job: {{trigger}}",
+                    ),
+                ),
                 kind="bars",
             ),
             P(

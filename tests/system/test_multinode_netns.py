@@ -7,7 +7,9 @@ a volume.
   both nodes' incident directories carry the same incident id, `diag merge` makes one picture of
   all four ranks, and `diag taint --dry-run` plans a taint for node-b only.
 - Rank 1 dies on node-a while node-b's ranks wait for it in a collective: one incident (node-b's
-  hang is recognised as a consequence of the death), one job verdict naming rank 1 on node-a."""
+  hang is recognised as a consequence of the death), one job verdict naming rank 1 on node-a.
+- Rank 3 hangs on node-b; node-a's agent (`--on-hang stop`) stops node-a's ranks, once, on
+  node-b's first-hand report, without a verdict of its own."""
 
 from __future__ import annotations
 
@@ -79,8 +81,14 @@ class Cluster:
 
 
 @contextmanager
-def two_nodes(tmp_path: Path, fault_rank: int, hang_floor: str = "3") -> Iterator[Cluster]:
-    """Agents and launchers on two namespaces; rank `fault_rank` hangs at step 4."""
+def two_nodes(
+    tmp_path: Path,
+    fault_rank: int,
+    hang_floor: str = "3",
+    agent_args: dict[str, list[str]] | None = None,
+) -> Iterator[Cluster]:
+    """Agents and launchers on two namespaces; rank `fault_rank` hangs at step 4. `agent_args`:
+    a node's agent options after the common ones (the last of an option wins)."""
     reason = netns_unavailable()
     if reason:
         pytest.skip(reason)
@@ -103,7 +111,8 @@ def two_nodes(tmp_path: Path, fault_rank: int, hang_floor: str = "3") -> Iterato
                     sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run),
                     "--timeline", str(timeline), "--job", "mn", "--node", node, "--hang-timeout",
                     "20", "--hang-floor", hang_floor, "--warmup-timeout", "60", "--on-hang",
-                    "none", "--until", "incident", "--interval", "0.25", "-v"]),
+                    "none", "--until", "incident", "--interval", "0.25", "-v",
+                    *(agent_args or {}).get(node, [])]),
                 env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
             # gloo otherwise binds the address the host name resolves to (127.0.0.1 here, from
             # /etc/hosts, shared by both namespaces): the other node cannot reach it and the
@@ -233,3 +242,38 @@ def test_a_death_and_the_hang_it_causes_elsewhere_make_one_incident(tmp_path: Pa
         merged = merge_incident(c.timeline)
         assert sorted(merged.sources) == sorted([a_dir, b_dir])
         assert merged.world_size == 4
+
+
+def test_a_hang_on_node_b_stops_node_a_ranks_once(tmp_path: Path) -> None:
+    """Rank 3 hangs on node-b. node-a's ranks only wait for it, and node-a's own hang limit is
+    far beyond this test's wait: only node-b's first-hand report can stop them. node-b's agent
+    leaves its ranks alone (`--on-hang none`), so that node-a's ranks do not fail through gloo
+    first. node-a's agent (`--on-hang stop`, running until its ranks end) stops both its ranks
+    under the job's incident, once, and files nothing: one job incident, one report."""
+    args = {
+        "node-a": ["--on-hang", "stop", "--until", "job-end", "--hang-floor", "250",
+                   "--hang-timeout", "300"],
+    }  # fmt: skip
+    with two_nodes(tmp_path, fault_rank=3, agent_args=args) as c:
+        deadline = time.monotonic() + 200
+        while c.agents[0].poll() is None:
+            assert time.monotonic() < deadline, f"node-a's agent still running:\n{c.logs()}"
+            time.sleep(0.5)
+        assert c.jobs[0].wait(timeout=60) != 0, c.logs()  # its ranks were stopped
+        c.agents[1].wait(timeout=60)
+        verdicts = c.verdicts()
+        assert set(verdicts) == set(NODES), c.logs()
+        a, b = verdicts["node-a"][1], verdicts["node-b"][1]
+        assert (b["kind"], b["culprit"]) == ("hang", 3), b["summary"]
+        assert (a["kind"], a["culprit"]) == ("hang", None), a["summary"]
+        assert a["incident_id"] == b["incident_id"], (a, b)
+        assert "rank 3 on node node-b reported it first-hand" in a["summary"], a["summary"]
+        assert "trigger: first-hand" in a["summary"], a["summary"]
+        log_a = (tmp_path / "agent-node-a.log").read_text()
+        # Once: one incident, each rank stopped once (their deaths that follow open none).
+        assert log_a.count("incident: hang") == 1 and "incident: rank_exited" not in log_a, log_a
+        for rank in (0, 1):
+            assert log_a.count(f"stopping rank {rank} (pid") == 1, log_a
+        assert len(list((c.timeline / ".jobs" / "mn").iterdir())) == 1, c.logs()
+        reports = list((c.timeline / ".jobs").glob("*/*/reports/*"))
+        assert [p.name.split("~")[0] for p in reports] == ["r3.L.node-b"], reports

@@ -289,6 +289,18 @@ def test_a_relaunch_recovers_once_the_dead_rank_is_out_of_view() -> None:
     assert [e.kind for e in d.events] == [EventKind.RECOVERED] and d.state.incident is None
 
 
+def test_a_rank_that_fails_after_the_incident_is_no_recovery() -> None:
+    """Stopped ranks elsewhere break the collective: a rank fails with an exception (its
+    journal's last record moves) while the other still runs. The incident stays open: no
+    recovery, no second incident naming the failed rank."""
+    waiting = [rank(r, last=NOW - 10, pending=(op(42, NOW - 10),)) for r in (0, 1)]
+    first = _decide(obs(*waiting, rank(2, last=NOW - 10, last_seq=41)))
+    assert first.verdict is not None
+    failed = rank(0, liveness=Liveness.FAILED, last=NOW + 1, exited_at=NOW + 1)
+    d = _decide(obs(failed, rank(1, last=NOW + 1), rank(2, last=NOW - 10)), state=first.state)
+    assert d.verdict is None and d.events == () and d.state.incident == first.verdict
+
+
 def test_every_wait_is_judged_before_torch_aborts_its_group() -> None:
     # Rank 0 is in a phase with a 600 s limit, which the waiters inherit; their group's
     # collective timeout is 300 s, so torch would abort first: act at 80% of it.
