@@ -49,7 +49,8 @@ def test_each_fault_kind_is_recovered_from_the_newest_complete_step(tmp_path: Pa
         if x.fault.kind in ("kill", "hang", "gil"):
             assert x.restored == x.saved and x.source == "memory", what
         elif x.fault.kind == "preempt":
-            assert x.saved <= x.restored <= x.trained + 1 and x.source == "memory", what
+            # (from storage when the drain's step went there only)
+            assert x.saved <= x.restored <= x.trained + 1, what
         elif x.fault.kind == "lost":
             # The newest step complete on both nodes once node-b's memory is gone: node-b's
             # replica in node-a's memory (node-a's own ranks hold that step too), unless storage
