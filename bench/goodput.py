@@ -18,11 +18,13 @@ shared memory wiped; it comes back empty). The stacks:
 - dlrover: dlrover-run with DLRover's flash checkpoint (memory every step, storage every --every);
 - diag: `diag agent --on-hang stop` per node (it drains on SIGTERM), `attach`, a flash checkpoint
   in memory every step (the agent writes every --every-th to storage), `graceful_exit`,
-  torchrun's restarts.
+  torchrun's restarts; each node's agent holds the other's newest flash checkpoint in memory
+  (--replica-nodes; --no-replicas: none), so a lost node's ranks resume from memory too.
 
 Printed per stack: the wall time to finish the steps, goodput (the seconds of the steps kept at the
 end, each step's last run from its start to the end of engine.step(), over the wall time), and per
-fault the time lost, in parts measured as tests/support/goodputtimes.py says.
+fault the time lost, in parts measured as tests/support/goodputtimes.py says, the step trained
+and the step restored, and where each node's ranks restored from (memory, replica, storage).
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, help="default: 2900 (--quick: 256)")
     p.add_argument("--every", type=int, help="storage checkpoint every N steps (default 15; 5)")
     p.add_argument("--grace", type=float, default=30.0, help="preemption's grace period, s")
+    p.add_argument(
+        "--no-replicas", dest="replicas", action="store_false",
+        help="diag: no replicas in the peer node (a lost node resumes from storage)",
+    )  # fmt: skip
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--svg", type=Path, help="write the picture here")
     p.add_argument("--keep", type=Path, help="keep every run's logs and events under this folder")
@@ -81,8 +87,9 @@ def log(msg: str) -> None:
 def run_stack(args: argparse.Namespace, stack: str, root: Path) -> RunTimes | str:
     faults = schedule(args.seed, args.steps, tuple(args.kinds.split(",")))
     spec = JobSpec(
-        stack, args.steps, args.hidden, args.every, grace=args.grace, timeout=args.timeout
-    )
+        stack, args.steps, args.hidden, args.every, grace=args.grace, timeout=args.timeout,
+        replicas=args.replicas,
+    )  # fmt: skip
     if stack == "dlrover":
         try:
             import dlrover  # noqa: F401
@@ -141,6 +148,7 @@ def report(args: argparse.Namespace, runs: dict[str, RunTimes | str], gb: dict[s
         + f"{args.steps} steps, --hidden {args.hidden} "
         f"({max(gb.values(), default=0):.2f} GB of state on storage), seed {args.seed}, "
         f"storage every {args.every} steps, grace {args.grace:g} s"
+        + ("" if args.replicas else ", diag without replicas")
     )
     print()
     print("| | " + " | ".join(names) + " |")
@@ -167,7 +175,7 @@ def report(args: argparse.Namespace, runs: dict[str, RunTimes | str], gb: dict[s
     print(
         "| stack | fault (step) | lost (s) | "
         + " | ".join(PARTS)
-        + " | trained, restored | ended by |"
+        + " | trained, restored (from) | ended by |"
     )
     print("|---|---|---|" + "---|" * len(PARTS) + "---|---|")
     for name, r in runs.items():
@@ -186,7 +194,11 @@ def report(args: argparse.Namespace, runs: dict[str, RunTimes | str], gb: dict[s
                 )
                 continue
             parts = " | ".join(f"{x.parts[p]:.1f}" for p in PARTS)
-            print(f"{head} **{x.total:.1f}** | {parts} | {x.trained}, {x.restored} | {x.how} |")
+            held = f", replica held {x.replica}" if x.replica is not None else ""
+            print(
+                f"{head} **{x.total:.1f}** | {parts} | {x.trained}, {x.restored} "
+                f"({x.source}{held}) | {x.how} |"
+            )
     default = runs.get("default")
     if not isinstance(default, RunTimes) or not default.saves:
         return

@@ -16,7 +16,7 @@ F is a JSON list of faults ({"id", "kind", "step", "rank"}); a rank fires the on
 rank, before the forward of that step, once per job (the first rank to create O/fired-<id>
 fires). Each process appends one JSON line per event to O/events.jsonl: start (before the
 imports), ready (process group and engine up, before the restore), restored (the step resumed
-from), step (with t0, its start, and t, its end after engine.step()), saved (the checkpoint of a
+from, and `source`: memory, storage, or "" for nothing or a stack that does not say), step (with t0, its start, and t, its end after engine.step()), saved (the checkpoint of a
 step taken, t0 its start), fault, done.
 """
 
@@ -116,16 +116,18 @@ class Saver:
             _accept_extra_kwargs(dl_ds.AsyncCheckpointAgent)
             self.dl = dl_ds.DeepSpeedCheckpointer(engine, args.save_dir)
 
-    def load(self) -> int:
+    def load(self) -> tuple[int, str]:
+        """The step resumed from, and where from (memory, storage; "": nothing, or unknown)."""
         if self.flash is not None:
-            return int(self.flash.load() or 0)
+            step = int(self.flash.load() or 0)
+            return step, self.flash.stats.loaded_from
         if self.dl is not None:
             self.dl.load_checkpoint(self.args.save_dir)
-            return int(self.engine.global_steps)
+            return int(self.engine.global_steps), ""
         if (Path(self.args.save_dir) / "latest").exists():
             self.engine.load_checkpoint(self.args.save_dir)
-            return int(self.engine.global_steps)
-        return 0
+            return int(self.engine.global_steps), "storage"
+        return 0, ""
 
     def save(self, step: int) -> bool:
         """Whether anything was saved at this step."""
@@ -190,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     saver = Saver(args, engine)
     ev("ready")
-    start = saver.load()
-    ev("restored", step=start)
+    start, source = saver.load()
+    ev("restored", step=start, source=source)
     for step in range(start + 1, args.steps + 1):
         t0 = time.time()
         fault = _due(faults, out, rank, step)

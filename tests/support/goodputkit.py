@@ -10,8 +10,14 @@ harness fires the node faults on node-b, the node that does not host the rendezv
   the node is left after the grace period, then the node comes back (run directory kept);
 - lost: SIGKILL to every process of the node, its run directory wiped; it comes back empty.
 
+With the diag stack each node's agent also holds the other's newest flash checkpoint in its memory
+(--replica-nodes, both agents on 127.0.0.1 at ports of their own): a lost node's agent pulls its
+ranks' snapshots back from node-a before they start, and they resume from memory.
+
 Everything is logged as JSON lines in <root>/out/events.jsonl (goodput_job.py's events, and the
-harness's: fault, node_down, node_up, gone (a rank's process seen gone, polled every 0.1 s)).
+harness's: fault (with `replica`, the step node-a held for node-b when node-b went), node_down,
+node_up, pulled (where a node's agent took its ranks' snapshots from at start, as it logged it),
+gone (a rank's process seen gone, polled every 0.1 s)).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import contextlib
 import json
 import os
 import random
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -81,6 +89,8 @@ class JobSpec:
     agent_args: tuple[str, ...] = ()
     wait_saves: bool = False  # `saved` means the flash copy is done (the test's "complete")
     timeout: float = 3600.0
+    replicas: bool = True  # diag: each node's agent holds the other's flash checkpoint
+    replica_interval: float = 0.05  # s between the agents' looks for a newer step to send
 
 
 @dataclass
@@ -91,6 +101,7 @@ class Node:
     launcher: subprocess.Popen | None = None
     agent: subprocess.Popen | None = None
     launches: int = 0
+    replica_port: int = 0
 
 
 @dataclass
@@ -100,6 +111,10 @@ class Outcome:
     t0: float
     why: str = ""
     faults: list[Fault] = field(default_factory=list)
+
+
+# The agent's line for where it took the node's snapshots from (agent.replica.replicator).
+_PULLED = re.compile(r"replica restore: (\w+)(?: step (\d+))?")
 
 
 def _listening(port: int) -> bool:
@@ -131,6 +146,16 @@ class GoodputJob:
                 ELASTIC_JOB_NAME=f"{self.run_id}-{name}",
             )  # fmt: skip
             self.nodes.append(Node(name, run, env))
+        self.ring = ""
+        if spec.stack == "diag" and spec.replicas:
+            ports: set[int] = set()
+            while len(ports) < len(self.nodes):
+                ports.add(free_port())
+            token = secrets.token_hex(16)
+            for n, port in zip(self.nodes, sorted(ports), strict=True):
+                n.replica_port = port
+                n.env["DIAG_REPLICA_TOKEN"] = token  # through the environment, as advised
+            self.ring = ",".join(f"{n.name}=127.0.0.1:{n.replica_port}" for n in self.nodes)
         self.master: subprocess.Popen | None = None
         if spec.stack == "dlrover":
             # DLRover's job master (its own pod in a cluster); the nodes' agents meet there.
@@ -222,18 +247,27 @@ class GoodputJob:
         node.run_dir.mkdir(mode=0o700, exist_ok=True)
         tag = f"{node.name}.{node.launches}"
         if self.spec.stack == "diag":
+            replicas = [] if not self.ring else [
+                "--replica-nodes", self.ring, "--replica-listen", "127.0.0.1",
+                "--replica-interval", str(self.spec.replica_interval),
+            ]  # fmt: skip
             with open(self.root / f"agent-{tag}.log", "wb") as f:
                 node.agent = subprocess.Popen(
                     [sys.executable, "-m", "diag.cli.main", "agent", "--run-dir",
                      str(node.run_dir), "--timeline", str(self.timeline), "--job", "goodput",
                      "--node", node.name, "--native-stacks", "false", "--on-hang", "stop",
-                     "--termination-grace", str(self.spec.grace), "-v", *self.spec.agent_args],
+                     "--termination-grace", str(self.spec.grace), "-v", *replicas,
+                     *self.spec.agent_args],
                     env=node.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                 )  # fmt: skip
             sock = node.run_dir / "goodput.control.sock"
             deadline = time.monotonic() + 120
             while not sock.exists() and time.monotonic() < deadline:
+                if node.agent.poll() is not None:
+                    break
                 time.sleep(0.05)
+            if self.ring:
+                self._note_pulled(node, self.root / f"agent-{tag}.log")
         with open(self.root / f"launcher-{tag}.log", "wb") as f:
             node.launcher = subprocess.Popen(
                 self._launcher_cmd(node), env=node.env, stdout=f, stderr=subprocess.STDOUT,
@@ -271,11 +305,32 @@ class GoodputJob:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 
+    def _held_replica(self, holder: Node, of: Node) -> int | None:
+        """The step of `of`'s replica that `holder`'s agent holds complete (agent.replica.store's
+        layout: <run dir>/.replicas/<node>-<step>-<nonce>/replica.json), or None."""
+        steps = []
+        for p in (holder.run_dir / ".replicas").glob(f"{of.name}-*-*"):
+            step = p.name.removeprefix(f"{of.name}-").split("-")[0]
+            if step.isdigit() and (p / "replica.json").exists():
+                steps.append(int(step))
+        return max(steps, default=None)
+
     def _note_fault(self, fault: Fault, node: Node) -> None:
-        latest = self._latest()
         self.note(
-            "fault", id=fault.id, kind=fault.kind, node=node.name, step=self.progress, latest=latest
-        )
+            "fault", id=fault.id, kind=fault.kind, node=node.name, step=self.progress,
+            latest=self._latest(),
+        )  # fmt: skip
+
+    def _note_pulled(self, node: Node, log: Path) -> None:
+        """Where the node's agent took the ranks' snapshots from at its start (it logs that before
+        it opens its control socket, which start_node waited for)."""
+        text = log.read_text(errors="replace") if log.exists() else ""
+        m = _PULLED.search(text)
+        if m is None:
+            self.note("pulled", node=node.name, source="unknown", step=None)
+            return
+        step = int(m.group(2)) if m.group(2) else None
+        self.note("pulled", node=node.name, source=m.group(1), step=step)
 
     def preempt(self, node: Node, fault: Fault) -> None:
         self._note_fault(fault, node)
@@ -290,9 +345,13 @@ class GoodputJob:
         self.start_node(node)
 
     def lose(self, node: Node, fault: Fault) -> None:
-        self._note_fault(fault, node)
+        fired = dict(t=time.time(), step=self.progress, latest=self._latest())
         self._kill_node(node)
         self._wait_gone(node, 30)
+        # Read once the node's agent is gone: no push of it can complete after that.
+        holder = next(n for n in self.nodes if n is not node)
+        replica = self._held_replica(holder, node) if self.ring else None
+        self.note("fault", id=fault.id, kind=fault.kind, node=node.name, replica=replica, **fired)
         shutil.rmtree(node.run_dir, ignore_errors=True)
         for p in Path("/dev/shm").glob(f"*{self.run_id}-{node.name}*"):
             with contextlib.suppress(OSError):

@@ -18,6 +18,9 @@ steps kept at the end, and per fault the time lost, split in six parts measured 
 
 Their sum is the fault's share of the wall time: from the last step kept before it to the restore.
 A rank process is seen gone by the harness's poll every 0.1 s.
+
+Where each node's ranks restored from: memory (the node's own), replica (memory its agent pulled
+from a peer's at its start), storage; one word when every node's is the same.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class Loss:
     saved: int  # newest step every rank of the broken attempt saved (a save returned)
     latest: int | None  # the step storage's `latest` named at the fault (node faults)
     how: str  # what ended the broken attempt
+    source: str = "-"  # where the ranks restored from (see the top), "-" when unknown
+    replica: int | None = None  # the step a peer held for the lost node when it went
 
     @property
     def total(self) -> float:
@@ -78,6 +83,21 @@ def _verdicts(timeline: Path) -> list[tuple[float, dict]]:
             continue
         out.append((at, doc))
     return sorted(out, key=lambda x: x[0])
+
+
+def _sources(restored_rows: list[dict], pulled: dict[str, str]) -> str:
+    """Where each node's ranks restored from, `pulled` naming where each node's agent took their
+    snapshots from at its start (agent.replica.ring's sources: local, peer, storage, none)."""
+    by_node: dict[str, set[str]] = {}
+    for x in restored_rows:
+        node, source = x.get("node", ""), x.get("source") or "-"
+        if source == "memory" and pulled.get(node) == "peer":
+            source = "replica"
+        by_node.setdefault(node, set()).add(source)
+    words = {n: "/".join(sorted(v)) for n, v in sorted(by_node.items())}
+    if len(set(words.values())) == 1:
+        return next(iter(words.values()))
+    return ", ".join(f"{n} {w}" for n, w in words.items())
 
 
 def _median(xs: list[float]) -> float:
@@ -128,9 +148,15 @@ def analyse(
             if tf < s["t"] < t_next and any(x["ev"] == "step" for x in by_pid.get(p, []))
         ]  # fmt: skip
         restored_rows = [x for p in new for x in by_pid[p] if x["ev"] == "restored"]
+        pulled = {
+            x["node"]: x["source"] for x in events if x["ev"] == "pulled" and tf < x["t"] < t_next
+        }
         ready_rows = [x for p in new for x in by_pid[p] if x["ev"] == "ready"]
         if len(restored_rows) < world or len(ready_rows) < world:
-            losses.append(Loss(f, tf, {}, None, trained, saved, e.get("latest"), "not recovered"))
+            losses.append(Loss(
+                f, tf, {}, None, trained, saved, e.get("latest"), "not recovered",
+                replica=e.get("replica"),
+            ))  # fmt: skip
             continue
         restored = min(x["step"] for x in restored_rows)
         t_ready = max(x["t"] for x in ready_rows)
@@ -167,7 +193,10 @@ def analyse(
             how = f"the peers' collective timeout ({pg_timeout:g} s)"
         else:
             how = "a rank's exit, seen by its launcher"
-        losses.append(Loss(f, tf, parts, restored, trained, saved, e.get("latest"), how))
+        losses.append(Loss(
+            f, tf, parts, restored, trained, saved, e.get("latest"), how,
+            _sources(restored_rows, pulled), e.get("replica"),
+        ))  # fmt: skip
     last: dict[int, dict] = {}
     for s in steps:
         if s["step"] not in last or s["t"] > last[s["step"]]["t"]:
