@@ -12,13 +12,20 @@ import pytest
 
 from diag.agent.observe.procs import ProcessWatch, main_thread_runnable_seconds
 
-SPIN = "import time\nwhile True: pass\n"
+SPIN = "import sys\nprint(flush=True)\nwhile True: pass\n"
 
 
 def _spinner(cpu: int) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", SPIN])
+    p = subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE)
     os.sched_setaffinity(p.pid, {cpu})
     return p
+
+
+def _spinning(*procs: subprocess.Popen) -> None:
+    # The interpreter's start reads files (not runnable while it waits on the disk): the share
+    # is measured from the moment each one spins.
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline() == b"\n"
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="no schedstat")
@@ -26,6 +33,7 @@ def test_a_spinner_sharing_its_core_is_busy_although_it_gets_half_of_it() -> Non
     cpu = min(os.sched_getaffinity(0))
     a, b, c = _spinner(cpu), _spinner(cpu), _spinner(cpu)  # three on one core: a third each
     try:
+        _spinning(a, b, c)
         watch = ProcessWatch()
         watch.watch(a.pid, psutil.Process(a.pid).create_time())
         watch.refresh(a.pid, time.monotonic())
@@ -39,6 +47,8 @@ def test_a_spinner_sharing_its_core_is_busy_although_it_gets_half_of_it() -> Non
         for p in (a, b, c):
             p.kill()
             p.wait(timeout=10)
+            assert p.stdout is not None
+            p.stdout.close()
 
 
 def test_a_sleeping_process_is_not_busy() -> None:
