@@ -76,6 +76,7 @@ class Trial:
     holder_agent_cpu_ms: float | None  # the holder's agent's (replica mode)
     ranks_cpu_ms: float  # both ranks together
     restore_s: float
+    agent_up_s: float  # of restore_s: the new agent's start until it is up (and has pulled)
     restored_step: int
     restored_from: str
     trained_at_kill: int
@@ -313,12 +314,14 @@ def trial(root: Path, mode: str, setup: Setup) -> Trial:
         n.release("agent-a-go-1")
         log = n.root / "agent-a-1.log"
         wait_for(lambda: agent_up(log, mode), 300, "the new agent")
+        agent_up_s = time.monotonic() - t0
         n.release("go-1")
         start = n.ctl / "start-1.json"
         wait_for(start.exists, 600, "the restore")
         restore_s = time.monotonic() - t0
         doc = json.loads(start.read_text())
-        t = Trial(mode, step_ms, count, node_cpu, holder_cpu, ranks_cpu, restore_s, doc["step"],
+        t = Trial(mode, step_ms, count, node_cpu, holder_cpu, ranks_cpu, restore_s, agent_up_s,
+                  doc["step"],
                   doc["from"], trained, 0, cache_before=before, cache_after=after)  # fmt: skip
         if doc["from"] == "storage":
             tag = n.save / step_tag(doc["step"])
@@ -338,6 +341,20 @@ def trial(root: Path, mode: str, setup: Setup) -> Trial:
 
 def mb(n: int | None) -> str:
     return "?" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def describe(t: Trial) -> str:
+    holder = "-" if t.holder_agent_cpu_ms is None else f"{t.holder_agent_cpu_ms:.1f}"
+    pull = "" if t.pull_s is None else f", its pull {t.pull_s:.2f} s"
+    notes = "".join("; " + x for x in t.notes)
+    return (
+        f"{t.mode:8s} step {t.step_ms:7.1f} ms ({t.steps_in_window} steps), agent CPU/step: "
+        f"node {t.node_agent_cpu_ms:.1f} ms, holder {holder} ms, ranks {t.ranks_cpu_ms:.0f} ms; "
+        f"restore {t.restore_s:6.2f} s (agent up {t.agent_up_s:.2f} s{pull}): step "
+        f"{t.restored_step} from {t.restored_from}, {mb(t.restored_bytes)} (trained "
+        f"{t.trained_at_kill}); save dir in page cache {mb(t.cache_before)} -> "
+        f"{mb(t.cache_after)}{notes}"
+    )
 
 
 def main() -> int:
@@ -388,15 +405,7 @@ def main() -> int:
         for r in range(args.rounds):
             for mode in ("storage", "replica") if r % 2 == 0 else ("replica", "storage"):
                 t = trial(root / f"{r}-{mode}", mode, setup)
-                holder = "-" if t.holder_agent_cpu_ms is None else f"{t.holder_agent_cpu_ms:.1f}"
-                pull = "" if t.pull_s is None else f", pull {t.pull_s:.2f} s"
-                print(f"round {r + 1} {mode:8s} step {t.step_ms:7.1f} ms ({t.steps_in_window} "
-                      f"steps), agent CPU/step: node {t.node_agent_cpu_ms:.1f} ms, holder "
-                      f"{holder} ms, ranks {t.ranks_cpu_ms:.0f} ms; restore {t.restore_s:6.2f} s"
-                      f"{pull}: step {t.restored_step} from {t.restored_from}, "
-                      f"{mb(t.restored_bytes)} (trained {t.trained_at_kill}); save dir in page "
-                      f"cache {mb(t.cache_before)} -> {mb(t.cache_after)}"
-                      f"{''.join('; ' + x for x in t.notes)}", flush=True)  # fmt: skip
+                print(f"round {r + 1} {describe(t)}", flush=True)
                 trials.append(t)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -421,6 +430,8 @@ def main() -> int:
         print(f"| {what} | {cell('storage', key, '.1f')} | {cell('replica', key, '.1f')} | |")
     print(f"| node restore, s (agent start to state loaded) | {rs:.2f} | {rr:.2f} | "
           f"{rr / rs:.2f} |")  # fmt: skip
+    print(f"| of which the new agent up, s | {cell('storage', 'agent_up_s', '.2f')} | "
+          f"{cell('replica', 'agent_up_s', '.2f')} | |")  # fmt: skip
     print(f"| of which the replica pull (agent's log), s | - | {cell('replica', 'pull_s', '.2f')} "
           f"| |")  # fmt: skip
     print(f"| bytes restored, MB | {med('storage', 'restored_bytes') / 1e6:.1f} | "
