@@ -10,6 +10,7 @@ dead receiver is torn and never read as a snapshot.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import socket
 import struct
@@ -68,15 +69,55 @@ def check_meta(data: bytes, h: SlotHeader, part: Part, m: Manifest, source: str)
         )
 
 
-def _reserve(fd: int, size: int, where: Path) -> None:
+def _reserve(fd: int, size: int, where: Path) -> bool:
+    """Gives the file its size; True when its blocks are reserved too (writing into a mapping of
+    it cannot then fail for want of space: with a sparse file it would kill the process)."""
     try:
         os.posix_fallocate(fd, 0, size)
+        return True
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise ShmSpaceError(space_message(where, size)) from e
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, size)
+        return False
+
+
+def _cut(source: str, rank: int) -> UntrustedInput:
+    return UntrustedInput(source, f"closed the connection in rank {rank}'s part")
+
+
+def _recv_mapped(
+    sock: socket.socket, fd: int, start: int, end: int, source: str, rank: int
+) -> None:
+    """Straight from the socket into the file's pages: one copy, not one into a buffer and
+    another into the file."""
+    with mmap.mmap(fd, end) as mm, memoryview(mm) as view:
+        offset = start
+        while offset < end:
+            want = min(CHUNK, end - offset)
+            k = sock.recv_into(view[offset : offset + want], want)
+            if k == 0:
+                raise _cut(source, rank)
+            offset += k
+
+
+def _recv_copied(
+    sock: socket.socket, fd: int, start: int, end: int, source: str, rank: int
+) -> None:
+    buf = bytearray(min(CHUNK, end - start))
+    view = memoryview(buf)
+    offset = start
+    while offset < end:
+        want = min(len(buf), end - offset)
+        k = sock.recv_into(view[:want], want)
+        if k == 0:
+            raise _cut(source, rank)
+        done = 0
+        while done < k:
+            done += os.pwrite(fd, view[done:k], offset + done)
+        offset += k
 
 
 def receive_part(
@@ -89,8 +130,8 @@ def receive_part(
     where: Path,
     capacity_cap: int = 0,
 ) -> SlotHeader:
-    """Reads one part from `sock` into the new file `fd`, checks it, and marks it complete last. UntrustedInput when it is not the part the
-    manifest announced; ShmSpaceError when it does not fit. The file gets the part's size, or
+    """Reads one part from `sock` into the new file `fd`, checks it, and marks it complete last.
+    UntrustedInput when it is not the part the manifest announced; ShmSpaceError when it does not fit. The file gets the part's size, or
     the slot's capacity up to `capacity_cap` (a slot the rank will write into again)."""
     head = recv_exact(sock, HEADER_SIZE, source)
     try:
@@ -99,24 +140,14 @@ def receive_part(
         raise UntrustedInput(source, f"rank {part.rank}'s part: {e}") from None
     check_header(h, part, m, source)
     size = max(part.nbytes, min(h.capacity, capacity_cap))
-    _reserve(fd, size, where)
+    reserved = _reserve(fd, size, where)
     torn = bytearray(head)
     struct.pack_into("<Q", torn, GEN_OFFSET, h.gen - 1)  # odd: not a snapshot until checked
     if capacity_cap:  # an installed slot: its header tells its real size
         struct.pack_into("<Q", torn, CAPACITY_OFFSET, size)
     os.pwrite(fd, torn, 0)
-    buf = bytearray(min(CHUNK, part.nbytes))
-    view = memoryview(buf)
-    offset = HEADER_SIZE
-    while offset < part.nbytes:
-        want = min(len(buf), part.nbytes - offset)
-        k = sock.recv_into(view[:want], want)
-        if k == 0:
-            raise UntrustedInput(source, f"closed the connection in rank {part.rank}'s part")
-        done = 0
-        while done < k:
-            done += os.pwrite(fd, view[done:k], offset + done)
-        offset += k
+    receive = _recv_mapped if reserved else _recv_copied
+    receive(sock, fd, HEADER_SIZE, part.nbytes, source, part.rank)
     check_meta(os.pread(fd, h.meta_len, h.meta_offset), h, part, m, source)
     os.pwrite(fd, struct.pack("<Q", h.gen), GEN_OFFSET)  # even: complete, written last
     return h

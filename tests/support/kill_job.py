@@ -1,5 +1,6 @@
 """The training job of the kill suite (killsuite.py): one rank of a 2-rank DeepSpeed ZeRO job that
-trains without end, saves a flash checkpoint every step and asks the agent to persist each.
+trains without end, saves a flash checkpoint every step and asks the agent to persist each (or every
+`--persist-every`th).
 
     RANK=0 WORLD_SIZE=2 ... python tests/support/kill_job.py --zero 2 --save-dir D --ctl C --gen 3
 
@@ -30,6 +31,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--pause", type=float, default=0.05, help="seconds of idle time per step")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--persist-every", type=int, default=1,
+        help="ask the agent to persist every Nth step to storage (every step stays in memory)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if losses is not None:
             losses.write(json.dumps({"step": step, "loss": loss.item().hex()}) + "\n")
             losses.flush()
-        ckpt.save(step, {"data_step": step}, persist=True)
+        ckpt.save(step, {"data_step": step}, persist=step % args.persist_every == 0)
         time.sleep(args.pause)
     ckpt.close()
     dist.destroy_process_group()

@@ -5,6 +5,8 @@ connections and restarts leave no torn or mixed replica."""
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 import threading
 from pathlib import Path
@@ -17,6 +19,7 @@ from diag.agent.replica.source import local_replica
 from diag.agent.replica.store import STAGING_PREFIX, ReplicaStore
 from diag.agent.replica.transport import Peers, ReplicaServer, ask_offer, pull, push
 from diag.agent.replica.wire import (
+    CHUNK,
     Hello,
     Kind,
     Op,
@@ -274,3 +277,59 @@ def test_connections_past_the_cap_are_closed_unanswered(tmp_path, monkeypatch):
     peers = Peers(ring, {"a": ("127.0.0.1", 0), "b": ("127.0.0.1", server.port)}, "a", JOB)
     assert ask_offer(peers, "b").step is None
     server.close()
+
+
+def big_slots(run_dir: Path, save: Path, step: int, nbytes: int) -> None:
+    """Ranks 0 and 1 of node a, each with a part of several receive chunks."""
+    from snapshot_helpers import captured, new_slot, write_snapshot
+
+    for rank in (0, 1):
+        slot = new_slot(run_dir, JOB, rank, 0, world=WORLD)
+        raw = {f"global_step{step}/blob{rank}.bin": os.urandom(nbytes)}
+        files = captured({}, raw=raw)
+        write_snapshot(slot, step, files, job=JOB, rank=rank, world=WORLD, save_dir=save,
+                       node="a", run="r1")  # fmt: skip
+        slot.close()
+
+
+@pytest.mark.parametrize("fallocate", ["supported", "unsupported"])
+def test_parts_of_many_chunks_arrive_bit_for_bit(tmp_path, ring2, monkeypatch, fallocate):
+    """A part is received straight into the file's mapping where the file's blocks are reserved,
+    through a buffer where the file system cannot reserve them; both give the same bytes."""
+    if fallocate == "unsupported":
+
+        def no_fallocate(fd, offset, length):
+            raise OSError(errno.EOPNOTSUPP, "not supported")
+
+        monkeypatch.setattr(os, "posix_fallocate", no_fallocate)
+    a, store, server = ring2
+    run_dir, save = tmp_path / "a-run", tmp_path / "save"
+    run_dir.mkdir()
+    big_slots(run_dir, save, 3, CHUNK + (CHUNK // 2) + 7)
+    local = local_replica(run_dir, JOB, "a", OWNERS)
+    assert local is not None and all(p.nbytes > CHUNK for p in local.manifest.parts)
+    result = push(a, "b", local, OWNERS)
+    assert result.ok, result.error
+    held = store.held("a")
+    assert held is not None and held.manifest.step == 3
+    for part, path in zip(local.manifest.parts, local.paths, strict=True):
+        got = held.part_path(part).read_bytes()
+        assert got[HEADER_SIZE : part.nbytes] == path.read_bytes()[HEADER_SIZE : part.nbytes]
+    fresh = tmp_path / "fresh"
+    m, paths = pull(a, "b", fresh, max_bytes=CAP)
+    snaps = read_snapshots(find_slots(fresh, JOB), OWNERS)
+    assert sorted((s.meta.rank, s.meta.step) for s in snaps) == [(0, 3), (1, 3)]
+    for p, part, src in zip(paths, m.parts, local.paths, strict=True):
+        assert (
+            p.read_bytes()[HEADER_SIZE : part.nbytes] == src.read_bytes()[HEADER_SIZE : part.nbytes]
+        )
+
+    # cut after the first chunk of a part: torn, dropped, the previous replica kept
+    body, payload = manifest_of(run_dir)
+    ended: list[str] = []
+    server.on_event = lambda kind, detail: ended.append(kind)
+    assert (
+        raw_push(server.port, a.hello(Op.PUSH), body, payload[: CHUNK + 4096], close=True) is None
+    )
+    assert wait_until(lambda: ended == ["refused"]), ended
+    assert store.held("a") == held and not staging(store)
