@@ -144,7 +144,9 @@ def main() -> int:
     print(f"{'median':10s} {'first gone':>11s} {'last gone':>10s} {'launchers':>10s}")
     for v, (a, b, c) in med.items():
         print(f"{v:10s} {a:10.2f}s {b:9.2f}s {c:9.2f}s")
-    ratios = [g / p if p else float("nan") for g, p in zip(med["graceful"], med["plain"])]
+    ratios = [
+        g / p if p else float("nan") for g, p in zip(med["graceful"], med["plain"], strict=True)
+    ]
     print("graceful/plain " + " ".join(f"{r:.2f}" for r in ratios))
     return 0
 
