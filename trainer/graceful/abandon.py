@@ -13,11 +13,12 @@ The rule, for a rank with a request pending:
 - the process is already leaving (an error ended the training loop, the exit handlers run):
   leave now, without finalizing the interpreter;
 - the drain is saving: wait (its collectives raise if a peer dies, which is the case above);
-- training: wait while step boundaries keep coming. No boundary for `grace` after the request
-  (or after the last boundary that followed it) means the rank is stuck where it cannot reach
-  one (in a collective with a hung peer): leave now. `grace` is `step_factor` times the
-  longest recent step, at least `min_grace_s`; before any step was timed there is nothing to
-  compare with, so the rank waits.
+- training, the signal's Python handler run: wait. The main thread runs Python, so it is in a
+  step, however long (the agent's rank deadline and the launcher's SIGKILL bound that);
+- training, the handler not run for `grace` since the signal came: the main thread is blocked
+  in a C call that ignores signals (a gloo collective waiting on a hung peer): leave now.
+  `grace` is `step_factor` times the longest recent step, at least `min_grace_s`; before any
+  step was timed there is nothing to compare with, so the rank waits.
 
 Leaving without a save loses nothing that was safe: the newest complete flash snapshot is in
 shared memory (its completeness marker is written last) and the agent persists it; a storage
@@ -62,8 +63,10 @@ DEFAULT_POLICY = AbandonPolicy()
 class DrainProgress:
     requested_at: float | None  # monotonic time of the stop request; None: none
     phase: Phase
-    last_boundary_at: float | None  # monotonic time of the last step boundary passed
     step_s: float | None  # the longest recent step; None: none timed yet
+    # Monotonic time since which a drain signal came that the main thread has not yet handled
+    # in Python (it has run no bytecode since); None: every signal handled, or none came.
+    unhandled_since: float | None = None
     agreement_failed: bool = False  # an agreement or the drain's barrier raised
 
 
@@ -83,16 +86,17 @@ def decide(p: DrainProgress, now: float, policy: AbandonPolicy = DEFAULT_POLICY)
         return Verdict(Action.LEAVE_NOW, "the stop came while the process was leaving", None)
     if p.phase is Phase.SAVING:
         return Verdict(Action.WAIT, "the drain is saving", 1.0)
+    if p.unhandled_since is None:
+        return Verdict(Action.WAIT, "the main thread runs Python: the step goes on", None)
     if p.step_s is None:
         return Verdict(Action.WAIT, "no step timed yet", 1.0)
-    since = max(p.requested_at, p.last_boundary_at or p.requested_at)
     grace = max(policy.min_grace_s, policy.step_factor * p.step_s)
-    waited = now - since
+    waited = now - p.unhandled_since
     if waited >= grace:
         return Verdict(
             Action.LEAVE_NOW,
-            f"no step boundary for {waited:.1f} s after the stop request (steps take up to "
-            f"{p.step_s:.2f} s): stuck in a collective that will not complete",
+            f"the signal not handled for {waited:.1f} s (steps take up to {p.step_s:.2f} s): "
+            f"stuck in a collective that will not complete",
             None,
         )
-    return Verdict(Action.WAIT, "waiting for the next step boundary", grace - waited)
+    return Verdict(Action.WAIT, "the main thread is in a C call", min(grace - waited, 1.0))

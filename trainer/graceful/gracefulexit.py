@@ -133,7 +133,6 @@ class GracefulExit:
         if gs == self._boundary or not self.enabled or self.stopped is not None:
             return
         previous, self._boundary = self._boundary, gs
-        self.watch.boundary()
         if not self.period.advanced(previous, gs):
             return
         if not self.period.boundary(gs, time.monotonic()):

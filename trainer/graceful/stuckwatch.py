@@ -62,26 +62,32 @@ class DrainWatch:
         self.exit_code = exit_code
         self.policy = policy
         self.phase = Phase.TRAINING
-        self.last_boundary_at: float | None = None
         self.agreement_failed = False
+        # A drain signal read from the wake-up socket came after this moment (the previous read).
+        self.signal_after: float | None = None
         self._reader: socket.socket | None = None
         self._writer: socket.socket | None = None
         self._signals: frozenset[int] = frozenset()
 
     # -- what the training loop reports -----------------------------------------------------------
 
-    def boundary(self) -> None:
-        self.last_boundary_at = time.monotonic()
-
     def progress(self) -> DrainProgress:
         request = self.flag.requested
         return DrainProgress(
             requested_at=request.monotonic if request else None,
             phase=self.phase,
-            last_boundary_at=self.last_boundary_at,
             step_s=self.step_seconds(),
             agreement_failed=self.agreement_failed,
+            unhandled_since=self._unhandled_since(),
         )
+
+    def _unhandled_since(self) -> float | None:
+        # A handler run after the previous read ran for this signal or a later one: either way
+        # the main thread executed Python since the signal may have come.
+        after, handled = self.signal_after, self.flag.handled_at
+        if after is None or (handled is not None and handled > after):
+            return None
+        return after
 
     def verdict(self) -> Verdict:
         return decide(self.progress(), time.monotonic(), self.policy)
@@ -115,6 +121,7 @@ class DrainWatch:
         reader = self._reader
         assert reader is not None
         timeout: float | None = IDLE_POLL_S
+        previous_read = time.monotonic()
         while True:
             try:
                 ready, _, _ = select.select([reader], [], [], timeout)
@@ -124,6 +131,9 @@ class DrainWatch:
             for signum in data:
                 if signum in self._signals:
                     self.flag.request(signal.Signals(signum).name)
+                    if self._unhandled_since() is None:
+                        self.signal_after = previous_read
+            previous_read = time.monotonic()
             verdict = self.verdict()
             if verdict.action is Action.LEAVE_NOW and self.phase is not Phase.LEAVING:
                 self.leave(verdict.reason)
@@ -139,11 +149,13 @@ class DrainWatch:
     # -- at exit ---------------------------------------------------------------------------------
 
     def at_exit(self) -> str | None:
-        """The drain is over: puts the signals' handlers back and stops routing them here.
+        """No drain can happen any more: unless one was done, puts the signals' handlers back
+        and stops routing them here.
         Returns why the process must leave without finalizing (a request came and was not
         honoured), or None."""
-        if self.phase is not Phase.DONE:
-            self.phase = Phase.LEAVING
+        if self.phase is Phase.DONE:
+            return None  # drained: leaving with its code; a late SIGTERM must not change that
+        self.phase = Phase.LEAVING
         verdict = self.verdict()
         self.flag.uninstall()
         if self._writer is not None and _installed_fd() == self._writer.fileno():

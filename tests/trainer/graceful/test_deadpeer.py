@@ -33,7 +33,7 @@ POLICY = AbandonPolicy(min_grace_s=5.0, step_factor=3.0)
 
 def _progress(**kw: object) -> DrainProgress:
     base: dict[str, object] = dict(
-        requested_at=100.0, phase=Phase.TRAINING, last_boundary_at=99.0, step_s=0.5
+        requested_at=100.0, phase=Phase.TRAINING, step_s=0.5, unhandled_since=100.0
     )
     base.update(kw)
     return DrainProgress(**base)  # type: ignore[arg-type]
@@ -42,24 +42,23 @@ def _progress(**kw: object) -> DrainProgress:
 @pytest.mark.parametrize(
     ("progress", "now", "action"),
     [
-        # No request: nothing to decide, however long since the last boundary.
-        (_progress(requested_at=None), 1000.0, Action.WAIT),
+        # No request: nothing to decide.
+        (_progress(requested_at=None, unhandled_since=None), 1000.0, Action.WAIT),
         # A peer is gone (the agreement raised), or the process is leaving: at once.
-        (_progress(agreement_failed=True), 100.0, Action.LEAVE_NOW),
-        (_progress(phase=Phase.LEAVING), 100.0, Action.LEAVE_NOW),
+        (_progress(agreement_failed=True, unhandled_since=None), 100.0, Action.LEAVE_NOW),
+        (_progress(phase=Phase.LEAVING, unhandled_since=None), 100.0, Action.LEAVE_NOW),
         # The drain saves (a save may be long) or is done: wait.
         (_progress(phase=Phase.SAVING), 1000.0, Action.WAIT),
         (_progress(phase=Phase.DONE, agreement_failed=True), 1000.0, Action.WAIT),
-        # Training: the grace is max(5 s, 3 x the longest step) from the request...
+        # Training, the handler run: a step however long (the agent and launcher bound it).
+        (_progress(unhandled_since=None), 1000.0, Action.WAIT),
+        # Training, the handler not run: blocked in C; the grace is max(5 s, 3 x longest step).
         (_progress(), 104.9, Action.WAIT),
         (_progress(), 105.0, Action.LEAVE_NOW),
         (_progress(step_s=4.0), 111.9, Action.WAIT),
         (_progress(step_s=4.0), 112.0, Action.LEAVE_NOW),
-        # ... or from the last boundary after it: a rank still stepping is not stuck.
-        (_progress(last_boundary_at=103.0), 107.9, Action.WAIT),
-        (_progress(last_boundary_at=103.0), 108.0, Action.LEAVE_NOW),
         # No step timed yet: a slow first step cannot be told from a stuck one.
-        (_progress(step_s=None, last_boundary_at=None), 1000.0, Action.WAIT),
+        (_progress(step_s=None), 1000.0, Action.WAIT),
     ],
 )
 def test_the_rule(progress: DrainProgress, now: float, action: Action) -> None:
@@ -67,8 +66,8 @@ def test_the_rule(progress: DrainProgress, now: float, action: Action) -> None:
 
 
 def test_a_waiting_verdict_says_when_to_look_again() -> None:
-    verdict = decide(_progress(), 102.0, POLICY)
-    assert verdict.recheck_s == pytest.approx(3.0)
+    assert decide(_progress(), 102.0, POLICY).recheck_s == pytest.approx(1.0)
+    assert decide(_progress(), 104.5, POLICY).recheck_s == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("kwargs", [{"min_grace_s": 0.0}, {"step_factor": 0.5}])
