@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,6 +118,15 @@ class Ranks:
     def logs(self) -> str:
         return "\n".join(f"--- rank {r}\n{self.log(r)[-3000:]}" for r in range(RANKS))
 
+    def blocked(self, ranks: list[int], quiet_s: float = 3.0) -> bool:
+        """No step done for `quiet_s` (steps take a fraction of a second): in a collective."""
+        now = time.monotonic()
+        for r in ranks:
+            lines = (self.out / f"progress-r{r}.txt").read_text().splitlines()
+            if not lines or now - float(lines[-1].split()[1]) < quiet_s:
+                return False
+        return True
+
     def training(self) -> bool:
         # A few steps timed on every rank (the rule needs a step time), handlers installed.
         return all(self.steps(r) >= 5 and catches_sigterm(self.procs[r].pid) for r in range(RANKS))
@@ -169,6 +179,9 @@ def test_a_rank_stuck_in_a_collective_with_a_hung_peer_leaves_when_told(
 ) -> None:
     with _job(ranks_dirs) as job:
         job.signal([VICTIM], signal.SIGSTOP)  # hung: its sockets stay open, nothing comes
+        # Blocked in the next collective before the signal comes: the Python handler cannot run
+        # (one that ran before the rank blocked is the agent's or the launcher's to deal with).
+        assert wait_for(lambda: job.blocked(job.survivors), timeout=BOUND_S), job.logs()
         job.signal(job.survivors, signal.SIGTERM)
         assert wait_for(lambda: job.gone(job.survivors), timeout=BOUND_S), job.logs()
         for r in job.survivors:
