@@ -10,14 +10,20 @@ the same clock in every process of the machine, so a test can tell which steps w
 when it sent a signal); rank 0 appends each step's loss to O/loss.jsonl, writes where each
 attempt started to O/starts.jsonl and, after the last step, the parameters to
 O/params.pt. Without --no-drain the ranks save and leave with the drain exit code when asked.
+Each rank writes its pid to O/pid-r<rank>. --linger-at-exit makes a rank's exit slow, as tearing
+down a large job is: `before` sleeps 120 s in an exit handler that runs after graceful_exit's,
+`after` waits (up to 120 s) for a stop request in one that runs before it; both first create
+O/leaving-r<rank>.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -35,6 +41,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-file", default=None)
     p.add_argument("--every", type=int, default=None)
     p.add_argument("--max-latency", type=float, default=None)
+    p.add_argument("--linger-at-exit", choices=("before", "after"), default=None)
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     return p.parse_args(argv)
 
@@ -69,12 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
     )
+    (out / f"pid-r{rank}").write_text(str(os.getpid()))
     ckpt = diag.trainer.FlashCheckpointer(engine, args.save_dir) if args.flash else None
+    if args.linger_at_exit == "before":
+        atexit.register(_linger, out / f"leaving-r{rank}", None)  # runs after graceful_exit's
     if not args.no_drain:
         diag.trainer.graceful_exit(
             engine, args.save_dir, checkpointer=ckpt, stop_file=args.stop_file,
             every=args.every, max_latency_s=args.max_latency,
         )  # fmt: skip
+    if args.linger_at_exit == "after":
+        from diag.trainer.graceful.stopflag import stop_flag
+
+        atexit.register(_linger, out / f"leaving-r{rank}", stop_flag().is_set)
     start = 0
     if (Path(args.save_dir) / "latest").exists():
         path, _ = engine.load_checkpoint(args.save_dir)
@@ -103,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         ckpt.close()
     dist.destroy_process_group()
     return 0
+
+
+def _linger(marker: Path, until: Callable[[], bool] | None) -> None:
+    marker.touch()
+    end = time.monotonic() + 120
+    while time.monotonic() < end and not (until is not None and until()):
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -14,22 +14,29 @@ every rank learns of it, all of them save the same step, and leave with DRAIN_EX
 inside `engine.step()`. The save goes through the flash checkpointer when every rank has an agent
 to persist it, else straight to storage with `engine.save_checkpoint` (the `latest` file is
 written only once every rank's files are on storage). Collective: create it on every rank.
+
+A rank that cannot drain (a peer dead or hung: the agreement or the closing barrier raises, the
+rank is stuck in a collective, or an error already ended the loop) leaves promptly when told to
+go, without a save, with the same exit code: diag.trainer.graceful.abandon has the rule,
+diag.trainer.graceful.stuckwatch acts on it.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from diag.formats.rundir import RankIdentity, default_run_dir
 from diag.formats.snapshot import LATEST_FILE, TRACKER_FILE, read_latest_step, step_tag
 from diag.trainer.control.commands import Agreement, agree, command_group
 from diag.trainer.control.period import AgreementPeriod
+from diag.trainer.graceful.abandon import Phase
 from diag.trainer.graceful.stopflag import (
     DRAIN_SIGNALS,
     DrainConfig,
@@ -38,7 +45,12 @@ from diag.trainer.graceful.stopflag import (
     stop_file_present,
     stop_flag,
 )
-from diag.trainer.graceful.teardown import exit_process, quiesce_at_exit
+from diag.trainer.graceful.stuckwatch import DrainWatch
+from diag.trainer.graceful.teardown import (
+    exit_process,
+    leave_after_exit_handlers,
+    quiesce_at_exit,
+)
 from diag.trainer.stephooks import StepHook, add_step_hook
 
 log = logging.getLogger(__name__)
@@ -102,6 +114,9 @@ class GracefulExit:
         self._boundary = int(getattr(engine, "global_steps", 0))
         self._file_seen = False
         self.flag.install(signals)
+        self.watch = DrainWatch(self.flag, lambda: self.period.step_seconds, self.config.exit_code)
+        self.watch.start(tuple(signals))
+        atexit.register(self._at_exit)
         self._hook_step()
 
     # -- the boundary ---------------------------------------------------------------------------
@@ -123,7 +138,13 @@ class GracefulExit:
         if not self.period.boundary(gs, time.monotonic()):
             return
         t0 = time.perf_counter()
-        agreed = agree(self.vote(), self._group, self.world_size)
+        try:
+            agreed = agree(self.vote(), self._group, self.world_size)
+        except RuntimeError as e:  # gloo's errors: a peer is gone
+            if not self.flag.is_set():
+                raise
+            self.watch.agreement_failed = True
+            self._leave_unsaved(f"the ranks cannot agree on the stop: {e}")
         self.period.agreed(gs, agreed.every, time.perf_counter() - t0)
         if agreed.exit:
             self._stop(agreed, gs)
@@ -156,7 +177,9 @@ class GracefulExit:
         reason = request.reason if request else "another rank's request"
         began = request.monotonic if request else time.monotonic()
         log.warning("diag: stopping after step %d (%s): saving first", gs, reason)
+        self.watch.phase = Phase.SAVING
         via = self._save(agreed, gs)
+        self.watch.phase = Phase.DONE
         if self._file_seen:
             consume_stop_file(self.config.stop_file)
         self.stopped = Stopped(gs, reason, via, agreed.exit_code, time.monotonic() - began)
@@ -186,8 +209,25 @@ class GracefulExit:
         if ckpt is not None:
             ckpt.close()  # hands pending persists to the agent, or removes the shared memory
         if self.world_size > 1:
-            dist.barrier(group=self._group)  # nobody leaves before every rank's save returned
+            try:
+                dist.barrier(group=self._group)  # nobody leaves before every rank's save returned
+            except RuntimeError as e:  # a peer is gone: this rank's save is done, leave anyway
+                log.error("diag: the drain's closing barrier failed (%s); leaving anyway", e)
         return via
+
+    def _leave_unsaved(self, reason: str) -> NoReturn:
+        log.error("diag: leaving without a save (%s); exit code %d", reason, self.config.exit_code)
+        self.watch.phase = Phase.DONE  # decided here: the exit hook has nothing left to do
+        exit_process(self.config.exit_code)
+
+    def _at_exit(self) -> None:
+        reason = self.watch.at_exit()
+        if reason is not None:
+            log.error(
+                "diag: leaving without a save (%s); not finalizing, exit code %d",
+                reason, self.config.exit_code,
+            )  # fmt: skip
+            leave_after_exit_handlers(self.config.exit_code)
 
 
 def save_to_storage(

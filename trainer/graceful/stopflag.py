@@ -52,6 +52,9 @@ class StopFlag:
         self._lock = threading.Lock()
         self._request: StopRequest | None = None
         self._previous: dict[signal.Signals, Any] = {}
+        # When the main thread last ran a drain signal's Python handler (time.monotonic): the
+        # stuck-drain watch tells a rank blocked in C by its absence.
+        self.handled_at: float | None = None
 
     def request(self, reason: str) -> None:
         """Asks for a stop (the first reason is kept). Safe from any thread."""
@@ -94,6 +97,7 @@ class StopFlag:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         # No lock here: the interrupted code may hold it. A racing request() can at worst lose
         # its reason to this one; the flag is set either way.
+        self.handled_at = time.monotonic()
         if self._request is None:
             self._request = StopRequest(signal.Signals(signum).name, time.monotonic())
 

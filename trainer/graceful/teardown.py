@@ -18,6 +18,10 @@ Two ways out, both used by diag:
   exit, the HuggingFace callbacks, the resharding loader), so a script that ends normally, or by
   `SystemExit`, is covered.
 - `exit_process(code)`: runs the exit handlers and leaves without finalizing at all.
+
+`leave_after_exit_handlers(code)`, called from an exit handler, makes the process leave the same
+way once the other exit handlers ran (the quiet window's handler, registered first, runs last):
+a rank told to go while it was already leaving need not spend seconds finalizing.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ QUIET_WINDOW_S = 0.2
 
 _lock = threading.Lock()
 _registered = False
+_leave_code: int | None = None
 
 
 def quiesce_at_exit(window_s: float = QUIET_WINDOW_S) -> None:
@@ -49,7 +54,17 @@ def quiesce_at_exit(window_s: float = QUIET_WINDOW_S) -> None:
     atexit.register(_quiesce, window_s)
 
 
+def leave_after_exit_handlers(code: int) -> None:
+    """Ends the process with `code` right after the exit handlers, without finalizing (needs
+    `quiesce_at_exit()` to have been called, as every part of diag that joins a job does)."""
+    global _leave_code
+    _leave_code = code
+
+
 def _quiesce(window_s: float) -> None:
+    if _leave_code is not None:
+        _flush_stdio()
+        os._exit(_leave_code)  # no finalization: no gloo worker can meet a finalizing interpreter
     # Only a process that created process groups has gloo worker threads to wait for.
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available():
@@ -62,7 +77,11 @@ def exit_process(code: int = 0) -> NoReturn:
     flushes), flushes stdio, and exits with `code` without finalizing the interpreter. Call it
     last, after `destroy_process_group()`."""
     atexit._run_exitfuncs()
+    _flush_stdio()
+    os._exit(code)
+
+
+def _flush_stdio() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(code)
