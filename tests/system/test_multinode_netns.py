@@ -138,23 +138,50 @@ def two_nodes(
             c.lab.close()
 
 
-def test_job_verdict_names_the_hung_rank_across_namespaces(tmp_path: Path) -> None:
-    with two_nodes(tmp_path, fault_rank=3) as c:
+def test_job_verdict_names_the_hung_rank_and_the_waiting_node_stops_its_ranks_once(
+    tmp_path: Path,
+) -> None:
+    """Rank 3 hangs on node-b. node-b's agent names it and leaves its ranks alone (`--on-hang
+    none`), so that node-a's ranks do not fail through gloo first. node-a's ranks only wait for
+    it, and node-a's own hang limit is far beyond this test's wait: only node-b's first-hand
+    report can stop them. node-a's agent (`--on-hang stop`, running until its ranks end) stops
+    both its ranks under the job's incident, once, and files nothing: one job incident, one
+    report, one job verdict naming rank 3 on node-b with both nodes' evidence."""
+    args = {
+        "node-a": ["--on-hang", "stop", "--until", "job-end", "--hang-floor", "250",
+                   "--hang-timeout", "300"],
+    }  # fmt: skip
+    with two_nodes(tmp_path, fault_rank=3, agent_args=args) as c:
         timeline, agents, jobs, logs = c.timeline, c.agents, c.jobs, c.logs
-        # The agents stop at the incident; the launchers run on (rank 3 hangs, --on-hang none).
-        # A launcher that exits first failed to start the job (a rendezvous or gloo that cannot
-        # reach the other namespace): say so now, not at the timeout.
+        # A launcher that exits before node-b's report is filed failed to start the job (a
+        # rendezvous or gloo that cannot reach the other namespace): say so now, not at the
+        # timeout. After it, node-a's ranks are stopped, maybe before node-b's agent, which
+        # stops at its incident, has finished writing the evidence.
         deadline = time.monotonic() + 200
-        while any(a.poll() is None for a in agents):
+        while not list(timeline.glob(".jobs/*/*/reports/*")):
             exited = [n for n, j in zip(NODES, jobs, strict=True) if j.poll() is not None]
             assert not exited, f"torchrun exited on {exited} before the incident:\n{logs()}"
+            assert time.monotonic() < deadline, f"no report filed:\n{logs()}"
+            time.sleep(0.25)
+        while any(a.poll() is None for a in agents):
             assert time.monotonic() < deadline, f"agents still running:\n{logs()}"
             time.sleep(0.5)
+        assert jobs[0].wait(timeout=60) != 0, logs()  # node-a's ranks were stopped
         verdicts = c.verdicts()
         assert set(verdicts) == set(NODES), logs()
-        # node-a's own verdict is left alone: remote culprits are the job verdict's to name.
-        assert verdicts["node-b"][1]["culprit"] == 3, verdicts["node-b"][1]["summary"]
-        assert verdicts["node-a"][1]["incident_id"] == verdicts["node-b"][1]["incident_id"]
+        a, b = verdicts["node-a"][1], verdicts["node-b"][1]
+        assert (b["kind"], b["culprit"]) == ("hang", 3), b["summary"]
+        # node-a's own verdict names no culprit: remote culprits are the job verdict's to name.
+        assert (a["kind"], a["culprit"]) == ("hang", None), a["summary"]
+        assert a["incident_id"] == b["incident_id"], (a, b)
+        assert "rank 3 on node node-b reported it first-hand" in a["summary"], a["summary"]
+        assert "trigger: first-hand" in a["summary"], a["summary"]
+        log_a = (tmp_path / "agent-node-a.log").read_text()
+        # Once: one incident, each rank stopped once (their deaths that follow open none).
+        assert log_a.count("incident: hang") == 1 and "incident: rank_exited" not in log_a, log_a
+        for rank in (0, 1):
+            assert log_a.count(f"stopping rank {rank} (pid") == 1, log_a
+        assert len(list((timeline / ".jobs" / "mn").iterdir())) == 1, logs()
 
         # One job verdict for the incident: rank 3 on node-b, with both nodes' evidence.
         job_verdicts = list((timeline / ".jobs").glob("*/*/job-verdict.json"))
@@ -242,38 +269,3 @@ def test_a_death_and_the_hang_it_causes_elsewhere_make_one_incident(tmp_path: Pa
         merged = merge_incident(c.timeline)
         assert sorted(merged.sources) == sorted([a_dir, b_dir])
         assert merged.world_size == 4
-
-
-def test_a_hang_on_node_b_stops_node_a_ranks_once(tmp_path: Path) -> None:
-    """Rank 3 hangs on node-b. node-a's ranks only wait for it, and node-a's own hang limit is
-    far beyond this test's wait: only node-b's first-hand report can stop them. node-b's agent
-    leaves its ranks alone (`--on-hang none`), so that node-a's ranks do not fail through gloo
-    first. node-a's agent (`--on-hang stop`, running until its ranks end) stops both its ranks
-    under the job's incident, once, and files nothing: one job incident, one report."""
-    args = {
-        "node-a": ["--on-hang", "stop", "--until", "job-end", "--hang-floor", "250",
-                   "--hang-timeout", "300"],
-    }  # fmt: skip
-    with two_nodes(tmp_path, fault_rank=3, agent_args=args) as c:
-        deadline = time.monotonic() + 200
-        while c.agents[0].poll() is None:
-            assert time.monotonic() < deadline, f"node-a's agent still running:\n{c.logs()}"
-            time.sleep(0.5)
-        assert c.jobs[0].wait(timeout=60) != 0, c.logs()  # its ranks were stopped
-        c.agents[1].wait(timeout=60)
-        verdicts = c.verdicts()
-        assert set(verdicts) == set(NODES), c.logs()
-        a, b = verdicts["node-a"][1], verdicts["node-b"][1]
-        assert (b["kind"], b["culprit"]) == ("hang", 3), b["summary"]
-        assert (a["kind"], a["culprit"]) == ("hang", None), a["summary"]
-        assert a["incident_id"] == b["incident_id"], (a, b)
-        assert "rank 3 on node node-b reported it first-hand" in a["summary"], a["summary"]
-        assert "trigger: first-hand" in a["summary"], a["summary"]
-        log_a = (tmp_path / "agent-node-a.log").read_text()
-        # Once: one incident, each rank stopped once (their deaths that follow open none).
-        assert log_a.count("incident: hang") == 1 and "incident: rank_exited" not in log_a, log_a
-        for rank in (0, 1):
-            assert log_a.count(f"stopping rank {rank} (pid") == 1, log_a
-        assert len(list((c.timeline / ".jobs" / "mn").iterdir())) == 1, c.logs()
-        reports = list((c.timeline / ".jobs").glob("*/*/reports/*"))
-        assert [p.name.split("~")[0] for p in reports] == ["r3.L.node-b"], reports

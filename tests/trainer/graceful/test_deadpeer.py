@@ -24,7 +24,7 @@ from diag.trainer.graceful.abandon import AbandonPolicy, Action, DrainProgress, 
 from diag.trainer.graceful.stopflag import DRAIN_EXIT_CODE
 
 JOB = SUPPORT / "drain_job.py"
-RANKS = 3
+RANKS = 2
 VICTIM = 1
 
 # -- the rule -------------------------------------------------------------------------------------
