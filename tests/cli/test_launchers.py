@@ -130,7 +130,15 @@ def _run_until_stopped(cmd: list[str], tmp_path: Path, log: str, stop: bool) -> 
             proc.wait(10)
 
 
-@pytest.mark.parametrize("name", LAUNCHERS)
+# dlrover-run's restart of drained workers: the long tier (its hang test above runs in the
+# default tier, the drain's restart under torchrun below).
+DRAIN_LAUNCHERS = [
+    "torchrun",
+    *(pytest.param(n, marks=pytest.mark.long) for n in ("deepspeed", "dlrover-run")),
+]
+
+
+@pytest.mark.parametrize("name", DRAIN_LAUNCHERS)
 def test_a_drained_worker_is_restarted_not_reported_as_success(name: str, tmp_path: Path) -> None:
     """The stop file makes both workers save and leave with exit code 143. torchrun and
     dlrover-run (--max-restarts 1) restart them, and the new workers resume from the saved step

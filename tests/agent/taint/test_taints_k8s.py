@@ -393,10 +393,13 @@ def test_bad_input_is_a_clear_error(kube, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_agent_taints_its_node_after_an_incident(kube, tmp_path):
     """A real agent watching a real 2-rank job whose rank 1 hangs: the incident names rank 1,
-    which runs on this node, so the agent taints its node with the incident as evidence."""
+    which runs on this node, so the agent taints its node with the incident as evidence. The
+    long tier: the default tier has a real agent tainting its node from an incident across two
+    nodes (test_taint_jobverdict) and the own-verdict rule apart."""
     from diag.agent.observe.procs import stop_tree
 
     name = kube.create_node("agent", conditions=[READY])
