@@ -189,6 +189,14 @@ def test_a_rank_stuck_in_a_collective_with_a_hung_peer_leaves_when_told(
             assert "stuck in a collective that will not complete" in job.log(r), job.log(r)
 
 
+def _kill_the_victim_then_stop_the_others_as_they_leave(job: Ranks) -> None:
+    job.signal([VICTIM], signal.SIGKILL)
+    leaving = [job.out / f"leaving-r{r}" for r in job.survivors]
+    assert wait_for(lambda: all(p.exists() for p in leaving), timeout=BOUND_S), job.logs()
+    job.signal(job.survivors, signal.SIGTERM)
+    assert wait_for(lambda: job.gone(job.survivors), timeout=BOUND_S), job.logs()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_stop_that_comes_while_a_rank_leaves_after_a_dead_peer_ends_it(
@@ -199,11 +207,7 @@ def test_a_stop_that_comes_while_a_rank_leaves_after_a_dead_peer_ends_it(
     # lingering handler runs before it and waits for the request) makes them leave right after
     # the exit handlers, with the drain's code, without finalizing the interpreter.
     with _job(ranks_dirs, "--linger-at-exit", "after") as job:
-        job.signal([VICTIM], signal.SIGKILL)
-        leaving = [job.out / f"leaving-r{r}" for r in job.survivors]
-        assert wait_for(lambda: all(p.exists() for p in leaving), timeout=BOUND_S), job.logs()
-        job.signal(job.survivors, signal.SIGTERM)
-        assert wait_for(lambda: job.gone(job.survivors), timeout=BOUND_S), job.logs()
+        _kill_the_victim_then_stop_the_others_as_they_leave(job)
         for r in job.survivors:
             assert job.procs[r].returncode == DRAIN_EXIT_CODE, job.logs()
             assert "the stop came while the process was leaving" in job.log(r), job.log(r)
@@ -217,10 +221,6 @@ def test_a_stop_after_the_drain_is_over_has_its_usual_effect(
     # Once graceful_exit's exit handler ran (the lingering one runs after it), nothing can be
     # drained any more: a SIGTERM ends the process at once, as it would without diag.
     with _job(ranks_dirs, "--linger-at-exit", "before") as job:
-        job.signal([VICTIM], signal.SIGKILL)
-        leaving = [job.out / f"leaving-r{r}" for r in job.survivors]
-        assert wait_for(lambda: all(p.exists() for p in leaving), timeout=BOUND_S), job.logs()
-        job.signal(job.survivors, signal.SIGTERM)
-        assert wait_for(lambda: job.gone(job.survivors), timeout=BOUND_S), job.logs()
+        _kill_the_victim_then_stop_the_others_as_they_leave(job)
         for r in job.survivors:
             assert job.procs[r].returncode == -signal.SIGTERM, job.logs()
