@@ -82,6 +82,7 @@ class Trial:
     trained_at_kill: int
     restored_bytes: int
     pull_s: float | None = None  # the replica pull's own seconds, from the new agent's log
+    load_s: float | None = None  # of restore_s: rank 0's FlashCheckpointer.load() alone
     cache_before: int | None = None  # bytes of the save directory in the page cache, at the loss
     cache_after: int | None = None  # ... after the eviction
     notes: list[str] = field(default_factory=list)
@@ -322,7 +323,8 @@ def trial(root: Path, mode: str, setup: Setup) -> Trial:
         doc = json.loads(start.read_text())
         t = Trial(mode, step_ms, count, node_cpu, holder_cpu, ranks_cpu, restore_s, agent_up_s,
                   doc["step"],
-                  doc["from"], trained, 0, cache_before=before, cache_after=after)  # fmt: skip
+                  doc["from"], trained, 0, cache_before=before, cache_after=after,
+                  load_s=doc.get("load_s"))  # fmt: skip
         if doc["from"] == "storage":
             tag = n.save / step_tag(doc["step"])
             t.restored_bytes = tree_bytes(tag) if tag.is_dir() else 0
@@ -346,6 +348,7 @@ def mb(n: int | None) -> str:
 def describe(t: Trial) -> str:
     holder = "-" if t.holder_agent_cpu_ms is None else f"{t.holder_agent_cpu_ms:.1f}"
     pull = "" if t.pull_s is None else f", its pull {t.pull_s:.2f} s"
+    pull += "" if t.load_s is None else f", the ranks' load {t.load_s:.2f} s"
     notes = "".join("; " + x for x in t.notes)
     return (
         f"{t.mode:8s} step {t.step_ms:7.1f} ms ({t.steps_in_window} steps), agent CPU/step: "
@@ -434,6 +437,10 @@ def main() -> int:
           f"{cell('replica', 'agent_up_s', '.2f')} | |")  # fmt: skip
     print(f"| of which the replica pull (agent's log), s | - | {cell('replica', 'pull_s', '.2f')} "
           f"| |")  # fmt: skip
+    print(
+        f"| of which the ranks' load (FlashCheckpointer.load), s | "
+        f"{cell('storage', 'load_s', '.2f')} | {cell('replica', 'load_s', '.2f')} | |"
+    )
     print(f"| bytes restored, MB | {med('storage', 'restored_bytes') / 1e6:.1f} | "
           f"{med('replica', 'restored_bytes') / 1e6:.1f} | |")  # fmt: skip
     lost = [f"{t.mode} {t.trained_at_kill - t.restored_step}" for t in trials]

@@ -6,7 +6,7 @@ trains without end, saves a flash checkpoint every step and asks the agent to pe
 
 It imports everything, then waits for `C/go-<gen>` (the path of a file store in it) before it joins the
 process group, so the harness can start the next generation ahead of a kill. It loads the newest
-checkpoint, rank 0 writes `C/start-<gen>.json` (the step and where it came from) and appends each
+checkpoint, rank 0 writes `C/start-<gen>.json` (the step, where it came from, the load's seconds) and appends each
 step's loss to `C/loss-<gen>.jsonl`: the data depend only on the step, so a step trained again
 after a restore must give the same loss to the bit. The phases are marked for faults.py. The job
 leaves cleanly when `C/stop` appears.
@@ -79,9 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
     )
     ckpt = diag.trainer.FlashCheckpointer(engine, args.save_dir, job=args.job)
+    t0 = time.monotonic()
     start = ckpt.load() or 0
+    load_s = time.monotonic() - t0  # the state's read alone: the engine is built by now
     if rank == 0:
-        doc = {"step": start, "from": ckpt.stats.loaded_from, "at": time.time()}
+        doc = {"step": start, "from": ckpt.stats.loaded_from, "at": time.time(), "load_s": load_s}
         write_json_atomic(ctl / f"start-{args.gen}.json", json.dumps(doc))
     losses = open(ctl / f"loss-{args.gen}.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     step = start
