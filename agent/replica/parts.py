@@ -131,8 +131,9 @@ def receive_part(
     capacity_cap: int = 0,
 ) -> SlotHeader:
     """Reads one part from `sock` into the new file `fd`, checks it, and marks it complete last.
-    UntrustedInput when it is not the part the manifest announced; ShmSpaceError when it does not fit. The file gets the part's size, or
-    the slot's capacity up to `capacity_cap` (a slot the rank will write into again)."""
+    UntrustedInput when it is not the part the manifest announced; ShmSpaceError when it does
+    not fit. The file gets the part's size, or the slot's capacity up to `capacity_cap` (a slot
+    the rank will write into again)."""
     head = recv_exact(sock, HEADER_SIZE, source)
     try:
         h = unpack_header(head)
