@@ -48,6 +48,7 @@ from diag.trainer.flash.copier import Copier, Copy
 from diag.trainer.flash.restore import (
     FileIndex,
     Place,
+    agent_wait_from_env,
     load_from_memory,
     memory_index,
     needed_files,
@@ -108,6 +109,7 @@ class FlashCheckpointer:
         exit_on_command: bool = True,
         command_every: int | None = None,
         period: PeriodPolicy | None = None,
+        agent_wait: float | None = None,
     ) -> None:
         import psutil
         import torch.distributed as dist
@@ -121,6 +123,10 @@ class FlashCheckpointer:
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
         self.job = job or job_name()
         self.node = node_name()
+        try:  # an empty node's rank waits this long for its agent (its replica pull) at load()
+            self.agent_wait = agent_wait_from_env() if agent_wait is None else float(agent_wait)
+        except ValueError as e:
+            raise FlashCheckpointError(str(e)) from None
         env = RankIdentity.from_env() if "RANK" in os.environ else None
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = env.local_rank if env else self.rank
@@ -325,7 +331,8 @@ class FlashCheckpointer:
         self.stats.memory_step = plan.step if plan.source == Source.MEMORY else None
 
     def _place(self) -> Place:
-        return Place(self.run_dir, self.job, self.node, self.rank, self.world_size, self.save_dir)
+        return Place(self.run_dir, self.job, self.node, self.rank, self.world_size, self.save_dir,
+                     self.agent_wait)  # fmt: skip
 
     def _memory_index(self) -> dict[int, FileIndex]:
         return memory_index(

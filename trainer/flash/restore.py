@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from diag.formats.journalmeta import safe_job_name
+from diag.formats.rundir import control_socket_candidates
 from diag.formats.slotfile import SlotFile, Snapshot, read_snapshots, warn_once
 from diag.formats.snapshot import (
     FileEntry,
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 LOAD_LOCK_TIMEOUT_S = 30.0
 PULL_WAIT_S = 120.0  # the longest a rank waits for its agent to pull the node's replica
+AGENT_WAIT_ENV = "DIAG_AGENT_WAIT"  # seconds an empty node's rank waits for its agent to be up
 
 # relative path -> (slot file holding it, its entry)
 FileIndex = dict[str, tuple[Path, FileEntry]]
@@ -61,6 +63,24 @@ class Place:
     rank: int
     world_size: int
     save_dir: str
+    agent_wait: float = 0.0  # seconds to wait for the agent on an empty node (AGENT_WAIT_ENV)
+
+
+def agent_wait_from_env(env: dict[str, str] | None = None) -> float:
+    """DIAG_AGENT_WAIT, in seconds: 0 when unset."""
+    text = (os.environ if env is None else env).get(AGENT_WAIT_ENV, "").strip()
+    if not text:
+        return 0.0
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 3600:
+        raise ValueError(
+            f"{AGENT_WAIT_ENV}={text!r}: give the seconds a rank on an empty node waits for its "
+            "agent to be up, from 0 to 3600 (e.g. 60), or leave it unset"
+        )
+    return seconds
 
 
 def needed_files(engine: Any, save_dir: str, tag: str) -> set[str]:
@@ -97,13 +117,59 @@ def wait_for_pull(place: Place, timeout: float = PULL_WAIT_S) -> bool:
         time.sleep(0.05)
 
 
+def agent_is_up(place: Place) -> bool:
+    """Whether the node's agent serves its control channel (it opens it only once it has pulled
+    the node's replica) or is pulling (its marker): a socket or regular file of a trusted user."""
+    owners = Owners.this_process()
+    marker = pull_marker_path(place.run_dir, place.job)
+    for path in [*control_socket_candidates(place.run_dir, place.job), marker]:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        kind_ok = stat.S_ISREG(st.st_mode) if path == marker else stat.S_ISSOCK(st.st_mode)
+        if kind_ok and owners.trusts(st):
+            return True
+    return False
+
+
+def wait_for_agent(place: Place, timeout: float) -> bool:
+    """Waits until the node's agent is up (agent_is_up), at most `timeout` seconds; True when
+    it is. A pod's containers start together, and a rank that reaches its restore before its
+    agent has even started would find an empty node and resume from storage, an older step,
+    while the agent was about to pull the newer one from a peer."""
+    deadline = time.monotonic() + timeout
+    told = False
+    while not agent_is_up(place):
+        if time.monotonic() >= deadline:
+            log.warning(
+                "diag: no agent came up in %s within %.0f s (%s): restoring without it",
+                place.run_dir, timeout, AGENT_WAIT_ENV,
+            )  # fmt: skip
+            return False
+        if not told:
+            log.info("diag: waiting for this node's agent to be up (%s)", place.run_dir)
+            told = True
+        time.sleep(0.05)
+    return True
+
+
+def _node_snapshots(place: Place) -> list[Snapshot]:
+    return [
+        s for s in read_snapshots(find_slots(place.run_dir, place.job), Owners.this_process())
+        if s.meta.node == place.node
+    ]  # fmt: skip
+
+
 def memory_index(place: Place, needed: Callable[[str], set[str]]) -> dict[int, FileIndex]:
     """step -> file index, for the snapshots this rank could load: complete, of this job layout,
     with every file it needs held on this node (its own, or a local rank's)."""
+    if place.agent_wait > 0 and not _node_snapshots(place):
+        wait_for_agent(place, place.agent_wait)  # an empty node: its agent may bring a replica
     wait_for_pull(place)
     local = [
-        s for s in read_snapshots(find_slots(place.run_dir, place.job), Owners.this_process())
-        if s.meta.node == place.node and s.meta.world_size == place.world_size
+        s for s in _node_snapshots(place)
+        if s.meta.world_size == place.world_size
         and s.meta.save_dir == place.save_dir and _loadable(s)
     ]  # fmt: skip
     out: dict[int, FileIndex] = {}
