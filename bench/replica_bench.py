@@ -65,6 +65,7 @@ class Setup:
     rank_cpus: frozenset[int] | None  # None: not pinned
     agent_cpus: frozenset[int] | None
     cold: bool  # evict the save directory from the page cache before the restore
+    together: bool  # the new ranks start with the new agent, not once it is up
 
 
 @dataclass
@@ -184,7 +185,7 @@ class Node:
         self.holder_run = Path(tempfile.mkdtemp(prefix="diag-rb-h-", dir="/dev/shm"))
         self.env = dict(os.environ, DIAG_RUN_DIR=str(self.run_dir), OMP_NUM_THREADS="1",
                         PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
-                        DIAG_REPLICA_TOKEN="bench")  # fmt: skip
+                        DIAG_REPLICA_TOKEN="bench", DIAG_AGENT_WAIT="60")  # fmt: skip
         ports = setup.ports
         self.spec = f"a=127.0.0.1:{ports[0]},b=127.0.0.1:{ports[1]}"
         self.procs: list[subprocess.Popen] = []
@@ -311,15 +312,28 @@ def trial(root: Path, mode: str, setup: Setup) -> Trial:
             if setup.cold:
                 evict(n.save)
             after = cached_bytes(n.save)
+        log, start = n.root / "agent-a-1.log", n.ctl / "start-1.json"
         t0 = time.monotonic()
         n.release("agent-a-go-1")
-        log = n.root / "agent-a-1.log"
-        wait_for(lambda: agent_up(log, mode), 300, "the new agent")
-        agent_up_s = time.monotonic() - t0
-        n.release("go-1")
-        start = n.ctl / "start-1.json"
-        wait_for(start.exists, 600, "the restore")
-        restore_s = time.monotonic() - t0
+        if setup.together:
+            # a pod's containers start together: the ranks build their engine while the agent
+            # pulls, and wait for its pull (its marker) only when they look for snapshots
+            n.release("go-1")
+        agent_up_s = restore_s = None
+        deadline = t0 + 900
+        while restore_s is None:
+            now = time.monotonic()
+            if now > deadline:
+                raise RuntimeError("timed out waiting for the restore")
+            if agent_up_s is None and agent_up(log, mode):
+                agent_up_s = now - t0
+                if not setup.together:
+                    n.release("go-1")
+            if start.exists():
+                restore_s = now - t0
+            time.sleep(0.01)
+        if agent_up_s is None:  # loaded before the agent said it was up
+            agent_up_s = restore_s
         doc = json.loads(start.read_text())
         t = Trial(mode, step_ms, count, node_cpu, holder_cpu, ranks_cpu, restore_s, agent_up_s,
                   doc["step"],
@@ -383,7 +397,11 @@ def main() -> int:
     p.add_argument("--no-pin", action="store_true", help="leave every process on every CPU")
     p.add_argument("--warm-storage", action="store_true",
                    help="leave the checkpoint files in the page cache at the restore")  # fmt: skip
+    p.add_argument("--agent-first", action="store_true",
+                   help="release the new ranks only once the new agent is up (and has pulled); "
+                        "by default they start together, as a pod's containers do")  # fmt: skip
     p.add_argument("--json", type=Path)
+    p.add_argument("--keep", action="store_true", help="keep the agents' and ranks' logs")
     args = p.parse_args()
     if args.persist_every < 1:
         p.error("--persist-every must be at least 1")
@@ -392,15 +410,17 @@ def main() -> int:
     if (rank_cpus is None) != (agent_cpus is None):
         p.error("--rank-cpus and --agent-cpus go together")
     setup = Setup(args.hidden, args.warm, args.window, (a, b), args.persist_every, rank_cpus,
-                  agent_cpus, not args.warm_storage)  # fmt: skip
+                  agent_cpus, not args.warm_storage, not args.agent_first)  # fmt: skip
     placement = (
         "not pinned" if rank_cpus is None
         else f"ranks on CPU {cpu_list(rank_cpus)}, both agents on CPU {cpu_list(agent_cpus)}"
     )  # fmt: skip
     cache = "warm page cache (--warm-storage)" if args.warm_storage else (
         "cold page cache (the save directory evicted with posix_fadvise DONTNEED)")  # fmt: skip
+    starts = ("the new ranks released once the new agent is up (--agent-first)" if args.agent_first
+              else "the new ranks and agent started together")  # fmt: skip
     header = (f"placement: {placement}; persist to storage every {args.persist_every} steps, "
-              f"every step in memory and replicated; restore from a {cache}")  # fmt: skip
+              f"every step in memory and replicated; restore from a {cache}; {starts}")  # fmt: skip
     print(header, flush=True)
     root = Path(tempfile.mkdtemp(prefix="diag-replica-bench-"))
     trials: list[Trial] = []
@@ -411,7 +431,10 @@ def main() -> int:
                 print(f"round {r + 1} {describe(t)}", flush=True)
                 trials.append(t)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep:
+            print(f"logs kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
 
     def med(mode: str, key: str) -> float:
         return statistics.median(getattr(t, key) for t in trials if t.mode == mode)
