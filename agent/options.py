@@ -246,6 +246,13 @@ OPTIONS = OptionTable(
         ),
         Option("replica_listen", str, "0.0.0.0", "address the replica server binds"),
         Option(
+            "replica_max_rate",
+            size,
+            0,
+            "the most bytes per second this node's pushes of its replica may send, e.g. 500MB "
+            "(they share the network with training; 0: no cap; a pull is never capped)",
+        ),
+        Option(
             "drain",
             boolean,
             True,
@@ -322,6 +329,7 @@ BOUNDS = {
     "replica_factor": Bounds(0, 64),
     "replica_max_bytes": Bounds(1 << 20, 1 << 50),
     "replica_interval": Bounds(0, 3600, lo_open=True),
+    "replica_max_rate": Bounds(0, 1 << 50),
     "snapshot_linger": Bounds(0, _WEEK, lo_open=True),
     "persist_workers": Bounds(0, 256),
     "termination_grace": Bounds(0, _DAY, lo_open=True),

@@ -14,8 +14,10 @@ import mmap
 import os
 import socket
 import struct
+import time
 from pathlib import Path
 
+from diag.agent.replica.pace import Pace
 from diag.agent.replica.wire import CHUNK, Manifest, Part, recv_exact
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.slotfile import SlotFile, space_message
@@ -155,10 +157,17 @@ def receive_part(
 
 
 def send_part(
-    sock: socket.socket, path: Path, part: Part, step: int, owners: Owners, lock_timeout: float
+    sock: socket.socket,
+    path: Path,
+    part: Part,
+    step: int,
+    owners: Owners,
+    lock_timeout: float,
+    pace: Pace | None = None,
 ) -> None:
     """Sends the used bytes of the slot file at `path`, which must still hold `step`, under a
-    shared lock (the rank writes its next snapshot into another slot meanwhile)."""
+    shared lock (the rank writes its next snapshot into another slot meanwhile), at most as fast
+    as `pace` lets it."""
     try:
         slot = SlotFile.open(path, owners=owners)
     except (OSError, SnapshotError, UntrustedInput) as e:
@@ -169,7 +178,16 @@ def send_part(
         h = slot.header()
         if not h.complete or h.step != step or h.meta_offset + h.meta_len != part.nbytes:
             raise PartError(f"{path} no longer holds step {step}")
-        sock.sendall(memoryview(slot.mm)[: part.nbytes])
+        with memoryview(slot.mm) as view:
+            if pace is None:
+                sock.sendall(view[: part.nbytes])
+                return
+            for offset in range(0, part.nbytes, CHUNK):
+                chunk = view[offset : min(offset + CHUNK, part.nbytes)]
+                delay = pace.take(len(chunk), time.monotonic())
+                if delay > 0:
+                    time.sleep(delay)
+                sock.sendall(chunk)
     finally:
         slot.close()
 

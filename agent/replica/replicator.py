@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from diag.agent.replica.pace import pace_for
 from diag.agent.replica.ring import Offer, RestoreChoice, Ring, Source, choose_restore
 from diag.agent.replica.settings import NodeAddress as NodeAddress
 from diag.agent.replica.settings import ReplicaSettings
@@ -74,6 +75,7 @@ class Replicator:
         self._signature: tuple[tuple[str, int, int], ...] | None = None
         self._failed_last = False
         self._verified_at = float("-inf")
+        self._pace = pace_for(settings.max_rate)  # one budget for every holder's pushes
         self.store: ReplicaStore | None = None
         self.server: ReplicaServer | None = None
         self._thread: threading.Thread | None = None
@@ -229,7 +231,8 @@ class Replicator:
                 continue
             t0 = time.monotonic()
             try:
-                result = push(self.peers, holder, local, self.owners, timeout=self.settings.timeout)
+                result = push(self.peers, holder, local, self.owners,
+                              timeout=self.settings.timeout, pace=self._pace)  # fmt: skip
                 error = "" if result.ok else result.error
             except (OSError, UntrustedInput) as e:
                 error = str(e)

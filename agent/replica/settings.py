@@ -31,6 +31,7 @@ class ReplicaSettings:
     interval: float = 1.0
     listen_host: str = "0.0.0.0"
     timeout: float = 30.0  # a connection silent this long fails
+    max_rate: int = 0  # bytes per second pushes may take of the network; 0: no cap
 
 
 def parse_nodes(text: str) -> tuple[NodeAddress, ...]:

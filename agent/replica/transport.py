@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from diag.agent.replica.pace import Pace
 from diag.agent.replica.parts import PartError, send_part
 from diag.agent.replica.ring import Ring
 from diag.agent.replica.source import LocalReplica, install
@@ -208,9 +209,16 @@ def _connect(address: Address, timeout: float) -> socket.socket:
 
 
 def push(
-    peers: Peers, holder: str, local: LocalReplica, owners: Owners, *, timeout: float = 30.0
+    peers: Peers,
+    holder: str,
+    local: LocalReplica,
+    owners: Owners,
+    *,
+    timeout: float = 30.0,
+    pace: Pace | None = None,
 ) -> Result:
-    """Sends this node's replica to `holder`; the holder's answer."""
+    """Sends this node's replica to `holder`, at most as fast as `pace` lets it; the holder's
+    answer."""
     address = peers.address(holder)
     source = f"replica holder {holder} ({address[0]}:{address[1]})"
     with _connect(address, timeout) as sock:
@@ -218,7 +226,8 @@ def push(
         send(sock, Kind.MANIFEST, manifest_body(local.manifest))
         try:
             for part, path in zip(local.manifest.parts, local.paths, strict=True):
-                send_part(sock, path, part, local.manifest.step, owners, lock_timeout=timeout)
+                send_part(sock, path, part, local.manifest.step, owners, lock_timeout=timeout,
+                          pace=pace)  # fmt: skip
         except OSError:
             pass  # the holder may have refused and closed: its answer says why
         return parse_result(recv(sock, Kind.RESULT, source)[1], source)

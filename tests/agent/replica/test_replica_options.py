@@ -55,6 +55,13 @@ def test_the_agent_reads_the_replica_options():
     assert r is not None
     assert [n.name for n in r.nodes] == ["w0", "w1", "w2"]
     assert (r.factor, r.token, r.max_bytes, r.interval) == (2, "s3cret", 2 << 30, 0.5)
+    assert r.max_rate == 0  # no cap unless asked
+
+
+def test_the_push_rate_cap_is_read_in_bytes_per_second():
+    cfg = load(["--job", "j", "--node", "w1", "--replica-nodes", NODES],
+               env={"DIAG_REPLICA_MAX_RATE": "500MB"})  # fmt: skip
+    assert cfg.replica is not None and cfg.replica.max_rate == 500_000_000
 
 
 def test_no_nodes_no_replicas():

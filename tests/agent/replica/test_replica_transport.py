@@ -34,18 +34,6 @@ from diag.formats.snapshot import HEADER_SIZE, find_slots
 from diag.formats.untrusted import UntrustedInput
 
 
-@pytest.fixture
-def ring2(tmp_path):
-    """Node a and its holder b: b's replica server on a free port, and a's view of the ring."""
-    store = ReplicaStore(tmp_path / "b-replicas", CAP)
-    ring = Ring.of(["a", "b"], 1)
-    server_peers = Peers(ring, {"a": ("127.0.0.1", 0), "b": ("127.0.0.1", 0)}, "b", JOB, "tok")
-    server = ReplicaServer(store, server_peers, ("127.0.0.1", 0)).start()
-    a = Peers(ring, {"a": ("127.0.0.1", 0), "b": ("127.0.0.1", server.port)}, "a", JOB, "tok")
-    yield a, store, server
-    server.close()
-
-
 def slot_bytes(path: Path) -> bytes:
     data = path.read_bytes()
     return data[HEADER_SIZE:]
