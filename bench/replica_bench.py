@@ -19,10 +19,16 @@ In each:
   CPU seconds per step of the node's agent and of the holder's agent over that window (what
   replication costs a node's CPU budget);
 - a node loss: the ranks and the node's agent are SIGKILLed and the node's shared memory wiped;
-  a new agent starts (pulling the replica, with replication on) and the next ranks, started and
-  imported ahead, are released once it is up; restore time is from the new agent's start to the
-  ranks' first step loaded, and the step, its source (memory or storage), the bytes restored and
-  (replica) the pull's own seconds from the agent's log are recorded.
+  a new agent (pulling the replica, with replication on) and the next ranks, both started and
+  imported ahead, are released together, as a pod's containers start (--agent-first: the ranks
+  once the agent is up); the ranks run with DIAG_AGENT_WAIT, so on the empty node they wait for
+  the agent before they look for snapshots. Restore time is from that release to the ranks' state
+  loaded, and the step, its source (memory or storage), the bytes restored, the ranks' own load
+  and (replica) the pull's own seconds from the agent's log are recorded.
+
+For a state large enough that reading it counts against starting DeepSpeed, --hidden 2800 gives
+1 GB of checkpoint per node (63 M parameters, fp32 Adam): use --persist-every 5 and --warm 6, as a
+step takes seconds there.
 Prints a table with the ratios.
 """
 
@@ -66,6 +72,7 @@ class Setup:
     agent_cpus: frozenset[int] | None
     cold: bool  # evict the save directory from the page cache before the restore
     together: bool  # the new ranks start with the new agent, not once it is up
+    max_rate: str | None  # the agents' --replica-max-rate
 
 
 @dataclass
@@ -197,6 +204,8 @@ class Node:
                "--native-stacks", "false", "--interval", "0.5", "--keep-last", "3", "-v"]  # fmt: skip
         if self.mode == "replica":
             cmd += ["--replica-nodes", self.spec, "--replica-interval", "0.05"]
+            if self.setup.max_rate:
+                cmd += ["--replica-max-rate", self.setup.max_rate]
         log = open(self.root / f"agent-{node}-{gen}.log", "ab")  # noqa: SIM115
         p = subprocess.Popen(cmd, env=dict(self.env, DIAG_RUN_DIR=str(run_dir)), stdout=log,
                              stderr=subprocess.STDOUT,
@@ -401,6 +410,7 @@ def main() -> int:
                    help="release the new ranks only once the new agent is up (and has pulled); "
                         "by default they start together, as a pod's containers do")  # fmt: skip
     p.add_argument("--json", type=Path)
+    p.add_argument("--max-rate", help="the agents' --replica-max-rate (default: no cap)")
     p.add_argument("--keep", action="store_true", help="keep the agents' and ranks' logs")
     args = p.parse_args()
     if args.persist_every < 1:
@@ -410,7 +420,8 @@ def main() -> int:
     if (rank_cpus is None) != (agent_cpus is None):
         p.error("--rank-cpus and --agent-cpus go together")
     setup = Setup(args.hidden, args.warm, args.window, (a, b), args.persist_every, rank_cpus,
-                  agent_cpus, not args.warm_storage, not args.agent_first)  # fmt: skip
+                  agent_cpus, not args.warm_storage, not args.agent_first,
+                  args.max_rate)  # fmt: skip
     placement = (
         "not pinned" if rank_cpus is None
         else f"ranks on CPU {cpu_list(rank_cpus)}, both agents on CPU {cpu_list(agent_cpus)}"
@@ -420,7 +431,9 @@ def main() -> int:
     starts = ("the new ranks released once the new agent is up (--agent-first)" if args.agent_first
               else "the new ranks and agent started together")  # fmt: skip
     header = (f"placement: {placement}; persist to storage every {args.persist_every} steps, "
-              f"every step in memory and replicated; restore from a {cache}; {starts}")  # fmt: skip
+              f"every step in memory and replicated"
+              f"{f' at most {args.max_rate}/s' if args.max_rate else ''}; restore from a {cache}; "
+              f"{starts}")  # fmt: skip
     print(header, flush=True)
     root = Path(tempfile.mkdtemp(prefix="diag-replica-bench-"))
     trials: list[Trial] = []
