@@ -91,6 +91,7 @@ class Trial:
     restored_bytes: int
     pull_s: float | None = None  # the replica pull's own seconds, from the new agent's log
     load_s: float | None = None  # of restore_s: rank 0's FlashCheckpointer.load() alone
+    engine_s: float | None = None  # of restore_s: the release to rank 0's load() (its engine)
     cache_before: int | None = None  # bytes of the save directory in the page cache, at the loss
     cache_after: int | None = None  # ... after the eviction
     notes: list[str] = field(default_factory=list)
@@ -322,7 +323,7 @@ def trial(root: Path, mode: str, setup: Setup) -> Trial:
                 evict(n.save)
             after = cached_bytes(n.save)
         log, start = n.root / "agent-a-1.log", n.ctl / "start-1.json"
-        t0 = time.monotonic()
+        t0, released = time.monotonic(), time.time()
         n.release("agent-a-go-1")
         if setup.together:
             # a pod's containers start together: the ranks build their engine while the agent
@@ -348,6 +349,10 @@ def trial(root: Path, mode: str, setup: Setup) -> Trial:
                   doc["step"],
                   doc["from"], trained, 0, cache_before=before, cache_after=after,
                   load_s=doc.get("load_s"))  # fmt: skip
+        if not setup.together:
+            released += agent_up_s
+        if "loading_at" in doc:
+            t.engine_s = doc["loading_at"] - released
         if doc["from"] == "storage":
             tag = n.save / step_tag(doc["step"])
             t.restored_bytes = tree_bytes(tag) if tag.is_dir() else 0
@@ -371,6 +376,7 @@ def mb(n: int | None) -> str:
 def describe(t: Trial) -> str:
     holder = "-" if t.holder_agent_cpu_ms is None else f"{t.holder_agent_cpu_ms:.1f}"
     pull = "" if t.pull_s is None else f", its pull {t.pull_s:.2f} s"
+    pull += "" if t.engine_s is None else f", the ranks' engine {t.engine_s:.2f} s"
     pull += "" if t.load_s is None else f", the ranks' load {t.load_s:.2f} s"
     notes = "".join("; " + x for x in t.notes)
     return (
@@ -474,7 +480,11 @@ def main() -> int:
     print(f"| of which the replica pull (agent's log), s | - | {cell('replica', 'pull_s', '.2f')} "
           f"| |")  # fmt: skip
     print(
-        f"| of which the ranks' load (FlashCheckpointer.load), s | "
+        f"| of which the ranks' start to their engine built, s | "
+        f"{cell('storage', 'engine_s', '.2f')} | {cell('replica', 'engine_s', '.2f')} | |"
+    )
+    print(
+        f"| of which the ranks' load (FlashCheckpointer.load, with any wait for the agent), s | "
         f"{cell('storage', 'load_s', '.2f')} | {cell('replica', 'load_s', '.2f')} | |"
     )
     print(f"| bytes restored, MB | {med('storage', 'restored_bytes') / 1e6:.1f} | "

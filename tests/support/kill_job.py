@@ -79,11 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
     )
     ckpt = diag.trainer.FlashCheckpointer(engine, args.save_dir, job=args.job)
-    t0 = time.monotonic()
+    loading_at, t0 = time.time(), time.monotonic()
     start = ckpt.load() or 0
     load_s = time.monotonic() - t0  # the state's read alone: the engine is built by now
     if rank == 0:
-        doc = {"step": start, "from": ckpt.stats.loaded_from, "at": time.time(), "load_s": load_s}
+        doc = {"step": start, "from": ckpt.stats.loaded_from, "at": time.time(), "load_s": load_s,
+               "loading_at": loading_at}  # fmt: skip
         write_json_atomic(ctl / f"start-{args.gen}.json", json.dumps(doc))
     losses = open(ctl / f"loss-{args.gen}.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     step = start
