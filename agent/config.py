@@ -155,6 +155,7 @@ def _replica_settings(values: dict[str, Any], node: str) -> ReplicaSettings | No
         directory=values["replica_dir"],
         interval=values["replica_interval"],
         listen_host=values["replica_listen"],
+        lost_after=values["replica_lost_after"],
     )
 
 

@@ -246,6 +246,14 @@ OPTIONS = OptionTable(
         ),
         Option("replica_listen", str, "0.0.0.0", "address the replica server binds"),
         Option(
+            "replica_lost_after",
+            positive,
+            5.0,
+            "seconds a peer's agent must stay silent, once this node's ranks were stopped, before "
+            "this node writes the replica it holds for that peer to storage (a lost node: the "
+            "job can resume at a smaller size from that newer step)",
+        ),
+        Option(
             "drain",
             boolean,
             True,
@@ -322,6 +330,7 @@ BOUNDS = {
     "replica_factor": Bounds(0, 64),
     "replica_max_bytes": Bounds(1 << 20, 1 << 50),
     "replica_interval": Bounds(0, 3600, lo_open=True),
+    "replica_lost_after": Bounds(0, 3600, lo_open=True),
     "snapshot_linger": Bounds(0, _WEEK, lo_open=True),
     "persist_workers": Bounds(0, 256),
     "termination_grace": Bounds(0, _DAY, lo_open=True),

@@ -31,6 +31,7 @@ class ReplicaSettings:
     interval: float = 1.0
     listen_host: str = "0.0.0.0"
     timeout: float = 30.0  # a connection silent this long fails
+    lost_after: float = 5.0  # a peer silent this long after an incident: its replica to storage
 
 
 def parse_nodes(text: str) -> tuple[NodeAddress, ...]:
