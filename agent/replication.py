@@ -34,7 +34,9 @@ from diag.agent.replica.handover import (
     StorageView,
     Verdict,
     decide_handover,
+    look_again,
     next_reach,
+    wants_reach,
 )
 from diag.agent.replica.replicator import Replicator
 from diag.agent.replica.ring import RingError
@@ -48,7 +50,7 @@ from diag.formats.untrusted import Owners, UntrustedInput
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 5.0  # a peer's agent that does not accept within this is silent
-GIVE_UP_S = 600.0  # past `lost_after`: a peer that neither answers nor stays silent that long
+GIVE_UP_S = 300.0  # past `lost_after`: how long a peer that answers is watched for its parts
 
 
 def start_replication(cfg: AgentConfig, owners: Owners) -> Replicator | None:
@@ -116,7 +118,8 @@ class Handoff:
         self.clock = clock
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._again = False
+        self._again = False  # a stop of this node's ranks not looked at yet
+        self._running = False
         self._stop = threading.Event()
         self._written: set[tuple[str, int, str]] = set()
         self._stats = HandoffStats()
@@ -127,9 +130,10 @@ class Handoff:
         if self.job not in jobs:
             return
         with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                self._again = True  # the running look sees the newest facts each round anyway
-                return
+            self._again = True
+            if self._running:
+                return  # the running look takes it: it looks again before it ends
+            self._running = True
             self._thread = threading.Thread(target=self._run, name="replica-handover", daemon=True)
             self._thread.start()
 
@@ -148,10 +152,18 @@ class Handoff:
         self.join(PROBE_TIMEOUT_S + 5)
 
     def _run(self) -> None:
-        try:
-            self._look()
-        except Exception:  # a thread of its own: its failure is logged, never the agent's
-            log.exception("the handover of lost peers' replicas failed")
+        while not self._stop.is_set():
+            with self._lock:
+                if not self._again:
+                    self._running = False
+                    return
+                self._again = False
+            try:
+                self._look()
+            except Exception:  # a thread of its own: its failure is logged, never the agent's
+                log.exception("the handover of lost peers' replicas failed")
+        with self._lock:
+            self._running = False
 
     def _look(self) -> None:
         settings = self.replicator.settings
@@ -160,10 +172,10 @@ class Handoff:
         give_up = self.clock() + settings.lost_after + GIVE_UP_S
         while not self._stop.is_set():
             now = self.clock()
-            facts = self._facts(reach, now)
             with self._lock:
                 written = frozenset(self._written)
-                self._again = False
+                self._again = False  # this round sees the newest facts
+            facts = self._facts(reach, now, written)
             verdicts = decide_handover(
                 facts, stopped=True, lost_after=settings.lost_after, now=now, written=written
             )
@@ -175,12 +187,17 @@ class Handoff:
             for v, f in zip(verdicts, facts, strict=True):
                 if v.verdict == Verdict.PERSIST:
                     self._write(f.replica, v.ranks, v.reason)
-            waiting = any(v.verdict == Verdict.WAIT for v in verdicts)
-            if not waiting or self.clock() > give_up:
+            if not look_again(verdicts):
+                return
+            if self.clock() > give_up:
+                log.info("stopped watching the replicas' peers: %s",
+                         ", ".join(f"{v.peer} {v.verdict.value}" for v in verdicts))  # fmt: skip
                 return
             self._stop.wait(settings.interval)
 
-    def _facts(self, reach: dict[str, Reach], now: float) -> list[PeerFacts]:
+    def _facts(
+        self, reach: dict[str, Reach], now: float, written: frozenset[tuple[str, int, str]]
+    ) -> list[PeerFacts]:
         store = self.replicator.store
         if store is None:
             return []
@@ -196,15 +213,11 @@ class Handoff:
             if save_dir is not None:
                 runs = storage.marker_runs(save_dir, m.step)
                 done = frozenset(r for r, run in runs.items() if run == m.run)
-            if peer in self.replicator.peers.addresses:
+            replica = HeldReplica(peer, m.step, m.run, m.ranks)
+            view = StorageView(latest, done)
+            if peer in self.replicator.peers.addresses and wants_reach(replica, view, written):
                 reach[peer] = next_reach(reach.get(peer), self._answers(peer), now)
-            out.append(
-                PeerFacts(
-                    HeldReplica(peer, m.step, m.run, m.ranks),
-                    StorageView(latest, done),
-                    reach.get(peer),
-                )
-            )
+            out.append(PeerFacts(replica, view, reach.get(peer)))
         return out
 
     def _answers(self, peer: str) -> bool:

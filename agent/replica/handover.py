@@ -13,7 +13,8 @@ The rules:
 - only while this node's own ranks were stopped: a lost node stops the whole job, so the
   survivors' ranks die or are stopped too; a healthy job never writes replicas;
 - only a peer whose agent has not answered for `lost_after` seconds: a live peer persists its own
-  ranks' snapshots (its agent does on their death), and two writers of one part are avoided;
+  ranks' snapshots (its agent does on their death), and two writers of one part are avoided; a
+  peer that answers is asked again until its parts are on storage or it goes silent;
 - only a replica newer than the step storage names, and only its ranks whose part of that step,
   from the same launch, is not on storage yet;
 - once per replica (peer, step, launch): a later trigger does not write it again.
@@ -64,7 +65,7 @@ class PeerFacts:
 class Verdict(enum.Enum):
     PERSIST = "persist"  # write `ranks` of the replica to storage now
     WAIT = "wait"  # unreachable, not yet for long enough (or not probed): ask again
-    ALIVE = "alive"  # its agent answers: it persists its own
+    ALIVE = "alive"  # its agent answers: it persists its own (watched until it did, or is silent)
     ON_STORAGE = "on storage"  # storage names that step or a newer one, or has every part
     DONE = "done"  # this node wrote it already
     NO_INCIDENT = "no incident"  # this node's ranks run: nothing was lost
@@ -111,7 +112,7 @@ def _one(
     latest = f.storage.latest
     if latest is not None and latest >= r.step:
         return out(Verdict.ON_STORAGE, f"storage names step {latest}")
-    missing = tuple(sorted(set(r.ranks) - f.storage.done))
+    missing = _missing(r, f.storage)
     if not missing:
         return out(Verdict.ON_STORAGE, f"every part of step {r.step} is on storage")
     if f.reach is None:
@@ -127,6 +128,27 @@ def _one(
         f"{'no step' if latest is None else f'step {latest}'}",
         missing,
     )
+
+
+def _missing(r: HeldReplica, storage: StorageView) -> tuple[int, ...]:
+    return tuple(sorted(set(r.ranks) - storage.done))
+
+
+def wants_reach(
+    replica: HeldReplica, storage: StorageView, written: frozenset[tuple[str, int, str]]
+) -> bool:
+    """Whether the peer's agent is worth asking: only for a replica storage still lacks."""
+    if (replica.peer, replica.step, replica.run) in written:
+        return False
+    if storage.latest is not None and storage.latest >= replica.step:
+        return False
+    return bool(_missing(replica, storage))
+
+
+def look_again(handovers: Sequence[Handover]) -> bool:
+    """Whether to ask again later: a peer silent for too short a time, or one whose agent
+    answers but whose parts are not on storage yet (it may be persisting them, or die before)."""
+    return any(h.verdict in (Verdict.WAIT, Verdict.ALIVE) for h in handovers)
 
 
 def next_reach(previous: Reach | None, answers: bool, now: float) -> Reach:

@@ -2,10 +2,12 @@
 replicators on loopback and a real checkpoint manager: once the holder's own ranks are stopped
 and persisted, a peer whose agent no longer answers gets its replica's parts written, the files
 the same records its own persist would have written, and the step both nodes hold complete commits.
-A peer whose agent answers persists its own: nothing of it is written."""
+A peer whose agent answers persists its own: nothing of it is written, unless it goes silent
+before its parts are on storage."""
 
 from __future__ import annotations
 
+import logging
 import time
 import zipfile
 from pathlib import Path
@@ -96,10 +98,28 @@ def test_a_lost_peer_s_replica_is_written_and_the_step_commits(ring, tmp_path):
     assert (save / ".diag" / "global_step4" / "rank00002.done").stat().st_mtime_ns == mtime
 
 
-def test_a_peer_whose_agent_answers_persists_its_own(ring):
-    _, _, manager, handoff, save = ring
+def test_a_peer_whose_agent_answers_persists_its_own(ring, caplog):
+    _, b, manager, handoff, save = ring
+    caplog.set_level(logging.INFO, logger="diag.agent.replication")
     manager.persist_all_jobs({JOB})
-    handoff.join(30)
+    assert wait_for(lambda: "replica of b (step 4): alive" in caplog.text)
     assert set(marker_runs(save, 4)) == {0, 1}  # a's own parts only
-    assert read_latest_step(save) is None
+    # b's agent persists its ranks' parts: a stops watching, having written nothing of b
+    for rank in (2, 3):
+        r = persist_slot(slot_path(b.run_dir, JOB, rank, 1), step=4, owners=OWNERS)
+        assert r.ok, r.error
+    handoff.join(30)
+    assert read_latest_step(save) == 4
     assert handoff.stats().steps == {}
+    assert "is lost" not in caplog.text
+
+
+def test_a_peer_that_answered_then_goes_silent_is_written(ring, caplog):
+    _, b, manager, handoff, save = ring
+    caplog.set_level(logging.INFO, logger="diag.agent.replication")
+    manager.persist_all_jobs({JOB})
+    assert wait_for(lambda: "replica of b (step 4): alive" in caplog.text)
+    b.close()
+    handoff.join(30)
+    assert read_latest_step(save) == 4
+    assert handoff.stats().steps == {"b": 4}

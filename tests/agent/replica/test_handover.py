@@ -10,8 +10,11 @@ from diag.agent.replica.handover import (
     Reach,
     StorageView,
     Verdict,
+    Handover,
     decide_handover,
+    look_again,
     next_reach,
+    wants_reach,
 )
 
 B = HeldReplica("b", 7, "r1", (2, 3))
@@ -84,3 +87,19 @@ def test_silence_is_timed_from_the_first_probe_that_saw_it():
     assert next_reach(r, False, 12.0) is r
     assert next_reach(r, True, 13.0) == Reach(True, 13.0)
     assert next_reach(Reach(True, 13.0), False, 14.0) == Reach(False, 14.0)
+
+
+def test_a_peer_is_asked_only_for_a_replica_storage_lacks():
+    assert wants_reach(B, StorageView(4), frozenset())
+    assert not wants_reach(B, StorageView(7), frozenset())
+    assert not wants_reach(B, StorageView(4, frozenset({2, 3})), frozenset())
+    assert not wants_reach(B, StorageView(4), frozenset({("b", 7, "r1")}))
+
+
+def test_looked_at_again_while_a_peer_is_silent_too_briefly_or_answers():
+    def h(verdict: Verdict) -> Handover:
+        return Handover("b", 7, verdict, "")
+
+    assert look_again([h(Verdict.ON_STORAGE), h(Verdict.WAIT)])
+    assert look_again([h(Verdict.ALIVE)])
+    assert not look_again([h(v) for v in Verdict if v not in (Verdict.WAIT, Verdict.ALIVE)])
