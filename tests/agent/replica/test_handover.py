@@ -5,12 +5,12 @@ replica is newer than storage's step, only the parts storage lacks, and only onc
 from __future__ import annotations
 
 from diag.agent.replica.handover import (
+    Handover,
     HeldReplica,
     PeerFacts,
     Reach,
     StorageView,
     Verdict,
-    Handover,
     decide_handover,
     look_again,
     next_reach,
