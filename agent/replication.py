@@ -28,6 +28,7 @@ from diag.agent.checkpoint.savedir import SaveDirRule, rule_for
 from diag.agent.config import AgentConfig
 from diag.agent.metrics.replicastats import ReplicaFacts
 from diag.agent.replica.handover import (
+    Handover,
     HeldReplica,
     PeerFacts,
     Reach,
@@ -169,6 +170,7 @@ class Handoff:
         settings = self.replicator.settings
         reach: dict[str, Reach] = {}
         said: dict[str, Verdict] = {}
+        failed: set[tuple[str, int]] = set()  # tried in this look: the next stop tries again
         give_up = self.clock() + settings.lost_after + GIVE_UP_S
         while not self._stop.is_set():
             now = self.clock()
@@ -185,8 +187,9 @@ class Handoff:
                              v.verdict.value, v.reason)  # fmt: skip
                 said[v.peer] = v.verdict
             for v, f in zip(verdicts, facts, strict=True):
-                if v.verdict == Verdict.PERSIST:
-                    self._write(f.replica, v.ranks, v.reason)
+                tried = (v.peer, v.step) in failed
+                if v.verdict == Verdict.PERSIST and not tried and not self._write(f.replica, v):
+                    failed.add((v.peer, v.step))
             if not look_again(verdicts):
                 return
             if self.clock() > give_up:
@@ -248,11 +251,13 @@ class Handoff:
         rule = rule_for(from_operator=False, slot_owner=owner, agent_euid=os.geteuid())
         return Path(newest.meta.save_dir), rule
 
-    def _write(self, replica: HeldReplica, ranks: tuple[int, ...], reason: str) -> None:
+    def _write(self, replica: HeldReplica, verdict: Handover) -> bool:
+        """Writes the ranks the verdict names; False when a part could not be written."""
+        ranks, reason = verdict.ranks, verdict.reason
         store = self.replicator.store
         held = store.held(replica.peer) if store is not None else None
         if store is None or held is None or held.manifest.step != replica.step:
-            return  # replaced meanwhile: the next round decides on the new one
+            return True  # replaced meanwhile: the next round decides on the new one
         target, rule = self._target()
         if target is None:
             log.warning(
@@ -261,7 +266,7 @@ class Handoff:
                 replica.peer, replica.step,
             )  # fmt: skip
             self._done(replica, ok=False, failures=len(ranks))
-            return
+            return False
         log.warning("%s is lost (%s): writing its replica of step %d (ranks %s) to %s",
                     replica.peer, reason, replica.step, list(ranks), target)  # fmt: skip
         t0 = time.monotonic()
@@ -282,6 +287,7 @@ class Handoff:
             "no step" if latest is None else f"step {latest}",
         )  # fmt: skip
         self._done(replica, ok=not failed, failures=len(failed))
+        return not failed
 
     def _persist(
         self, held: Replica, rank: int, target: Path, rule: SaveDirRule | None
