@@ -156,6 +156,7 @@ def _replica_settings(values: dict[str, Any], node: str) -> ReplicaSettings | No
         interval=values["replica_interval"],
         listen_host=values["replica_listen"],
         max_rate=values["replica_max_rate"],
+        lost_after=values["replica_lost_after"],
     )
 
 

@@ -44,7 +44,6 @@ from diag.agent.job.link import JobLink, ranks_since_wall
 from diag.agent.job.nodeview import view_document
 from diag.agent.job.verdict import JobVerdictStore
 from diag.agent.metrics.exporter import AgentMetrics
-from diag.agent.metrics.replicastats import ReplicaFacts
 from diag.agent.metrics.server import MetricsServer
 from diag.agent.observe.observer import Observer
 from diag.agent.observe.rundircheck import owners_of
@@ -52,15 +51,13 @@ from diag.agent.observe.rundircheck import prepare as prepare_run_dir
 from diag.agent.options import Until
 from diag.agent.prune import prune_incidents, prune_job_verdicts
 from diag.agent.replica.replicator import Replicator
-from diag.agent.replica.ring import RingError
+from diag.agent.replication import Handoff, replica_facts, start_replication
 from diag.agent.taint.evidencesources import JOB_VERDICTS_DIR
 from diag.agent.taint.step import NodeTainter
 from diag.agent.taint.taintconfig import TaintMode
 from diag.formats import exitcodes
-from diag.formats.exitcodes import UsageError
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.rundir import control_socket_path
-from diag.formats.snapshot import read_latest_step
 from diag.formats.untrusted import Owners
 
 log = logging.getLogger(__name__)
@@ -137,6 +134,7 @@ class Agent:
         self.executor.listeners.append(self.tainter.on_incident)
         self.control: ControlServer | None = None
         self.replicator: Replicator | None = None
+        self.handoff: Handoff | None = None
         self._checkpoint_fed = float("-inf")
         self.drainer = (
             Drainer(self.checkpoints, cfg.drain, prover=self.observer.prover)
@@ -310,21 +308,7 @@ class Agent:
                 persist_bytes=r.last_persist_bytes or None,
             )
         if self.replicator is not None:
-            st = self.replicator.stats()
-            restore = st.restore
-            self.metrics.replica.update(
-                ReplicaFacts(
-                    sent_step=st.sent_step,
-                    pushes=st.pushes,
-                    push_failures=st.push_failures,
-                    push_seconds=st.last_push_seconds if st.pushes else None,
-                    push_bytes=st.last_push_bytes if st.pushes else None,
-                    held=st.held,
-                    restore_source=restore.source.value if restore else None,
-                    restore_step=restore.step if restore else None,
-                    restore_seconds=st.restore_seconds if restore else None,
-                )
-            )
+            self.metrics.replica.update(replica_facts(self.replicator, self.handoff))
 
     def run(self) -> int:
         cfg = self.cfg
@@ -384,6 +368,8 @@ class Agent:
             self.job_link.join(timeout=min(self.job_link.longest_wait, self._time_left()))
             if self.control is not None:
                 self.control.stop()
+            if self.handoff is not None:
+                self.handoff.close()
             if self.replicator is not None:
                 self.replicator.close()
             self.checkpoints.close(timeout=min(60, left))
@@ -398,27 +384,10 @@ class Agent:
         return exitcodes.HANG_DETECTED if self.incidents and cfg.until != Until.FOREVER else 0
 
     def _start_replicas(self) -> None:
-        """An empty node takes its ranks' newest replica from a peer, before the control channel
-        opens; then replication runs in the background."""
-        cfg = self.cfg
-        if cfg.replica is None or cfg.job is None:
-            return
-        save_dir = cfg.checkpoint.save_dir
-        try:
-            self.replicator = Replicator(
-                cfg.replica, run_dir=cfg.run_dir, job=cfg.job, node=cfg.node, owners=self.owners,
-                storage_step=lambda: read_latest_step(save_dir) if save_dir else None,
-            )  # fmt: skip
-        except RingError as e:
-            raise UsageError(f"--replica-nodes: {e}") from None
-        self.replicator.restore_at_start()
-        try:
-            self.replicator.start()
-        except OSError as e:
-            raise UsageError(
-                f"cannot serve replicas on {cfg.replica.listen_host}: {e.strerror}; check the "
-                "port this node has in --replica-nodes"
-            ) from None
+        self.replicator = start_replication(self.cfg, self.owners)
+        if self.replicator is not None:
+            self.handoff = Handoff(self.replicator, self.checkpoints)
+            self.checkpoints.stopped_hooks.append(self.handoff.ranks_stopped)
 
     def _time_left(self) -> float:
         d = self.drained

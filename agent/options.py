@@ -253,6 +253,14 @@ OPTIONS = OptionTable(
             "(they share the network with training; 0: no cap; a pull is never capped)",
         ),
         Option(
+            "replica_lost_after",
+            positive,
+            5.0,
+            "seconds a peer's agent must stay silent, once this node's ranks were stopped, before "
+            "this node writes the replica it holds for that peer to storage (a lost node: the "
+            "job can resume at a smaller size from that newer step)",
+        ),
+        Option(
             "drain",
             boolean,
             True,
@@ -330,6 +338,7 @@ BOUNDS = {
     "replica_max_bytes": Bounds(1 << 20, 1 << 50),
     "replica_interval": Bounds(0, 3600, lo_open=True),
     "replica_max_rate": Bounds(0, 1 << 50),
+    "replica_lost_after": Bounds(0, 3600, lo_open=True),
     "snapshot_linger": Bounds(0, _WEEK, lo_open=True),
     "persist_workers": Bounds(0, 256),
     "termination_grace": Bounds(0, _DAY, lo_open=True),

@@ -86,6 +86,9 @@ class CheckpointManager:
         self._persisted: dict[RankKey, PersistResult] = {}
         self._warned_invisible: set[str] = set()
         self.results: list[PersistResult] = []
+        # Called with the jobs whose ranks died or were stopped, once their own newest snapshots
+        # are persisted (a holder then writes a lost peer's replica: agent.replication).
+        self.stopped_hooks: list[Callable[[set[str]], None]] = []
         self.writers = WriterWatch(self._writer_exited)
         self._workers = [
             threading.Thread(target=self._work, name=f"diag-persist-{i}", daemon=True)
@@ -325,9 +328,12 @@ class CheckpointManager:
         return thread
 
     def persist_all_jobs(self, jobs: set[str]) -> list[PersistResult]:
+        """The newest snapshots of `jobs`, whose ranks died or are about to be stopped."""
         out = []
         for job in sorted(jobs):
             out += self.persist_newest(job)
+        for hook in self.stopped_hooks:
+            hook(jobs)
         return out
 
     def jobs_in_run_dir(self) -> set[str]:

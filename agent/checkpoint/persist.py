@@ -53,10 +53,13 @@ def persist_slot(
     keep: int = 0,
     lock_timeout: float = 10.0,
     owners: Owners | None = None,
+    rule: SaveDirRule | None = None,
 ) -> PersistResult:
     """Persists the complete snapshot in slot file `path` (of `step`, when given) under its save
     directory (or `save_dir`), marks this rank's part done, and commits the step when every rank's
-    part is there. `owners`: who may write slots (default: run_dir_owners of its directory)."""
+    part is there. `owners`: who may write slots (default: run_dir_owners of its directory).
+    `rule`: whose save directory may be written (default: from who wrote the slot; a peer's
+    replica, written by this agent, is given the rule of this node's own ranks' slots)."""
     t0 = time.monotonic()
     try:
         slot = SlotFile.open(path, owners=run_dir_owners(path.parent) if owners is None else owners)
@@ -84,9 +87,12 @@ def persist_slot(
             warn_once(path, e.problem if e.path == str(path) else str(e))
             return PersistResult(h.job, h.rank, step or h.step, "", False, f"refused {e}")
         target = save_dir or Path(meta.save_dir)
-        rule = rule_for(
-            from_operator=save_dir is not None, slot_owner=slot.owner_uid, agent_euid=os.geteuid()
-        )
+        if rule is None:
+            rule = rule_for(
+                from_operator=save_dir is not None,
+                slot_owner=slot.owner_uid,
+                agent_euid=os.geteuid(),
+            )
         refused = _refusal(path, target, rule)
         if refused is not None:
             return PersistResult(
@@ -137,8 +143,11 @@ def persist_slot(
             )  # fmt: skip
         except OSError as e:
             # No marker: this rank's part of the step is incomplete and nobody reads it. What it
-            # wrote of it goes, or a full disk would stay full of parts that never commit.
-            _remove_part(target, meta.step, written, rule)
+            # wrote of it goes, or a full disk would stay full of parts that never commit; unless
+            # another agent's marker says its copy of the same files is complete (a lost peer's
+            # replica written by its holder while the peer still wrote its own).
+            if not storage.has_part(target, meta.step, meta.rank, meta.run, rule):
+                _remove_part(target, meta.step, written, rule)
             return PersistResult(
                 meta.job, meta.rank, meta.step, str(target), False,
                 write_error(e, target, meta.step, meta.rank, meta.nbytes),

@@ -276,6 +276,19 @@ REPLICA_RESTORE_SECONDS = Family(
     "Seconds the start-up choice and pull of a replica took",
     REPLICA,
 )
+REPLICA_HANDED_OVER_STEP = Family(
+    "diag_replica_handed_over_step",
+    Kind.GAUGE,
+    "Step of a lost peer's replica this node wrote to storage (the peer's agent stopped "
+    "answering while this node's ranks were stopped)",
+    ("job", "node", "peer"),
+)
+REPLICA_HANDOVER_FAILURES = Family(
+    "diag_replica_handover_failures",
+    Kind.COUNTER,
+    "Parts of lost peers' replicas this node could not write to storage",
+    REPLICA,
+)
 
 # -- host (psutil) --------------------------------------------------------------------------------
 HOST_CPU_BUSY = Family(

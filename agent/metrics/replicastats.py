@@ -1,5 +1,6 @@
 """Replica facts as metrics: what this node sent to its holders, what it holds for its peers,
-and where its ranks' memory came from at the agent's start (agent.replica reports them)."""
+where its ranks' memory came from at the agent's start, and which lost peers' replicas it wrote
+to storage (agent.replica and agent.replication report them)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class ReplicaFacts:
     restore_source: str | None = None  # local, peer, storage, none
     restore_step: int | None = None
     restore_seconds: float | None = None
+    handed_over: dict[str, int] = field(default_factory=dict)  # lost peer -> step written
+    handover_failures: int = 0
 
 
 class ReplicaMetrics(Collector):
@@ -48,6 +51,7 @@ class ReplicaMetrics(Collector):
             (f.REPLICA_PUSH_SECONDS, fact.push_seconds),
             (f.REPLICA_PUSH_BYTES, fact.push_bytes),
             (f.REPLICA_RESTORE_SECONDS, fact.restore_seconds),
+            (f.REPLICA_HANDOVER_FAILURES, fact.handover_failures),
         ):
             m = fam.new()
             if value is not None:
@@ -57,6 +61,10 @@ class ReplicaMetrics(Collector):
         for peer, step in sorted(fact.held.items()):
             held.add_metric([*labels, peer], step)
         yield held
+        handed = f.REPLICA_HANDED_OVER_STEP.new()
+        for peer, step in sorted(fact.handed_over.items()):
+            handed.add_metric([*labels, peer], step)
+        yield handed
         restore = f.REPLICA_RESTORE_STEP.new()
         if fact.restore_source is not None and fact.restore_step is not None:
             restore.add_metric([*labels, fact.restore_source], fact.restore_step)

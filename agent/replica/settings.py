@@ -32,6 +32,7 @@ class ReplicaSettings:
     listen_host: str = "0.0.0.0"
     timeout: float = 30.0  # a connection silent this long fails
     max_rate: int = 0  # bytes per second pushes may take of the network; 0: no cap
+    lost_after: float = 5.0  # a peer silent this long after an incident: its replica to storage
 
 
 def parse_nodes(text: str) -> tuple[NodeAddress, ...]:

@@ -286,6 +286,7 @@ ROWS: tuple[tuple[str, tuple[P, ...]], ...] = (
                 (
                     Q(f"min by (job) (diag_replica_sent_step{R})", "held by every node's holders"),
                     Q(f"diag_replica_held_step{R}", "{{node}} holds {{peer}}"),
+                    Q(f"diag_replica_handed_over_step{R}", "{{node}} wrote lost {{peer}}'s"),
                 ),
                 width=6,
             ),
@@ -306,6 +307,10 @@ ROWS: tuple[tuple[str, tuple[P, ...]], ...] = (
                     Q(
                         f"sum by (node) (rate(diag_replica_push_failures_total{R}[5m]))",
                         "{{node}} failed",
+                    ),
+                    Q(
+                        f"sum by (node) (rate(diag_replica_handover_failures_total{R}[5m]))",
+                        "{{node}} lost peers' parts not written",
                     ),
                 ),
                 unit="ops",

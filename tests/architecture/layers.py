@@ -60,6 +60,7 @@ PURE = (
     "diag.agent.precheck.measurements",
     "diag.agent.precheck.rounds",
     "diag.agent.precheck.units",
+    "diag.agent.replica.handover",
     "diag.agent.replica.ring",
     "diag.agent.taint.model",
     "diag.agent.taint.planner",
@@ -135,7 +136,7 @@ SUB_ROOMS: dict[str, dict[str, tuple[str, ...]]] = {
         # The agent's configuration, gathered from every sub-room's settings.
         "config": ("diag.agent.config", "diag.agent.options"),
         # The loop that ties the sub-rooms together, and its executor of the core's actions.
-        "loop": ("diag.agent", "diag.agent.daemon", "diag.agent.actions"),
+        "loop": ("diag.agent", "diag.agent.daemon", "diag.agent.actions", "diag.agent.replication"),
     },
     "trainer": {
         "control": ("diag.trainer.control.*",),

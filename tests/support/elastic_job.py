@@ -9,7 +9,8 @@ world size: rank r takes micro batches j*world+r of it (the micro batch size and
 accumulation come from diag.trainer.elastic.batchsize). Stages run one after the other in the same
 processes, each with its own job name (<prefix>-z<stage>), checkpoint directory D/z<stage> and
 output directory O/z<stage>. With the flash checkpointer (the default) it resumes through
-`FlashCheckpointer.load()` and asks the agent to persist the last step. Rank 0 writes the plan
+`FlashCheckpointer.load()` and asks the agent to persist the last step (and every Nth with
+--persist-every N). Rank 0 writes the plan
 (plan.json), where it started (start.json) and each step's loss, averaged over the global batch
 (loss.jsonl).
 
@@ -50,6 +51,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain", action="store_true", help="no checkpointer: drain to storage")
     p.add_argument("--stop-file", default=None)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to idle per step")
+    p.add_argument(
+        "--persist-every", type=int, default=0,
+        help="also ask the agent to persist every Nth step (0: the last step only)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -158,7 +163,9 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
                 f.write(json.dumps({"step": step, "loss": (total / world).item(), "world": world}))
                 f.write("\n")
         if ckpt is not None:
-            ckpt.save(step, {"data_step": step}, persist=step == args.steps)
+            every = args.persist_every
+            persist = step == args.steps or (every > 0 and step % every == 0)
+            ckpt.save(step, {"data_step": step}, persist=persist)
         if args.step_sleep:
             time.sleep(args.step_sleep)
     if ckpt is not None:

@@ -48,7 +48,7 @@ def test_bad_node_lists_are_refused(text, problem):
 def test_the_agent_reads_the_replica_options():
     cfg = load(
         ["--job", "j", "--node", "w1", "--replica-nodes", NODES, "--replica-factor", "2",
-         "--replica-max-bytes", "2GiB"],
+         "--replica-max-bytes", "2GiB", "--replica-lost-after", "12"],
         env={"DIAG_REPLICA_TOKEN": "s3cret", "DIAG_REPLICA_INTERVAL": "0.5"},
     )  # fmt: skip
     r = cfg.replica
@@ -56,6 +56,7 @@ def test_the_agent_reads_the_replica_options():
     assert [n.name for n in r.nodes] == ["w0", "w1", "w2"]
     assert (r.factor, r.token, r.max_bytes, r.interval) == (2, "s3cret", 2 << 30, 0.5)
     assert r.max_rate == 0  # no cap unless asked
+    assert r.lost_after == 12.0
 
 
 def test_the_push_rate_cap_is_read_in_bytes_per_second():
@@ -76,6 +77,7 @@ def test_no_nodes_no_replicas():
         (["--job", "j", "--node", "w1", "--replica-nodes", "w1"], "--replica-nodes"),
         (["--job", "j", "--replica-nodes", NODES, "--replica-factor", "-1"], "replica-factor"),
         (["--job", "j", "--replica-nodes", NODES, "--replica-max-bytes", "1KiB"], "max-bytes"),
+        (["--job", "j", "--replica-nodes", NODES, "--replica-lost-after", "0"], "lost-after"),
     ],
 )
 def test_replica_mistakes_are_usage_errors(argv, problem):

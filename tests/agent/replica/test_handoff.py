@@ -1,0 +1,125 @@
+"""A holder writes a lost peer's replica to storage (agent.replication.Handoff), with real
+replicators on loopback and a real checkpoint manager: once the holder's own ranks are stopped
+and persisted, a peer whose agent no longer answers gets its replica's parts written, the files
+the same records its own persist would have written, and the step both nodes hold complete commits.
+A peer whose agent answers persists its own: nothing of it is written, unless it goes silent
+before its parts are on storage."""
+
+from __future__ import annotations
+
+import logging
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from jobrun import free_port
+from replica_helpers import JOB, OWNERS, fill
+
+from diag.agent.checkpoint.manager import CheckpointManager, CheckpointOptions
+from diag.agent.checkpoint.persist import persist_slot
+from diag.agent.checkpoint.storage import marker_runs
+from diag.agent.replica.replicator import NodeAddress, ReplicaSettings, Replicator
+from diag.agent.replication import Handoff
+from diag.formats.snapshot import read_latest_step, slot_path
+
+
+def wait_for(pred, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return bool(pred())
+
+
+@pytest.fixture
+def ring(tmp_path):
+    """Nodes a (ranks 0, 1) and b (ranks 2, 3) holding each other's step 4; a's manager and
+    handoff, wired as the agent wires them."""
+    nodes = tuple(NodeAddress(n, "127.0.0.1", free_port()) for n in ("a", "b"))
+    settings = ReplicaSettings(
+        nodes, factor=1, token="t", max_bytes=256 << 20, interval=0.05, lost_after=0.3
+    )
+    save = tmp_path / "save"
+    save.mkdir()
+    reps = {}
+    for node, ranks in (("a", (0, 1)), ("b", (2, 3))):
+        run_dir = tmp_path / f"{node}-run"
+        run_dir.mkdir()
+        fill(run_dir, save, {r: [3, 4] for r in ranks}, node=node)
+        reps[node] = Replicator(settings, run_dir=run_dir, job=JOB, node=node, owners=OWNERS)
+        reps[node].start()
+    a, b = reps["a"], reps["b"]
+    assert wait_for(lambda: a.stats().held.get("b") == 4 and b.stats().held.get("a") == 4)
+    manager = CheckpointManager(a.run_dir, JOB, CheckpointOptions(), owners=OWNERS)
+    handoff = Handoff(a, manager)
+    manager.stopped_hooks.append(handoff.ranks_stopped)
+    try:
+        yield a, b, manager, handoff, save
+    finally:
+        handoff.close()
+        manager.close(5)
+        for r in (a, b):
+            r.close()
+
+
+def files_of(save: Path, step: int, ranks: tuple[int, ...]) -> dict[str, bytes]:
+    """Every record of each rank's file but `.data/serialization_id`, which names one write."""
+    out = {}
+    for rank in ranks:
+        with zipfile.ZipFile(save / f"global_step{step}" / f"zero_pp_rank_{rank}_optim.pt") as z:
+            for info in z.infolist():
+                if not info.filename.endswith("/.data/serialization_id"):
+                    out[info.filename] = z.read(info)
+    return out
+
+
+def test_a_lost_peer_s_replica_is_written_and_the_step_commits(ring, tmp_path):
+    _, b, manager, handoff, save = ring
+    b.close()  # node b is lost: its agent answers no more
+    manager.persist_all_jobs({JOB})  # a's ranks were stopped: their own parts first
+    handoff.join(30)
+    assert read_latest_step(save) == 4
+    assert marker_runs(save, 4) == {0: "r1", 1: "r1", 2: "r1", 3: "r1"}
+    assert handoff.stats().steps == {"b": 4}
+    # the same records b's agent would have written from b's own slots
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    for rank in (2, 3):
+        r = persist_slot(slot_path(b.run_dir, JOB, rank, 1), step=4, save_dir=ref, owners=OWNERS)
+        assert r.ok, r.error
+    assert files_of(save, 4, (2, 3)) == files_of(ref, 4, (2, 3))
+
+    # a second stop of a's ranks writes nothing again
+    mtime = (save / ".diag" / "global_step4" / "rank00002.done").stat().st_mtime_ns
+    manager.persist_all_jobs({JOB})
+    handoff.join(30)
+    assert (save / ".diag" / "global_step4" / "rank00002.done").stat().st_mtime_ns == mtime
+
+
+def test_a_peer_whose_agent_answers_persists_its_own(ring, caplog):
+    _, b, manager, handoff, save = ring
+    caplog.set_level(logging.INFO, logger="diag.agent.replication")
+    manager.persist_all_jobs({JOB})
+    assert wait_for(lambda: "replica of b (step 4): alive" in caplog.text)
+    assert set(marker_runs(save, 4)) == {0, 1}  # a's own parts only
+    # b's agent persists its ranks' parts: a stops watching, having written nothing of b
+    for rank in (2, 3):
+        r = persist_slot(slot_path(b.run_dir, JOB, rank, 1), step=4, owners=OWNERS)
+        assert r.ok, r.error
+    handoff.join(30)
+    assert read_latest_step(save) == 4
+    assert handoff.stats().steps == {}
+    assert "is lost" not in caplog.text
+
+
+def test_a_peer_that_answered_then_goes_silent_is_written(ring, caplog):
+    _, b, manager, handoff, save = ring
+    caplog.set_level(logging.INFO, logger="diag.agent.replication")
+    manager.persist_all_jobs({JOB})
+    assert wait_for(lambda: "replica of b (step 4): alive" in caplog.text)
+    b.close()
+    handoff.join(30)
+    assert read_latest_step(save) == 4
+    assert handoff.stats().steps == {"b": 4}
