@@ -121,6 +121,7 @@ class Handoff:
         self._thread: threading.Thread | None = None
         self._again = False  # a stop of this node's ranks not looked at yet
         self._running = False
+        self._marked = False  # holds the checkpoints' writing mark of the job
         self._stop = threading.Event()
         self._written: set[tuple[str, int, str]] = set()
         self._stats = HandoffStats()
@@ -132,6 +133,9 @@ class Handoff:
             return
         with self._lock:
             self._again = True
+            # before the persist of the ranks' own snapshots lets the mark go: ranks restarting
+            # at another size wait until it is known whether a lost peer's replica is written
+            self._mark()
             if self._running:
                 return  # the running look takes it: it looks again before it ends
             self._running = True
@@ -153,18 +157,34 @@ class Handoff:
         self.join(PROBE_TIMEOUT_S + 5)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    if not self._again:
+                        self._running = False
+                        return
+                    self._again = False
+                try:
+                    self._look()
+                except Exception:  # a thread of its own: its failure is logged, never the agent's
+                    log.exception("the handover of lost peers' replicas failed")
             with self._lock:
-                if not self._again:
-                    self._running = False
-                    return
-                self._again = False
-            try:
-                self._look()
-            except Exception:  # a thread of its own: its failure is logged, never the agent's
-                log.exception("the handover of lost peers' replicas failed")
+                self._running = False
+        finally:
+            self._unmark(force=True)
+
+    def _mark(self) -> None:
+        """Takes the writing mark (with self._lock held)."""
+        if not self._marked:
+            self.checkpoints.writing.take(self.job)
+            self._marked = True
+
+    def _unmark(self, *, force: bool = False) -> None:
+        """Lets the writing mark go, unless a stop of the ranks came that no look has seen."""
         with self._lock:
-            self._running = False
+            if self._marked and (force or not self._again):
+                self._marked = False
+                self.checkpoints.writing.release(self.job)
 
     def _look(self) -> None:
         settings = self.replicator.settings
@@ -190,6 +210,8 @@ class Handoff:
                 tried = (v.peer, v.step) in failed
                 if v.verdict == Verdict.PERSIST and not tried and not self._write(f.replica, v):
                     failed.add((v.peer, v.step))
+            if not any(v.verdict == Verdict.WAIT for v in verdicts):
+                self._unmark()  # every lost peer's replica written (or tried): restarts go on
             if not look_again(verdicts):
                 return
             if self.clock() > give_up:

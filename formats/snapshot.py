@@ -94,12 +94,20 @@ def slot_path(run_dir: Path, job: str, rank: int, slot: int) -> Path:
 
 
 PULL_SUFFIX = ".replica-pull"
+WRITING_SUFFIX = ".storage-writing"
 
 
 def pull_marker_path(run_dir: Path, job: str) -> Path:
     """Present while the node's agent pulls the job's replica from a peer into the run
     directory: ranks wait for it to go before they look for snapshots (agent.replica)."""
     return run_dir / f".{safe_job_name(job)}{PULL_SUFFIX}"
+
+
+def writing_marker_path(run_dir: Path, job: str) -> Path:
+    """Present while the node's agent writes the job's newest step to storage after its ranks
+    stopped (their own snapshots, a lost peer's replica): ranks about to resume from storage wait
+    for it to go, so that they resume from that step and not from an older one."""
+    return run_dir / f".{safe_job_name(job)}{WRITING_SUFFIX}"
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from diag.agent.checkpoint.sessions import CommandReport, RankKey, Sessions
 from diag.agent.checkpoint.stats import CheckpointStats, RankCheckpointStats
 from diag.agent.checkpoint.storage import has_part
 from diag.agent.checkpoint.writers import WatchOutcome, Writer, WriterWatch
+from diag.agent.checkpoint.writingmark import WritingMarks
 from diag.formats.slotfile import Snapshot, read_snapshots, run_dir_owners
 from diag.formats.snapshot import find_slots, read_latest_step
 from diag.formats.untrusted import Owners
@@ -89,6 +90,9 @@ class CheckpointManager:
         # Called with the jobs whose ranks died or were stopped, once their own newest snapshots
         # are persisted (a holder then writes a lost peer's replica: agent.replication).
         self.stopped_hooks: list[Callable[[set[str]], None]] = []
+        self.writing = WritingMarks(run_dir)  # ranks resuming from storage wait for these
+        if job is not None:
+            self.writing.clear_stale(job)  # a killed agent's
         self.writers = WriterWatch(self._writer_exited)
         self._workers = [
             threading.Thread(target=self._work, name=f"diag-persist-{i}", daemon=True)
@@ -330,10 +334,16 @@ class CheckpointManager:
     def persist_all_jobs(self, jobs: set[str]) -> list[PersistResult]:
         """The newest snapshots of `jobs`, whose ranks died or are about to be stopped."""
         out = []
-        for job in sorted(jobs):
-            out += self.persist_newest(job)
-        for hook in self.stopped_hooks:
-            hook(jobs)
+        for job in jobs:
+            self.writing.take(job)
+        try:
+            for job in sorted(jobs):
+                out += self.persist_newest(job)
+            for hook in self.stopped_hooks:
+                hook(jobs)  # a hook that writes on takes the mark before it is let go here
+        finally:
+            for job in jobs:
+                self.writing.release(job)
         return out
 
     def jobs_in_run_dir(self) -> set[str]:

@@ -34,7 +34,7 @@ import pytest
 from repo import SUPPORT
 
 from diag.formats.rundir import control_socket_path
-from diag.formats.snapshot import read_latest_step
+from diag.formats.snapshot import read_latest_step, writing_marker_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(900)]
 
@@ -175,16 +175,19 @@ def test_a_lost_node_s_replica_lets_the_shrunk_job_resume_from_the_newest_step(c
     assert older is not None and older < held
     # node a's rank fails with its peer (or is stopped); its torchrun gives up (no restarts)
     assert jobrun.finish(c.trainers.pop("node-a"), timeout=300) != 0, c.logs()
-    wait_for(lambda: read_latest_step(c.save) == held, 120,
-             f"step {held} committed from node-a's memory and node-b's replica", c.logs)  # fmt: skip
-    agent_log = (c.root / "agent-node-a.log").read_text(errors="replace")
-    assert "node-b is lost" in agent_log and f"replica of step {held}" in agent_log, agent_log
+    # node a's agent marks that it writes the newest step (its ranks' own parts, then b's
+    # replica once b stayed silent): the restart goes at once, and its rank waits for the mark
+    mark = writing_marker_path(c.runs["node-a"], c.job)
+    wait_for(lambda: mark.exists() or read_latest_step(c.save) == held, 120,
+             "node-a's agent writing the newest step", c.logs)  # fmt: skip
 
     # the job restarts without node b, at 1 rank: from that step, through the universal checkpoint
     upto = held + 3
     rc = jobrun.run(jobrun.command(1, *c.job_args("shrunk", upto)), c.root / "shrunk.log",
                     c.env("node-a"))  # fmt: skip
     assert rc == 0, c.logs()
+    agent_log = (c.root / "agent-node-a.log").read_text(errors="replace")
+    assert "node-b is lost" in agent_log and f"replica of step {held}" in agent_log, agent_log
     start = json.loads((c.root / "shrunk" / f"z{c.zero}" / "start.json").read_text())
     assert (start["step"], start["from"], start["resharded_from"]) == (held, "storage", 2), start
 

@@ -52,6 +52,7 @@ from diag.trainer.flash.restore import (
     load_from_memory,
     memory_index,
     needed_files,
+    wait_for_writing,
 )
 from diag.trainer.flash.resume import (
     RankFacts,
@@ -293,7 +294,11 @@ class FlashCheckpointer:
         import torch.distributed as dist
 
         self.wait()
-        facts = RankFacts(self.rank, tuple(self._memory_index()), read_latest_step(self.save_dir))
+        memory = tuple(self._memory_index())
+        if not memory:  # from storage, unless another rank's memory says otherwise
+            wait_for_writing(self._place())
+        dist.barrier(group=self._group)  # `latest` read once every rank's wait is over
+        facts = RankFacts(self.rank, memory, read_latest_step(self.save_dir))
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, facts, group=self._group)
         plan = plan_resume(gathered)

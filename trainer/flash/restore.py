@@ -33,6 +33,7 @@ from diag.formats.snapshot import (
     find_slots,
     pull_marker_path,
     step_tag,
+    writing_marker_path,
 )
 from diag.formats.untrusted import Owners, UntrustedInput, create_new, open_dir, walk_beneath
 from diag.trainer.elastic import reshard
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 LOAD_LOCK_TIMEOUT_S = 30.0
 PULL_WAIT_S = 120.0  # the longest a rank waits for its agent to pull the node's replica
+WRITING_WAIT_S = 600.0  # ... for its agent to write the newest step to storage (can be GBs)
 AGENT_WAIT_ENV = "DIAG_AGENT_WAIT"  # seconds an empty node's rank waits for its agent to be up
 
 # relative path -> (slot file holding it, its entry)
@@ -97,7 +99,22 @@ def wait_for_pull(place: Place, timeout: float = PULL_WAIT_S) -> bool:
     """Waits while the node's agent pulls this node's replica from a peer into the run directory
     (its marker is there: a regular file of the rank's user or root); True when it went. A
     marker left by a killed agent costs at most `timeout` seconds."""
-    marker = pull_marker_path(place.run_dir, place.job)
+    return _wait_marker(
+        pull_marker_path(place.run_dir, place.job), timeout, "pull this node's replica"
+    )
+
+
+def wait_for_writing(place: Place, timeout: float = WRITING_WAIT_S) -> bool:
+    """Waits while the node's agent writes the job's newest step to storage after the ranks
+    stopped (their own snapshots, a lost peer's replica: agent.checkpoint.writingmark); True when
+    its marker went. For a rank about to resume from storage: a restart at another size then
+    resumes from that step, not an older one."""
+    return _wait_marker(
+        writing_marker_path(place.run_dir, place.job), timeout, "write the newest step to storage"
+    )
+
+
+def _wait_marker(marker: Path, timeout: float, what: str) -> bool:
     owners = Owners.this_process()
     deadline = time.monotonic() + timeout
     told = False
@@ -109,10 +126,10 @@ def wait_for_pull(place: Place, timeout: float = PULL_WAIT_S) -> bool:
         if not stat.S_ISREG(st.st_mode) or not owners.trusts(st):
             return True  # not the agent's: ignored
         if time.monotonic() >= deadline:
-            log.warning("diag: the agent's replica pull took over %.0f s; not waiting", timeout)
+            log.warning("diag: the agent's work to %s took over %.0f s; not waiting", what, timeout)
             return False
         if not told:
-            log.info("diag: waiting for the agent to pull this node's replica (%s)", marker)
+            log.info("diag: waiting for the agent to %s (%s)", what, marker)
             told = True
         time.sleep(0.05)
 

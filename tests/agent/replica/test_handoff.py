@@ -21,7 +21,7 @@ from diag.agent.checkpoint.persist import persist_slot
 from diag.agent.checkpoint.storage import marker_runs
 from diag.agent.replica.replicator import NodeAddress, ReplicaSettings, Replicator
 from diag.agent.replication import Handoff
-from diag.formats.snapshot import read_latest_step, slot_path
+from diag.formats.snapshot import read_latest_step, slot_path, writing_marker_path
 
 
 def wait_for(pred, timeout: float = 60.0) -> bool:
@@ -76,11 +76,16 @@ def files_of(save: Path, step: int, ranks: tuple[int, ...]) -> dict[str, bytes]:
 
 
 def test_a_lost_peer_s_replica_is_written_and_the_step_commits(ring, tmp_path):
-    _, b, manager, handoff, save = ring
+    a, b, manager, handoff, save = ring
+    mark = writing_marker_path(a.run_dir, JOB)
     b.close()  # node b is lost: its agent answers no more
     manager.persist_all_jobs({JOB})  # a's ranks were stopped: their own parts first
+    # a restart at another size waits on this mark: it outlives the persist of a's own parts
+    # while b's replica is still to come (b not yet silent for --replica-lost-after)
+    assert mark.exists() or read_latest_step(save) == 4
     handoff.join(30)
     assert read_latest_step(save) == 4
+    assert not mark.exists(), "the mark outlived the handover"
     assert marker_runs(save, 4) == {0: "r1", 1: "r1", 2: "r1", 3: "r1"}
     assert handoff.stats().steps == {"b": 4}
     # the same records b's agent would have written from b's own slots
@@ -104,6 +109,9 @@ def test_a_peer_whose_agent_answers_persists_its_own(ring, caplog):
     manager.persist_all_jobs({JOB})
     assert wait_for(lambda: "replica of b (step 4): alive" in caplog.text)
     assert set(marker_runs(save, 4)) == {0, 1}  # a's own parts only
+    # b persists its own: nothing of b's is to come from a, so a restart need not wait for a
+    mark = writing_marker_path(handoff.replicator.run_dir, JOB)
+    assert wait_for(lambda: not mark.exists(), 10)
     # b's agent persists its ranks' parts: a stops watching, having written nothing of b
     for rank in (2, 3):
         r = persist_slot(slot_path(b.run_dir, JOB, rank, 1), step=4, owners=OWNERS)

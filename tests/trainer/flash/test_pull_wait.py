@@ -15,7 +15,7 @@ import pytest
 from snapshot_helpers import captured, model_states, new_slot, write_snapshot
 
 from diag.formats.rundir import control_socket_path
-from diag.formats.snapshot import pull_marker_path
+from diag.formats.snapshot import pull_marker_path, writing_marker_path
 from diag.trainer.flash.restore import (
     AGENT_WAIT_ENV,
     Place,
@@ -24,6 +24,7 @@ from diag.trainer.flash.restore import (
     memory_index,
     wait_for_agent,
     wait_for_pull,
+    wait_for_writing,
 )
 
 
@@ -136,3 +137,32 @@ def test_agent_wait_from_env(value, seconds):
 def test_a_bad_agent_wait_names_the_variable_and_the_range(value):
     with pytest.raises(ValueError, match=rf"{AGENT_WAIT_ENV}=.*0 to 3600"):
         agent_wait_from_env({AGENT_WAIT_ENV: value})
+
+
+# -- a rank about to resume from storage waits while its agent writes the newest step -------------
+
+
+def test_waits_while_the_agent_writes_the_newest_step(tmp_path):
+    marker = writing_marker_path(tmp_path, "j")
+    marker.touch()
+    gone = threading.Event()
+
+    def written() -> None:
+        time.sleep(0.3)
+        marker.unlink()
+        gone.set()
+
+    threading.Thread(target=written).start()
+    assert wait_for_writing(place(tmp_path), timeout=60)
+    assert gone.is_set()
+
+
+def test_a_writing_mark_left_by_a_killed_agent_costs_the_bound_only(tmp_path, caplog):
+    writing_marker_path(tmp_path, "j").touch()
+    assert not wait_for_writing(place(tmp_path), timeout=0.3)
+    assert "write the newest step to storage" in caplog.text
+
+
+def test_a_planted_writing_link_is_no_mark(tmp_path):
+    os.symlink(tmp_path / "elsewhere", writing_marker_path(tmp_path, "j"))
+    assert wait_for_writing(place(tmp_path), timeout=60)
