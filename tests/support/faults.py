@@ -6,6 +6,7 @@ The processes under test (trainer ranks, the agent) mark the phases they pass th
     copy     the trainer copies the captured state into its shared-memory slot (Copier._run)
     persist  the agent writes a rank's snapshot to storage, up to its done-marker (persist_slot)
     commit   the agent checks the markers and writes `latest` (storage.try_commit)
+    replicate  the agent pushes the node's replica to one holder (agent.replica's push)
 
 and tick at the sub-operations inside them (one storage copied, one file written, `latest`
 renamed into place...). The harness publishes a plan in `<ctl>/plan.json`: a phase, the PIDs to
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("save", "copy", "persist", "commit")
+REPLICA_PHASES = (*PHASES, "replicate")  # with replicas in a peer
 PLAN_FILE = "plan.json"
 
 
@@ -270,8 +272,10 @@ def install_trainer(inj: Injector) -> None:
 
 
 def install_agent(inj: Injector) -> None:
-    """Marks the agent's phases: persist (files, fsyncs, marker) and commit (`latest`)."""
+    """Marks the agent's phases: persist (files, fsyncs, marker), commit (`latest`) and replicate
+    (the hello, the manifest, each rank's part sent)."""
     from diag.agent.checkpoint import manager, persist, storage
+    from diag.agent.replica import replicator, transport
 
     persist_slot = manager.persist_slot
 
@@ -292,3 +296,13 @@ def install_agent(inj: Injector) -> None:
             return try_commit(save_dir, step, *args, **kwargs)
 
     storage.try_commit = marked_commit
+
+    push = replicator.push
+
+    def marked_push(peers: Any, holder: str, local: Any, *args: Any, **kwargs: Any) -> Any:
+        with inj.phase("replicate", local.manifest.step):
+            return push(peers, holder, local, *args, **kwargs)
+
+    replicator.push = marked_push
+    transport.send = inj.wrap(transport.send)
+    transport.send_part = inj.wrap(transport.send_part)
