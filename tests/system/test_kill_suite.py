@@ -68,14 +68,20 @@ def test_kills_lose_nothing_committed_or_in_memory(root: Path, zero: int, long_t
     assert not suite.watch.problems
 
 
-# A node killed and wiped while a second agent holds its replica (the next node of the ring):
-# its ranks restore from memory, the replica pulled back, never older than the replica held or
-# the step committed at the kill. The long tier: the default tier has the same pull and restore
-# through real agents in network namespaces (test_replica_netns) and stage 2's node kill above.
+# A node killed and wiped while a second agent holds its replica (the next node of the ring),
+# the job persisting every 10th step only: its ranks restore exactly the replica the holder held
+# whole at the kill (or storage's newer step), and a kill in the middle of the node's push leaves
+# the holder its previous replica, the one restored. The long tier: the default tier has the
+# replicate phase's kill mid-push against a real holder (tests/agent/replica/
+# test_replicate_kill.py) and the pull and restore through real agents in network namespaces
+# (test_replica_netns).
 REPLICA_KILLS = {
-    1: [("node", "save", "timer", 0.5), ("node", "persist", "tick", 0.5)],
-    2: [("node", "copy", "timer", 0.5), ("node", "commit", "tick", 0.5)],
-    3: [("node", "persist", "timer", 0.3), ("node", "save", "tick", 0.6)],
+    1: [("node", "save", "timer", 0.5), ("node", "replicate", "tick", 0.7),
+        ("node", "persist", "tick", 0.5)],
+    2: [("node", "copy", "timer", 0.5), ("node", "replicate", "timer", 0.5),
+        ("node", "commit", "tick", 0.5)],
+    3: [("node", "replicate", "tick", 0.5), ("node", "persist", "timer", 0.3),
+        ("node", "save", "tick", 0.6)],
 }  # fmt: skip
 
 
@@ -91,7 +97,13 @@ def test_node_kills_restore_from_the_replica_in_a_peer(root: Path, zero: int) ->
             r = suite.kill(target, phase, mode, fraction)
             assert not r.problems, (r, suite.tail())
             assert r.replica_at_kill is not None, r
-            assert r.restored is not None and r.restored >= r.replica_at_kill, r
+            expect = max(r.replica_at_kill, r.latest_at_kill or 0)
+            assert r.restored == expect, r
+            if phase == "replicate":
+                assert r.phase == "replicate" and r.source == "memory", r
+                # the push cut: the holder kept the previous replica; at most the step in flight
+                # (the one being pushed) is lost
+                assert r.replica_at_kill <= r.fired_step, r
     finally:
         suite.close()
     assert not suite.watch.problems
