@@ -7,6 +7,7 @@ The processes under test (trainer ranks, the agent) mark the phases they pass th
     persist  the agent writes a rank's snapshot to storage, up to its done-marker (persist_slot)
     commit   the agent checks the markers and writes `latest` (storage.try_commit)
     replicate  the agent pushes the node's replica to one holder (agent.replica's push)
+    receive  a holder's agent takes a peer's replica (agent.replica's store)
 
 and tick at the sub-operations inside them (one storage copied, one file written, `latest`
 renamed into place...). The harness publishes a plan in `<ctl>/plan.json`: a phase, the PIDs to
@@ -38,6 +39,7 @@ from typing import Any
 
 PHASES = ("save", "copy", "persist", "commit")
 REPLICA_PHASES = (*PHASES, "replicate")  # with replicas in a peer
+HOLDER_PHASES = ("receive",)  # in the holder's agent
 PLAN_FILE = "plan.json"
 
 
@@ -272,10 +274,10 @@ def install_trainer(inj: Injector) -> None:
 
 
 def install_agent(inj: Injector) -> None:
-    """Marks the agent's phases: persist (files, fsyncs, marker), commit (`latest`) and replicate
-    (the hello, the manifest, each rank's part sent)."""
+    """Marks the agent's phases: persist (files, fsyncs, marker), commit (`latest`), replicate
+    (the hello, the manifest, each rank's part sent) and receive (each part, the manifest)."""
     from diag.agent.checkpoint import manager, persist, storage
-    from diag.agent.replica import replicator, transport
+    from diag.agent.replica import replicator, store, transport
 
     persist_slot = manager.persist_slot
 
@@ -306,3 +308,13 @@ def install_agent(inj: Injector) -> None:
     replicator.push = marked_push
     transport.send = inj.wrap(transport.send)
     transport.send_part = inj.wrap(transport.send_part)
+
+    receive = store.ReplicaStore.receive
+
+    def marked_receive(self: Any, m: Any, *args: Any, **kwargs: Any) -> Any:
+        with inj.phase("receive", m.step):
+            return receive(self, m, *args, **kwargs)
+
+    store.ReplicaStore.receive = marked_receive  # type: ignore[method-assign]
+    store.receive_part = inj.wrap(store.receive_part)
+    store.write_replace = inj.wrap(store.write_replace)

@@ -81,6 +81,8 @@ class KillResult:
     memory_lost: bool = False  # a node kill: the node's shared memory went with it
     replica_at_kill: int | None = None  # the step the holder held for the node at the kill
     fired_step: int = -1  # the step of the phase the kill fired in (a push: the step sent)
+    fired_tick: int = 0  # the sub-operations of the phase done at the kill (a push: 2 + parts)
+    replica_after: int | None = None  # holder kills: the step the restarted holder took
 
     @property
     def restored_minus_replica(self) -> int | None:
@@ -289,9 +291,12 @@ class KillSuite:
         with open(self.root / "agent.log", "ab") as out:
             return subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
 
-    def _spawn_holder(self) -> subprocess.Popen:
+    def spawn_holder(self) -> subprocess.Popen:
+        go = self.ctl / "holder-go"  # the holder starts at once
+        go.touch()
         cmd = [
-            sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(self.holder_run),
+            sys.executable, str(TESTS / "fault_agent.py"), "--ctl", str(self.ctl), "--go", str(go),
+            "--", "agent", "--run-dir", str(self.holder_run),
             "--job", self.job, "--node", HOLDER_NODE, "--timeline", str(self.timeline),
             "--native-stacks", "false", "--replica-nodes", self.ring, "-v",
         ]  # fmt: skip
@@ -336,7 +341,7 @@ class KillSuite:
 
     def start(self, warm_steps: int = 3) -> None:
         if self.replicas:
-            self.holder = self._spawn_holder()
+            self.holder = self.spawn_holder()
         self.next_agent = self._spawn_agent(0)
         self.next_ranks = self._spawn_ranks(0)
         self._release_agent()
@@ -351,7 +356,7 @@ class KillSuite:
         def ready() -> bool:
             self._read_losses()
             latest = read_latest_step(self.save_dir) or 0
-            done = max(self._gen_steps(self.gen - 1), default=0)
+            done = max(self.gen_steps(self.gen - 1), default=0)
             # With replicas storage lags: a replica newer than `since` is progress as well.
             replica = (self.replica_step() or 0) if self.replicas else 0
             return done >= since + steps and max(latest, replica) > since
@@ -362,7 +367,7 @@ class KillSuite:
                 f"(latest={read_latest_step(self.save_dir)})\n{self.tail()}"
             )
 
-    def _gen_steps(self, gen: int) -> list[int]:
+    def gen_steps(self, gen: int) -> list[int]:
         path = self.ctl / f"loss-{gen}.jsonl"
         with contextlib.suppress(FileNotFoundError):
             return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.endswith("}")]
@@ -403,15 +408,8 @@ class KillSuite:
 
     # -- one kill ---------------------------------------------------------------------------------
 
-    def kill(self, target: str, phase: str, mode: str, fraction: float) -> KillResult:
-        t0 = time.monotonic()
-        assert self.agent is not None
-        rank_pids = [p.pid for p in self.ranks]
-        if target not in TARGETS:
-            raise ValueError(f"unknown kill target {target!r}: one of {', '.join(TARGETS)}")
-        pids = {"trainer": rank_pids, "agent": [self.agent.pid]}.get(
-            target, [*rank_pids, self.agent.pid]
-        )
+    def fire(self, phase: str, pids: list[int], mode: str, fraction: float) -> Fired:
+        """Publishes a plan and waits for it to fire."""
         self.plan_id += 1
         plan = Plan(self.plan_id, phase, tuple(pids), mode, fraction)
         write_json_atomic(self.ctl / PLAN_FILE, plan.to_json())
@@ -422,7 +420,18 @@ class KillSuite:
             write_json_atomic(self.ctl / PLAN_FILE, plan.to_json())
             if not wait_for(fired_path.exists, 60):
                 raise RuntimeError(f"no {phase} phase in 68 s\n{self.tail()}")
-        fired = Fired.load(fired_path)
+        return Fired.load(fired_path)
+
+    def kill(self, target: str, phase: str, mode: str, fraction: float) -> KillResult:
+        t0 = time.monotonic()
+        assert self.agent is not None
+        rank_pids = [p.pid for p in self.ranks]
+        if target not in TARGETS:
+            raise ValueError(f"unknown kill target {target!r}: one of {', '.join(TARGETS)}")
+        pids = {"trainer": rank_pids, "agent": [self.agent.pid]}.get(
+            target, [*rank_pids, self.agent.pid]
+        )
+        fired = self.fire(phase, pids, mode, fraction)
         killed_ranks = target in ("trainer", "both", "node")
         killed_agent = target in ("agent", "both", "node")
         procs = (self.ranks if killed_ranks else []) + ([self.agent] if killed_agent else [])
@@ -439,8 +448,8 @@ class KillSuite:
             self.zero, target, phase, fired.phase, fired.mode,
             latest_at_kill=read_latest_step(self.save_dir),
             memory_at_kill=memory_step(held),
-            trained_at_kill=max(self._gen_steps(self.gen - 1), default=0),
-            memory_by_rank=held, fired_step=fired.step,
+            trained_at_kill=max(self.gen_steps(self.gen - 1), default=0),
+            memory_by_rank=held, fired_step=fired.step, fired_tick=fired.tick,
         )  # fmt: skip
         newest = [max(steps) for steps in held.values()]
         if killed_ranks and len(newest) == WORLD and result.memory_at_kill != min(newest):
