@@ -2,12 +2,12 @@
 
 The processes under test (trainer ranks, the agent) mark the phases they pass through:
 
-    save     the trainer captures its state and takes a slot (FlashCheckpointer.save)
-    copy     the trainer copies the captured state into its shared-memory slot (Copier._run)
-    persist  the agent writes a rank's snapshot to storage, up to its done-marker (persist_slot)
-    commit   the agent checks the markers and writes `latest` (storage.try_commit)
+    save       the trainer captures its state and takes a slot (FlashCheckpointer.save)
+    copy       the trainer copies the captured state into its shared-memory slot (Copier._run)
+    persist    the agent writes a rank's snapshot to storage, up to its done-marker (persist_slot)
+    commit     the agent checks the markers and writes `latest` (storage.try_commit)
     replicate  the agent pushes the node's replica to one holder (agent.replica's push)
-    receive  a holder's agent takes a peer's replica (agent.replica's store)
+    receive    a holder's agent takes a peer's replica (agent.replica's store)
 
 and tick at the sub-operations inside them (one storage copied, one file written, `latest`
 renamed into place...). The harness publishes a plan in `<ctl>/plan.json`: a phase, the PIDs to
