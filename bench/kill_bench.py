@@ -5,7 +5,12 @@ figures: kills per stage, target and phase; torn, lost or backwards checkpoints;
 restored step was from the newest step trained and from the newest step complete at the kill.
 
     .venv/bin/python bench/kill_bench.py --kills 210 --seed 1 --out /tmp/kills.json
-    .venv/bin/python bench/kill_bench.py --replicas --kills 24   # node kills, replica in a peer
+    .venv/bin/python bench/kill_bench.py --replicas --kills 30   # node kills, replica in a peer
+
+With --replicas the kills are node kills at save, copy, persist, commit and the node's push of
+its replica to its holder (replicate), then one of the holder's agent as it takes the replica
+(receive), in turn (--kills 36 over three stages: 2 of each per stage); the job persists to
+storage every 10th step only.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "support"))
 
-from faults import PHASES  # noqa: E402
+from faults import HOLDER_PHASES, PHASES, REPLICA_PHASES  # noqa: E402
+from holderkill import kill_holder  # noqa: E402
 from killsuite import TARGETS, KillResult, KillSuite  # noqa: E402
 
 
@@ -37,17 +43,26 @@ def run_stage(
     try:
         suite.start()
         for i in range(kills):
-            target = "node" if replicas else TARGETS[i % len(TARGETS)]
-            phase = PHASES[(i if replicas else i // len(TARGETS)) % len(PHASES)]
+            phases = (*REPLICA_PHASES, *HOLDER_PHASES) if replicas else PHASES
+            phase = phases[(i if replicas else i // len(TARGETS)) % len(phases)]
+            target = TARGETS[i % len(TARGETS)]
+            if replicas:
+                target = "holder" if phase in HOLDER_PHASES else "node"
             mode = rng.choice(("tick", "timer"))
-            r = suite.kill(target, phase, mode, rng.random())
+            if target == "holder":
+                r = kill_holder(suite, phase, mode, rng.random())
+            else:
+                r = suite.kill(target, phase, mode, rng.random())
             out.append(r)
             print(
                 f"{time.strftime('%H:%M:%S')} z{zero} #{i + 1}/{kills} {target}@{r.phase or '-'} "
                 f"({r.mode}) latest={r.latest_at_kill} memory={r.memory_at_kill} "
-                f"held={r.memory_by_rank} replica={r.replica_at_kill} trained={r.trained_at_kill} "
+                f"held={r.memory_by_rank} replica={r.replica_at_kill} fired_step={r.fired_step} "
+                f"tick={r.fired_tick} "
+                f"trained={r.trained_at_kill} "
                 f"restored={r.restored}({r.source}) "
-                f"committed_after={r.committed_after} {r.seconds:.1f}s "
+                f"committed_after={r.committed_after} replica_after={r.replica_after} "
+                f"{r.seconds:.1f}s "
                 + ("OK" if not r.problems else "PROBLEMS: " + "; ".join(r.problems)),
                 flush=True,
             )
@@ -90,9 +105,50 @@ def summarize(results: list[KillResult]) -> None:
             f"median {statistics.median(lost)} max {max(lost)} "
             f"distribution {dict(sorted(Counter(lost).items()))}"
         )
+    if any(r.memory_lost or r.target == "holder" for r in results):
+        summarize_replicas(results)
     secs = [r.seconds for r in results]
     if secs:
         print(f"  seconds per kill cycle: median {statistics.median(secs):.1f} max {max(secs):.1f}")
+
+
+def summarize_replicas(all_results: list[KillResult]) -> None:
+    """Node kills: per ZeRO stage x phase, where the restore came from, and how it stood against
+    the replica the holder held whole, the newest step in the node's memory, and storage."""
+    print("== node kills: stage x phase (planned), restored from, restored minus replica held / "
+          "newest in memory / storage's latest")  # fmt: skip
+    results = [r for r in all_results if r.memory_lost]
+    groups: dict[tuple[int, str], list[KillResult]] = {}
+    for r in results:
+        groups.setdefault((r.zero, r.planned), []).append(r)
+    for (zero, phase), rs in sorted(groups.items()):
+        src = Counter(r.source or "none" for r in rs)
+        vs_storage = [
+            None if r.restored is None else r.restored - (r.latest_at_kill or 0) for r in rs
+        ]
+        print(
+            f"  ZeRO-{zero} {phase:9s} kills={len(rs)} fired in "
+            f"{','.join(r.phase or '-' for r in rs)} from "
+            + ",".join(f"{k}={v}" for k, v in sorted(src.items()))
+            + f" -replica {[r.restored_minus_replica for r in rs]}"
+            f" -memory {[r.restored_minus_memory for r in rs]}"
+            f" -latest {vs_storage}"
+        )
+    pushes = [r for r in results if r.phase == "replicate"]
+    cut = [r for r in pushes if r.replica_at_kill is not None and r.replica_at_kill < r.fired_step]
+    print(
+        f"  kills in a push: {len(pushes)}; the push cut, the holder's previous replica kept and "
+        f"restored: {sum(r.restored == r.replica_at_kill for r in cut)} of {len(cut)}; the push "
+        f"complete at the holder despite the kill: {len(pushes) - len(cut)}"
+    )
+    lags = Counter(r.restored_minus_memory for r in results)
+    print(f"  restored minus newest in memory, all: {dict(sorted(lags.items(), key=str))}")
+    holders = [r for r in all_results if r.target == "holder"]
+    for r in holders:
+        print(
+            f"  holder kill ZeRO-{r.zero} in {r.phase or '-'} ({r.mode}) of step {r.fired_step}: "
+            f"whole replica left {r.replica_at_kill}, taken after the restart {r.replica_after}"
+        )
 
 
 def main() -> int:

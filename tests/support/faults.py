@@ -2,10 +2,12 @@
 
 The processes under test (trainer ranks, the agent) mark the phases they pass through:
 
-    save     the trainer captures its state and takes a slot (FlashCheckpointer.save)
-    copy     the trainer copies the captured state into its shared-memory slot (Copier._run)
-    persist  the agent writes a rank's snapshot to storage, up to its done-marker (persist_slot)
-    commit   the agent checks the markers and writes `latest` (storage.try_commit)
+    save       the trainer captures its state and takes a slot (FlashCheckpointer.save)
+    copy       the trainer copies the captured state into its shared-memory slot (Copier._run)
+    persist    the agent writes a rank's snapshot to storage, up to its done-marker (persist_slot)
+    commit     the agent checks the markers and writes `latest` (storage.try_commit)
+    replicate  the agent pushes the node's replica to one holder (agent.replica's push)
+    receive    a holder's agent takes a peer's replica (agent.replica's store)
 
 and tick at the sub-operations inside them (one storage copied, one file written, `latest`
 renamed into place...). The harness publishes a plan in `<ctl>/plan.json`: a phase, the PIDs to
@@ -36,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("save", "copy", "persist", "commit")
+REPLICA_PHASES = (*PHASES, "replicate")  # with replicas in a peer
+HOLDER_PHASES = ("receive",)  # in the holder's agent
 PLAN_FILE = "plan.json"
 
 
@@ -270,8 +274,10 @@ def install_trainer(inj: Injector) -> None:
 
 
 def install_agent(inj: Injector) -> None:
-    """Marks the agent's phases: persist (files, fsyncs, marker) and commit (`latest`)."""
+    """Marks the agent's phases: persist (files, fsyncs, marker), commit (`latest`), replicate
+    (the hello, the manifest, each rank's part sent) and receive (each part, the manifest)."""
     from diag.agent.checkpoint import manager, persist, storage
+    from diag.agent.replica import replicator, store, transport
 
     persist_slot = manager.persist_slot
 
@@ -292,3 +298,23 @@ def install_agent(inj: Injector) -> None:
             return try_commit(save_dir, step, *args, **kwargs)
 
     storage.try_commit = marked_commit
+
+    push = replicator.push
+
+    def marked_push(peers: Any, holder: str, local: Any, *args: Any, **kwargs: Any) -> Any:
+        with inj.phase("replicate", local.manifest.step):
+            return push(peers, holder, local, *args, **kwargs)
+
+    replicator.push = marked_push
+    transport.send = inj.wrap(transport.send)
+    transport.send_part = inj.wrap(transport.send_part)
+
+    receive = store.ReplicaStore.receive
+
+    def marked_receive(self: Any, m: Any, *args: Any, **kwargs: Any) -> Any:
+        with inj.phase("receive", m.step):
+            return receive(self, m, *args, **kwargs)
+
+    store.ReplicaStore.receive = marked_receive  # type: ignore[method-assign]
+    store.receive_part = inj.wrap(store.receive_part)
+    store.write_replace = inj.wrap(store.write_replace)

@@ -1,6 +1,7 @@
 """The kill suite: a real 2-rank DeepSpeed job (gloo, CPU) that flash-checkpoints every step and a
 real `diag agent` persisting each step; the trainer ranks, the agent or both are SIGKILLed at a
-chosen instant of save, copy, persist or commit (faults.py), restarted, and checked:
+chosen instant of save, copy, persist, commit or (with replicas) the node's push of its replica
+to its holder (faults.py), restarted, and checked:
 
 - `latest` never names an incomplete step (every rank's marker and files there, sizes as marked)
   and never moves backwards (a watcher thread reads it every few milliseconds, and after each
@@ -13,8 +14,10 @@ chosen instant of save, copy, persist or commit (faults.py), restarted, and chec
 - a node kill (ranks and agent, and the node's shared memory lost with it, as when a node dies and
   the job comes back elsewhere) restores from storage, never older than what `latest` named at
   the kill; with `replicas`, a second agent on this machine stands in for the next node of the
-  ring and holds the node's replica: the node's ranks restore from memory (the replica pulled
-  back by the new agent), never older than the replica held at the kill.
+  ring and holds the node's replica, and the job persists to storage only every
+  `persist_every`th step (storage lags memory): the node's ranks restore exactly the replica the
+  holder held whole at the kill (pulled back by the new agent), or the step `latest` named when
+  newer; a kill in the middle of a push leaves the holder its previous replica, whole.
 
 Each restart is prepared ahead: the next generation of ranks and the next agent are started and
 have imported everything; a go file releases them. Used by tests/system/test_kill_suite.py and
@@ -46,6 +49,8 @@ from diag.formats.snapshot import find_slots, read_latest_step, step_tag
 TESTS = Path(__file__).parent
 WORLD = 2
 TARGETS = ("trainer", "agent", "both", "node")
+REPLICA_PERSIST_EVERY = 10
+HOLDER_NODE, NODE = "node-b", "node-a"
 
 
 def wait_for(pred: Callable[[], object], timeout: float, every: float = 0.02) -> bool:
@@ -75,6 +80,22 @@ class KillResult:
     seconds: float = 0.0
     memory_lost: bool = False  # a node kill: the node's shared memory went with it
     replica_at_kill: int | None = None  # the step the holder held for the node at the kill
+    fired_step: int = -1  # the step of the phase the kill fired in (a push: the step sent)
+    fired_tick: int = 0  # the sub-operations of the phase done at the kill (a push: 2 + parts)
+    replica_after: int | None = None  # holder kills: the step the restarted holder took
+
+    @property
+    def restored_minus_replica(self) -> int | None:
+        if self.restored is None or self.replica_at_kill is None:
+            return None
+        return self.restored - self.replica_at_kill
+
+    @property
+    def restored_minus_memory(self) -> int | None:
+        """0: the newest step the node held; -1: the step in flight to the holder was lost."""
+        if self.restored is None or self.memory_at_kill is None:
+            return None
+        return self.restored - self.memory_at_kill
 
     @property
     def bound(self) -> int | None:
@@ -194,7 +215,13 @@ class KillSuite:
     """One ZeRO stage: one long job, its agent, and kills one after another."""
 
     def __init__(
-        self, root: Path, zero: int, *, log: Callable[[str], None] = print, replicas: bool = False
+        self,
+        root: Path,
+        zero: int,
+        *,
+        log: Callable[[str], None] = print,
+        replicas: bool = False,
+        persist_every: int | None = None,
     ) -> None:
         self.root = root
         self.zero = zero
@@ -223,14 +250,16 @@ class KillSuite:
         self.results: list[KillResult] = []
         # The holder of the node's replica: another node's agent, here on loopback.
         self.replicas = replicas
+        # With a replica the job persists rarely: what the replica saves over storage shows.
+        self.persist_every = persist_every or (REPLICA_PERSIST_EVERY if replicas else 1)
         self.holder: subprocess.Popen | None = None
         self.holder_run = Path(tempfile.mkdtemp(prefix="diag-kill-h-", dir="/dev/shm"))
         if replicas:
             from jobrun import free_port
 
-            self.env["DIAG_NODE"] = "node-a"  # the ranks' and the agent's node name
+            self.env["DIAG_NODE"] = NODE  # the ranks' and the agent's node name
             self.env["DIAG_REPLICA_TOKEN"] = "kill-suite"
-            self.ring = f"node-a=127.0.0.1:{free_port()},node-b=127.0.0.1:{free_port()}"
+            self.ring = f"{NODE}=127.0.0.1:{free_port()},{HOLDER_NODE}=127.0.0.1:{free_port()}"
 
     # -- processes --------------------------------------------------------------------------------
 
@@ -244,7 +273,7 @@ class KillSuite:
             cmd = [
                 sys.executable, str(TESTS / "kill_job.py"), "--zero", str(self.zero),
                 "--job", self.job, "--save-dir", str(self.save_dir), "--ctl", str(self.ctl),
-                "--gen", str(gen),
+                "--gen", str(gen), "--persist-every", str(self.persist_every),
             ]  # fmt: skip
             with open(self.root / f"ranks-{gen}.log", "ab") as out:
                 procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
@@ -262,13 +291,16 @@ class KillSuite:
         with open(self.root / "agent.log", "ab") as out:
             return subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
 
-    def _spawn_holder(self) -> subprocess.Popen:
+    def spawn_holder(self) -> subprocess.Popen:
+        go = self.ctl / "holder-go"  # the holder starts at once
+        go.touch()
         cmd = [
-            sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(self.holder_run),
-            "--job", self.job, "--node", "node-b", "--timeline", str(self.timeline),
+            sys.executable, str(TESTS / "fault_agent.py"), "--ctl", str(self.ctl), "--go", str(go),
+            "--", "agent", "--run-dir", str(self.holder_run),
+            "--job", self.job, "--node", HOLDER_NODE, "--timeline", str(self.timeline),
             "--native-stacks", "false", "--replica-nodes", self.ring, "-v",
         ]  # fmt: skip
-        env = dict(self.env, DIAG_RUN_DIR=str(self.holder_run), DIAG_NODE="node-b")
+        env = dict(self.env, DIAG_RUN_DIR=str(self.holder_run), DIAG_NODE=HOLDER_NODE)
         with open(self.root / "holder.log", "ab") as out:
             return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -276,10 +308,18 @@ class KillSuite:
         """The step of the node's replica the holder holds complete, or None."""
         steps = [
             int(p.name.split("-")[-2])
-            for p in (self.holder_run / ".replicas").glob("node-a-*-*")
+            for p in (self.holder_run / ".replicas").glob(f"{NODE}-*-*")
             if (p / "replica.json").exists()
         ]
         return max(steps, default=None)
+
+    def settled_replica_step(self) -> int | None:
+        """The replica step once the holder has finished or dropped a push the kill cut: the
+        parts already in its socket may still complete it, or the cut removes the staging."""
+        arriving = lambda: list((self.holder_run / ".replicas").glob(f".in-{NODE}-*"))  # noqa: E731
+        if not wait_for(lambda: not arriving(), 60):
+            self.problems.append(f"the holder kept a half-received replica: {arriving()}")
+        return self.replica_step()
 
     def restores_logged(self) -> int:
         with contextlib.suppress(OSError):
@@ -301,7 +341,7 @@ class KillSuite:
 
     def start(self, warm_steps: int = 3) -> None:
         if self.replicas:
-            self.holder = self._spawn_holder()
+            self.holder = self.spawn_holder()
         self.next_agent = self._spawn_agent(0)
         self.next_ranks = self._spawn_ranks(0)
         self._release_agent()
@@ -316,8 +356,10 @@ class KillSuite:
         def ready() -> bool:
             self._read_losses()
             latest = read_latest_step(self.save_dir) or 0
-            done = max(self._gen_steps(self.gen - 1), default=0)
-            return done >= since + steps and latest > since
+            done = max(self.gen_steps(self.gen - 1), default=0)
+            # With replicas storage lags: a replica newer than `since` is progress as well.
+            replica = (self.replica_step() or 0) if self.replicas else 0
+            return done >= since + steps and max(latest, replica) > since
 
         if not wait_for(ready, timeout, every=0.05):
             raise RuntimeError(
@@ -325,7 +367,7 @@ class KillSuite:
                 f"(latest={read_latest_step(self.save_dir)})\n{self.tail()}"
             )
 
-    def _gen_steps(self, gen: int) -> list[int]:
+    def gen_steps(self, gen: int) -> list[int]:
         path = self.ctl / f"loss-{gen}.jsonl"
         with contextlib.suppress(FileNotFoundError):
             return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.endswith("}")]
@@ -366,15 +408,8 @@ class KillSuite:
 
     # -- one kill ---------------------------------------------------------------------------------
 
-    def kill(self, target: str, phase: str, mode: str, fraction: float) -> KillResult:
-        t0 = time.monotonic()
-        assert self.agent is not None
-        rank_pids = [p.pid for p in self.ranks]
-        if target not in TARGETS:
-            raise ValueError(f"unknown kill target {target!r}: one of {', '.join(TARGETS)}")
-        pids = {"trainer": rank_pids, "agent": [self.agent.pid]}.get(
-            target, [*rank_pids, self.agent.pid]
-        )
+    def fire(self, phase: str, pids: list[int], mode: str, fraction: float) -> Fired:
+        """Publishes a plan and waits for it to fire."""
         self.plan_id += 1
         plan = Plan(self.plan_id, phase, tuple(pids), mode, fraction)
         write_json_atomic(self.ctl / PLAN_FILE, plan.to_json())
@@ -385,7 +420,18 @@ class KillSuite:
             write_json_atomic(self.ctl / PLAN_FILE, plan.to_json())
             if not wait_for(fired_path.exists, 60):
                 raise RuntimeError(f"no {phase} phase in 68 s\n{self.tail()}")
-        fired = Fired.load(fired_path)
+        return Fired.load(fired_path)
+
+    def kill(self, target: str, phase: str, mode: str, fraction: float) -> KillResult:
+        t0 = time.monotonic()
+        assert self.agent is not None
+        rank_pids = [p.pid for p in self.ranks]
+        if target not in TARGETS:
+            raise ValueError(f"unknown kill target {target!r}: one of {', '.join(TARGETS)}")
+        pids = {"trainer": rank_pids, "agent": [self.agent.pid]}.get(
+            target, [*rank_pids, self.agent.pid]
+        )
+        fired = self.fire(phase, pids, mode, fraction)
         killed_ranks = target in ("trainer", "both", "node")
         killed_agent = target in ("agent", "both", "node")
         procs = (self.ranks if killed_ranks else []) + ([self.agent] if killed_agent else [])
@@ -402,8 +448,8 @@ class KillSuite:
             self.zero, target, phase, fired.phase, fired.mode,
             latest_at_kill=read_latest_step(self.save_dir),
             memory_at_kill=memory_step(held),
-            trained_at_kill=max(self._gen_steps(self.gen - 1), default=0),
-            memory_by_rank=held,
+            trained_at_kill=max(self.gen_steps(self.gen - 1), default=0),
+            memory_by_rank=held, fired_step=fired.step, fired_tick=fired.tick,
         )  # fmt: skip
         newest = [max(steps) for steps in held.values()]
         if killed_ranks and len(newest) == WORLD and result.memory_at_kill != min(newest):
@@ -411,7 +457,9 @@ class KillSuite:
             # step a rank may have finished copying before the other was killed copying it.
             result.problems.append(f"the ranks hold different steps in memory: {held}")
         if target == "node":
-            result.replica_at_kill = self.replica_step() if self.replicas else None
+            result.replica_at_kill = self.settled_replica_step() if self.replicas else None
+            if self.replicas and result.replica_at_kill is None:
+                result.problems.append("the holder held no whole replica of the node at the kill")
             self._lose_memory()
             result.memory_lost = True
         restores = self.restores_logged()
@@ -437,6 +485,15 @@ class KillSuite:
                     f"step {result.restored} restored from {result.source!r} after the node's "
                     f"memory was lost (replica held: {result.replica_at_kill}), not from {want}"
                 )
+            if self.replicas and result.memory_lost:
+                # Exactly the replica held whole, or storage's newer step: never older, and
+                # never a newer step than one held whole anywhere.
+                expect = max(replica or 0, latest or 0)
+                if result.restored != expect:
+                    result.problems.append(
+                        f"restored step {result.restored} ({result.source}), not step {expect} "
+                        f"(replica held {replica}, latest {latest})"
+                    )
             bound = result.bound
             if bound is not None and (result.restored or 0) < bound:
                 result.problems.append(

@@ -1,6 +1,7 @@
 """SIGKILL of the trainer ranks, the agent, both, or the whole node (both, and its shared memory
 with them) during save, copy, persist and commit, on real 2-rank DeepSpeed jobs and a real agent
-(killsuite.py). Across the three stages every target meets every phase once but the node, which
+(killsuite.py); with a replica in a peer, node kills mid-push and the holder's agent killed
+mid-receive too. Across the three stages every target meets every phase once but the node, which
 meets three; bench/kill_bench.py runs hundreds of random kills."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from holderkill import kill_holder
 from killsuite import KillSuite
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -68,14 +70,21 @@ def test_kills_lose_nothing_committed_or_in_memory(root: Path, zero: int, long_t
     assert not suite.watch.problems
 
 
-# A node killed and wiped while a second agent holds its replica (the next node of the ring):
-# its ranks restore from memory, the replica pulled back, never older than the replica held or
-# the step committed at the kill. The long tier: the default tier has the same pull and restore
-# through real agents in network namespaces (test_replica_netns) and stage 2's node kill above.
+# A node killed and wiped while a second agent holds its replica (the next node of the ring),
+# the job persisting every 10th step only: its ranks restore exactly the replica the holder held
+# whole at the kill (or storage's newer step), and a kill in the middle of the node's push leaves
+# the holder its previous replica, the one restored; the holder's agent killed as it takes a push
+# leaves a whole replica, and restarted takes the node's next. The long tier: the default tier has the
+# replicate phase's kill mid-push against a real holder (tests/agent/replica/
+# test_replicate_kill.py) and the pull and restore through real agents in network namespaces
+# (test_replica_netns).
 REPLICA_KILLS = {
-    1: [("node", "save", "timer", 0.5), ("node", "persist", "tick", 0.5)],
-    2: [("node", "copy", "timer", 0.5), ("node", "commit", "tick", 0.5)],
-    3: [("node", "persist", "timer", 0.3), ("node", "save", "tick", 0.6)],
+    1: [("node", "save", "timer", 0.5), ("node", "replicate", "tick", 0.7),
+        ("node", "persist", "tick", 0.5)],
+    2: [("node", "copy", "timer", 0.5), ("node", "replicate", "timer", 0.5),
+        ("holder", "receive", "tick", 0.5), ("node", "commit", "tick", 0.5)],
+    3: [("node", "replicate", "tick", 0.5), ("node", "persist", "timer", 0.3),
+        ("node", "save", "tick", 0.6)],
 }  # fmt: skip
 
 
@@ -88,10 +97,21 @@ def test_node_kills_restore_from_the_replica_in_a_peer(root: Path, zero: int) ->
     try:
         suite.start()
         for target, phase, mode, fraction in REPLICA_KILLS[zero]:
+            if target == "holder":
+                r = kill_holder(suite, phase, mode, fraction)
+                assert not r.problems and r.phase == phase, (r, suite.tail())
+                assert r.replica_after is not None and r.replica_after > r.fired_step, r
+                continue
             r = suite.kill(target, phase, mode, fraction)
             assert not r.problems, (r, suite.tail())
             assert r.replica_at_kill is not None, r
-            assert r.restored is not None and r.restored >= r.replica_at_kill, r
+            expect = max(r.replica_at_kill, r.latest_at_kill or 0)
+            assert r.restored == expect, r
+            if phase == "replicate":
+                assert r.phase == "replicate" and r.source == "memory", r
+                # the push cut: the holder kept the previous replica; at most the step in flight
+                # (the one being pushed) is lost
+                assert r.replica_at_kill <= r.fired_step, r
     finally:
         suite.close()
     assert not suite.watch.problems
