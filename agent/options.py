@@ -241,8 +241,9 @@ OPTIONS = OptionTable(
         Option(
             "replica_interval",
             positive,
-            1.0,
-            "seconds between looks at the ranks' slots for a newer step to send",
+            0.25,
+            "seconds between looks at the ranks' slot headers for a newer step to send (a step "
+            "completed in between waits that long to leave the node)",
         ),
         Option("replica_listen", str, "0.0.0.0", "address the replica server binds"),
         Option(

@@ -31,7 +31,7 @@ from diag.formats.untrusted import Owners, UntrustedInput
 log = logging.getLogger(__name__)
 
 REPLICA_DIR = ".replicas"
-VERIFY_EVERY = 10  # rounds between asking the holders what they hold  # in the run directory: shared memory, like the slots
+VERIFY_S = 10.0  # seconds between asking the holders what they hold
 
 
 @dataclass
@@ -174,7 +174,7 @@ class Replicator:
         while not self._stop.is_set():
             try:
                 now = time.monotonic()
-                if now - self._verified_at >= VERIFY_EVERY * self.settings.interval:
+                if now - self._verified_at >= max(VERIFY_S, self.settings.interval):
                     self._verified_at = now
                     self.verify_holders()
                 self.push_once()

@@ -28,7 +28,7 @@ class ReplicaSettings:
     token: str = ""
     max_bytes: int = 65536 * MIB  # one peer's replica, all its ranks
     directory: Path | None = None  # None: <run dir>/.replicas
-    interval: float = 1.0
+    interval: float = 0.25  # between looks at the slot headers (a few bytes each)
     listen_host: str = "0.0.0.0"
     timeout: float = 30.0  # a connection silent this long fails
     max_rate: int = 0  # bytes per second pushes may take of the network; 0: no cap
