@@ -151,7 +151,7 @@ def losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
 
 
-@pytest.mark.parametrize("cluster", [2, 3], indirect=True, ids=["zero2", "zero3"])
+@pytest.mark.parametrize("cluster", [1, 2, 3], indirect=True, ids=["zero1", "zero2", "zero3"])
 def test_a_lost_node_s_replica_lets_the_shrunk_job_resume_from_the_newest_step(cluster) -> None:  # type: ignore[no-untyped-def]
     c = cluster
     for node in NODES:
