@@ -10,7 +10,11 @@ restored step was from the newest step trained and from the newest step complete
 With --replicas the kills are node kills at save, copy, persist, commit and the node's push of
 its replica to its holder (replicate), then one of the holder's agent as it takes the replica
 (receive), in turn (--kills 36 over three stages: 2 of each per stage); the job persists to
-storage every 10th step only.
+storage every 10th step only. With --netns as well, the node (its ranks, its agent and their
+replacements) runs in one network namespace and the holder's agent in another, joined by veth
+links (tests/support/netlab.py, needs root): the pushes and the pull cross the links.
+
+    .venv/bin/python bench/kill_bench.py --replicas --netns --kills 30
 """
 
 from __future__ import annotations
@@ -33,12 +37,18 @@ sys.path.insert(0, str(REPO / "tests" / "support"))
 from faults import HOLDER_PHASES, PHASES, REPLICA_PHASES  # noqa: E402
 from holderkill import kill_holder  # noqa: E402
 from killsuite import TARGETS, KillResult, KillSuite  # noqa: E402
+from netlab import netns_unavailable  # noqa: E402
 
 
 def run_stage(
-    zero: int, kills: int, rng: random.Random, root: Path, replicas: bool = False
+    zero: int,
+    kills: int,
+    rng: random.Random,
+    root: Path,
+    replicas: bool = False,
+    netns: bool = False,
 ) -> list[KillResult]:
-    suite = KillSuite(root / f"z{zero}", zero, log=print, replicas=replicas)
+    suite = KillSuite(root / f"z{zero}", zero, log=print, replicas=replicas, netns=netns)
     out = []
     try:
         suite.start()
@@ -162,7 +172,18 @@ def main() -> int:
         action="store_true",
         help="node kills only, with a second agent holding the node's replica (agent.replica)",
     )
+    p.add_argument(
+        "--netns",
+        action="store_true",
+        help="with --replicas: the node and the holder in two network namespaces (needs root)",
+    )
     args = p.parse_args()
+    if args.netns:
+        if not args.replicas:
+            p.error("--netns needs --replicas (it puts the node and its holder apart)")
+        if reason := netns_unavailable():
+            print(f"kill_bench: --netns: {reason}", file=sys.stderr)
+            return 2
     stages = [int(z) for z in args.zero.split(",")]
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="diag-kill-bench-"))
@@ -172,7 +193,7 @@ def main() -> int:
     try:
         for i, zero in enumerate(stages):
             n = args.kills // len(stages) + (1 if i < args.kills % len(stages) else 0)
-            results += run_stage(zero, n, rng, root, args.replicas)
+            results += run_stage(zero, n, rng, root, args.replicas, args.netns)
         ok = not any(r.problems for r in results)
     finally:
         if ok:

@@ -17,11 +17,14 @@ to its holder (faults.py), restarted, and checked:
   ring and holds the node's replica, and the job persists to storage only every
   `persist_every`th step (storage lags memory): the node's ranks restore exactly the replica the
   holder held whole at the kill (pulled back by the new agent), or the step `latest` named when
-  newer; a kill in the middle of a push leaves the holder its previous replica, whole.
+  newer; a kill in the middle of a push leaves the holder its previous replica, whole. With
+  `netns` as well, the node and the holder are two network namespaces joined by veth links
+  (netlab.py): the pushes and the pull cross the links.
 
 Each restart is prepared ahead: the next generation of ranks and the next agent are started and
-have imported everything; a go file releases them. Used by tests/system/test_kill_suite.py and
-bench/kill_bench.py.
+have imported everything; a go file releases them (killprocs.py). The checks and the record of a
+kill are in killchecks.py, the holder's part in holderkill.py. Used by
+tests/system/test_kill_suite.py and bench/kill_bench.py.
 """
 
 from __future__ import annotations
@@ -32,183 +35,22 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from faults import PLAN_FILE, Fired, Plan, write_json_atomic
+from holderkill import replica_step, settled_replica_step
+from killchecks import WORLD, KillResult, LatestWatch, memory_step, memory_steps, wait_for
+from killprocs import NODE, Launcher, reap, replica_ring
+from netlab import NetLab
 
-from diag.agent.checkpoint.storage import MARKER_DIR, marker_path
-from diag.formats.slotfile import read_snapshots
-from diag.formats.snapshot import find_slots, read_latest_step, step_tag
+from diag.agent.checkpoint.storage import MARKER_DIR
+from diag.formats.snapshot import read_latest_step
 
-TESTS = Path(__file__).parent
-WORLD = 2
 TARGETS = ("trainer", "agent", "both", "node")
 REPLICA_PERSIST_EVERY = 10
-HOLDER_NODE, NODE = "node-b", "node-a"
-
-
-def wait_for(pred: Callable[[], object], timeout: float, every: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(every)
-    return bool(pred())
-
-
-@dataclass
-class KillResult:
-    zero: int
-    target: str
-    planned: str
-    phase: str  # where the firing thread was at the kill
-    mode: str
-    latest_at_kill: int | None
-    memory_at_kill: int | None  # newest step every rank held complete in shared memory
-    trained_at_kill: int  # newest step whose loss was logged
-    restored: int | None = None  # the step the relaunched trainer loaded
-    source: str = ""
-    committed_after: int | None = None  # agent kills: the step the restarted agent committed
-    memory_by_rank: dict[int, list[int]] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    memory_lost: bool = False  # a node kill: the node's shared memory went with it
-    replica_at_kill: int | None = None  # the step the holder held for the node at the kill
-    fired_step: int = -1  # the step of the phase the kill fired in (a push: the step sent)
-    fired_tick: int = 0  # the sub-operations of the phase done at the kill (a push: 2 + parts)
-    replica_after: int | None = None  # holder kills: the step the restarted holder took
-
-    @property
-    def restored_minus_replica(self) -> int | None:
-        if self.restored is None or self.replica_at_kill is None:
-            return None
-        return self.restored - self.replica_at_kill
-
-    @property
-    def restored_minus_memory(self) -> int | None:
-        """0: the newest step the node held; -1: the step in flight to the holder was lost."""
-        if self.restored is None or self.memory_at_kill is None:
-            return None
-        return self.restored - self.memory_at_kill
-
-    @property
-    def bound(self) -> int | None:
-        memory = None if self.memory_lost else self.memory_at_kill
-        known = [s for s in (self.latest_at_kill, memory, self.replica_at_kill) if s is not None]
-        return max(known) if known else None
-
-
-class LatestWatch:
-    """Reads `latest` every few milliseconds: never backwards, never an incomplete step.
-
-    `check` runs on the watch's thread and on the suite's after each kill: one lock orders the
-    two, a read and what is concluded from it together. Unordered, a read of step N that lost the
-    processor before its comparison while the other thread read N+1 (just committed) and raised
-    `highest` reported "latest moved backwards: N+1 -> N" on a `latest` that only moved forward."""
-
-    def __init__(self, save_dir: Path, zero: int) -> None:
-        self.save_dir = save_dir
-        self.zero = zero
-        self.problems: list[str] = []
-        self.seen: list[int] = []
-        self.highest: int | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="latest-watch", daemon=True)
-
-    def start(self) -> LatestWatch:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def check(self) -> int | None:
-        with self._lock:
-            return self._check()
-
-    def take_problems(self) -> list[str]:
-        """The problems seen so far, cleared (those of one kill)."""
-        with self._lock:
-            out, self.problems = self.problems, []
-            return out
-
-    def _check(self) -> int | None:
-        step = read_latest_step(self.save_dir)
-        if step is None:
-            if self.highest is not None:
-                self.problems.append(f"latest vanished after naming step {self.highest}")
-            return None
-        if self.highest is not None and step < self.highest:
-            self.problems.append(f"latest moved backwards: {self.highest} -> {step}")
-        if self.highest is None or step > self.highest:
-            self.highest = step
-            self.seen.append(step)
-            missing = incomplete(self.save_dir, step, self.zero)
-            # A newer commit may prune this step meanwhile: only a step still named counts.
-            if missing and read_latest_step(self.save_dir) == step:
-                self.problems.append(f"latest names step {step}, incomplete: {missing}")
-        return step
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            with contextlib.suppress(OSError, ValueError):
-                self.check()
-
-
-def incomplete(save_dir: Path, step: int, zero: int) -> str:
-    """What is missing for DeepSpeed to load `step` from `save_dir` ("" when nothing)."""
-    files: set[str] = set()
-    runs: set[str] = set()
-    for rank in range(WORLD):
-        try:
-            doc = json.loads(marker_path(save_dir, step, rank).read_text())
-        except (OSError, ValueError) as e:
-            return f"rank {rank}'s marker: {e}"
-        size = 0
-        for name in doc["files"]:
-            try:
-                size += (save_dir / name).stat().st_size
-            except OSError as e:
-                return f"{name}: {e}"
-        if size != doc["bytes"]:
-            return f"rank {rank}'s files hold {size} bytes, its marker says {doc['bytes']}"
-        files.update(doc["files"])
-        runs.add(str(doc.get("run", "")))
-    if len(runs) > 1:
-        return f"parts from different launches of the trainer: {sorted(runs)}"
-    tag = step_tag(step)
-    model = (
-        {f"{tag}/zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(WORLD)}
-        if zero == 3
-        else {f"{tag}/mp_rank_00_model_states.pt"}
-    )
-    optim = {f"{tag}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(WORLD)}
-    lacking = (model | optim) - files
-    return f"not written: {sorted(lacking)}" if lacking else ""
-
-
-def memory_steps(run_dir: Path, job: str) -> dict[int, list[int]]:
-    """Rank -> the steps it holds complete in shared memory."""
-    by_rank: dict[int, list[int]] = {}
-    for snap in read_snapshots(find_slots(run_dir, job)):
-        by_rank.setdefault(snap.meta.rank, []).append(snap.meta.step)
-    return {r: sorted(s) for r, s in sorted(by_rank.items())}
-
-
-def memory_step(by_rank: dict[int, list[int]]) -> int | None:
-    """The newest step every rank holds complete in shared memory."""
-    if len(by_rank) < WORLD:
-        return None
-    common = set.intersection(*(set(s) for s in by_rank.values()))
-    return max(common) if common else None
 
 
 class KillSuite:
@@ -222,19 +64,22 @@ class KillSuite:
         log: Callable[[str], None] = print,
         replicas: bool = False,
         persist_every: int | None = None,
+        netns: bool = False,
     ) -> None:
+        if netns and not replicas:
+            raise ValueError("netns runs the node and its replica's holder apart: replicas only")
         self.root = root
         self.zero = zero
         self.log = log
         self.job = f"kill-z{zero}"
         self.ctl = root / "ctl"
         self.save_dir = root / "ckpt"
-        self.timeline = root / "timeline"
         self.run_dir = Path(tempfile.mkdtemp(prefix="diag-kill-", dir="/dev/shm"))
         self.ctl.mkdir(parents=True, exist_ok=True)
+        tests = str(Path(__file__).parent)
         self.env = dict(
             os.environ, DIAG_RUN_DIR=str(self.run_dir), OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+            PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
         )  # fmt: skip
         self.gen = 0
         self.agent_gen = 0
@@ -248,78 +93,27 @@ class KillSuite:
         self.problems: list[str] = []
         self.watch = LatestWatch(self.save_dir, zero)
         self.results: list[KillResult] = []
-        # The holder of the node's replica: another node's agent, here on loopback.
+        # The holder of the node's replica: another node's agent, on loopback, or with `netns`
+        # the node and the holder each in a network namespace (killprocs.py).
         self.replicas = replicas
         # With a replica the job persists rarely: what the replica saves over storage shows.
         self.persist_every = persist_every or (REPLICA_PERSIST_EVERY if replicas else 1)
         self.holder: subprocess.Popen | None = None
         self.holder_run = Path(tempfile.mkdtemp(prefix="diag-kill-h-", dir="/dev/shm"))
+        self.lab = NetLab(2) if netns else None
         if replicas:
-            from jobrun import free_port
-
             self.env["DIAG_NODE"] = NODE  # the ranks' and the agent's node name
             self.env["DIAG_REPLICA_TOKEN"] = "kill-suite"
-            self.ring = f"{NODE}=127.0.0.1:{free_port()},{HOLDER_NODE}=127.0.0.1:{free_port()}"
+        self.procs = Launcher(
+            root, zero, self.job, self.persist_every, self.run_dir, self.holder_run, self.env,
+            ring=replica_ring(self.lab) if replicas else "", lab=self.lab,
+        )  # fmt: skip
 
     # -- processes --------------------------------------------------------------------------------
 
-    def _spawn_ranks(self, gen: int) -> list[subprocess.Popen]:
-        procs = []
-        for rank in range(WORLD):
-            env = dict(
-                self.env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                LOCAL_WORLD_SIZE=str(WORLD),
-            )  # fmt: skip
-            cmd = [
-                sys.executable, str(TESTS / "kill_job.py"), "--zero", str(self.zero),
-                "--job", self.job, "--save-dir", str(self.save_dir), "--ctl", str(self.ctl),
-                "--gen", str(gen), "--persist-every", str(self.persist_every),
-            ]  # fmt: skip
-            with open(self.root / f"ranks-{gen}.log", "ab") as out:
-                procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
-        return procs
-
-    def _spawn_agent(self, gen: int) -> subprocess.Popen:
-        cmd = [
-            sys.executable, str(TESTS / "fault_agent.py"), "--ctl", str(self.ctl),
-            "--go", str(self.ctl / f"agent-go-{gen}"), "--", "agent",
-            "--run-dir", str(self.run_dir), "--job", self.job, "--timeline", str(self.timeline),
-            "--native-stacks", "false", "--interval", "0.5", "--keep-last", "3", "-v",
-        ]  # fmt: skip
-        if self.replicas:
-            cmd += ["--replica-nodes", self.ring, "--replica-interval", "0.05"]
-        with open(self.root / "agent.log", "ab") as out:
-            return subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
-
-    def spawn_holder(self) -> subprocess.Popen:
-        go = self.ctl / "holder-go"  # the holder starts at once
-        go.touch()
-        cmd = [
-            sys.executable, str(TESTS / "fault_agent.py"), "--ctl", str(self.ctl), "--go", str(go),
-            "--", "agent", "--run-dir", str(self.holder_run),
-            "--job", self.job, "--node", HOLDER_NODE, "--timeline", str(self.timeline),
-            "--native-stacks", "false", "--replica-nodes", self.ring, "-v",
-        ]  # fmt: skip
-        env = dict(self.env, DIAG_RUN_DIR=str(self.holder_run), DIAG_NODE=HOLDER_NODE)
-        with open(self.root / "holder.log", "ab") as out:
-            return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-
     def replica_step(self) -> int | None:
         """The step of the node's replica the holder holds complete, or None."""
-        steps = [
-            int(p.name.split("-")[-2])
-            for p in (self.holder_run / ".replicas").glob(f"{NODE}-*-*")
-            if (p / "replica.json").exists()
-        ]
-        return max(steps, default=None)
-
-    def settled_replica_step(self) -> int | None:
-        """The replica step once the holder has finished or dropped a push the kill cut: the
-        parts already in its socket may still complete it, or the cut removes the staging."""
-        arriving = lambda: list((self.holder_run / ".replicas").glob(f".in-{NODE}-*"))  # noqa: E731
-        if not wait_for(lambda: not arriving(), 60):
-            self.problems.append(f"the holder kept a half-received replica: {arriving()}")
-        return self.replica_step()
+        return replica_step(self.holder_run)
 
     def restores_logged(self) -> int:
         with contextlib.suppress(OSError):
@@ -331,19 +125,21 @@ class KillSuite:
         self.agent, self.next_agent = self.next_agent, None
         write_json_atomic(self.ctl / f"agent-go-{self.agent_gen}", "go")
         self.agent_gen += 1
-        self.next_agent = self._spawn_agent(self.agent_gen)
+        self.next_agent = self.procs.agent(self.agent_gen)
 
     def _release_ranks(self) -> None:
         self.ranks, self.next_ranks = self.next_ranks, []
         write_json_atomic(self.ctl / f"go-{self.gen}", str(self.ctl / f"store-{self.gen}"))
         self.gen += 1
-        self.next_ranks = self._spawn_ranks(self.gen)
+        self.next_ranks = self.procs.ranks(self.gen)
 
     def start(self, warm_steps: int = 3) -> None:
+        if self.lab is not None:
+            self.lab.build()  # a half-built lab is torn down by close() too
         if self.replicas:
-            self.holder = self.spawn_holder()
-        self.next_agent = self._spawn_agent(0)
-        self.next_ranks = self._spawn_ranks(0)
+            self.holder = self.procs.holder()
+        self.next_agent = self.procs.agent(0)
+        self.next_ranks = self.procs.ranks(0)
         self._release_agent()
         self._release_ranks()
         self.watch.start()
@@ -457,7 +253,9 @@ class KillSuite:
             # step a rank may have finished copying before the other was killed copying it.
             result.problems.append(f"the ranks hold different steps in memory: {held}")
         if target == "node":
-            result.replica_at_kill = self.settled_replica_step() if self.replicas else None
+            result.replica_at_kill = (
+                settled_replica_step(self.holder_run, self.problems) if self.replicas else None
+            )
             if self.replicas and result.replica_at_kill is None:
                 result.problems.append("the holder held no whole replica of the node at the kill")
             self._lose_memory()
@@ -529,25 +327,20 @@ class KillSuite:
     # -- the end ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        (self.ctl / "stop").write_text("stop")
-        self.watch.stop()
-        for p in [*self.ranks, *self.next_ranks]:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-        for p in (self.agent, self.next_agent, self.holder):
-            if p is None or p.poll() is not None:
-                continue
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        shutil.rmtree(self.holder_run, ignore_errors=True)
+        """Stops every process, then removes the run directories and the lab's namespaces."""
+        try:
+            (self.ctl / "stop").write_text("stop")
+            self.watch.stop()
+            for p in [*self.ranks, *self.next_ranks]:
+                reap(p, 60)
+            for p in (self.agent, self.next_agent, self.holder):
+                if p is not None:
+                    reap(p, 60, signal.SIGTERM)
+        finally:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            shutil.rmtree(self.holder_run, ignore_errors=True)
+            if self.lab is not None:
+                self.lab.close()
 
     def leftovers(self) -> list[str]:
         """Temporary files in the save directory outside step directories and markers."""

@@ -1,8 +1,9 @@
 """SIGKILL of the trainer ranks, the agent, both, or the whole node (both, and its shared memory
 with them) during save, copy, persist and commit, on real 2-rank DeepSpeed jobs and a real agent
 (killsuite.py); with a replica in a peer, node kills mid-push and the holder's agent killed
-mid-receive too. Across the three stages every target meets every phase once but the node, which
-meets three; bench/kill_bench.py runs hundreds of random kills."""
+mid-receive too, one stage with the node and the holder in network namespaces. Across the three
+stages every target meets every phase once but the node, which meets three;
+bench/kill_bench.py runs hundreds of random kills."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from holderkill import kill_holder
 from killsuite import KillSuite
+from netlab import netns_unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -74,8 +76,8 @@ def test_kills_lose_nothing_committed_or_in_memory(root: Path, zero: int, long_t
 # the job persisting every 10th step only: its ranks restore exactly the replica the holder held
 # whole at the kill (or storage's newer step), and a kill in the middle of the node's push leaves
 # the holder its previous replica, the one restored; the holder's agent killed as it takes a push
-# leaves a whole replica, and restarted takes the node's next. The long tier: the default tier has the
-# replicate phase's kill mid-push against a real holder (tests/agent/replica/
+# leaves a whole replica, and restarted takes the node's next. The long tier: the default tier has
+# the replicate phase's kill mid-push against a real holder (tests/agent/replica/
 # test_replicate_kill.py) and the pull and restore through real agents in network namespaces
 # (test_replica_netns).
 REPLICA_KILLS = {
@@ -88,12 +90,20 @@ REPLICA_KILLS = {
 }  # fmt: skip
 
 
+# Stage 2 (its holder kill among them) runs the node and the holder as two network namespaces
+# joined by veth links: the pushes and the pull cross the links, as between two machines.
 @pytest.mark.parametrize(
-    "zero",
-    [pytest.param(z, marks=[pytest.mark.long]) for z in sorted(REPLICA_KILLS)],
+    ("zero", "netns"),
+    [
+        pytest.param(1, False, marks=[pytest.mark.long], id="1"),
+        pytest.param(2, True, marks=[pytest.mark.long, pytest.mark.netns], id="2-netns"),
+        pytest.param(3, False, marks=[pytest.mark.long], id="3"),
+    ],
 )
-def test_node_kills_restore_from_the_replica_in_a_peer(root: Path, zero: int) -> None:
-    suite = KillSuite(root, zero, replicas=True)
+def test_node_kills_restore_from_the_replica_in_a_peer(root: Path, zero: int, netns: bool) -> None:
+    if netns and (reason := netns_unavailable()):
+        pytest.skip(reason)
+    suite = KillSuite(root, zero, replicas=True, netns=netns)
     try:
         suite.start()
         for target, phase, mode, fraction in REPLICA_KILLS[zero]:

@@ -1,4 +1,4 @@
-"""The kill suite's watch of `latest` (killsuite.LatestWatch), on steps committed by the agent's
+"""The kill suite's watch of `latest` (killchecks.LatestWatch), on steps committed by the agent's
 own commit (storage.try_commit): it reports `latest` moving backwards when it does, and only
 then, also when its thread and the suite's check after a kill read `latest` at the same time."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import killsuite
+import killchecks
 import pytest
 from faults import write_json_atomic
-from killsuite import WORLD, LatestWatch
+from killchecks import WORLD, LatestWatch
 
 from diag.agent.checkpoint import storage
 from diag.formats.snapshot import step_tag
@@ -39,7 +39,7 @@ def test_two_checks_at_once_see_latest_move_forward(
     the suite checks. `latest` went 9 -> 10: no problem, both steps seen in order."""
     commit(tmp_path, 9)
     watch = LatestWatch(tmp_path, zero=1)  # not started: the two threads below are its checkers
-    read = killsuite.read_latest_step
+    read = killchecks.read_latest_step
     paused, resume = threading.Event(), threading.Event()
     slow = threading.Thread(target=watch.check, name="latest-watch")
 
@@ -50,7 +50,7 @@ def test_two_checks_at_once_see_latest_move_forward(
             assert resume.wait(10)
         return step
 
-    monkeypatch.setattr(killsuite, "read_latest_step", read_then_pause)
+    monkeypatch.setattr(killchecks, "read_latest_step", read_then_pause)
     slow.start()
     assert paused.wait(10), "the watch's check never read latest"
     commit(tmp_path, 10)

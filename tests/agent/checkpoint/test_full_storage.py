@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from flash_launch import Workspace, wait_for
-from killsuite import incomplete
+from killchecks import incomplete
 
 from diag.agent.checkpoint.storage import MARKER_DIR, marker_path
 from diag.formats.rundir import control_socket_path
