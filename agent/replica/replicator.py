@@ -32,6 +32,14 @@ log = logging.getLogger(__name__)
 
 REPLICA_DIR = ".replicas"
 VERIFY_S = 10.0  # seconds between asking the holders what they hold
+RETRY_MAX_S = 10.0  # the longest wait before pushing again to a holder that failed
+
+
+def retry_delay(failures: int, interval: float) -> float:
+    """Seconds before the next push to a holder after `failures` failures in a row: doubling
+    from the interval, at most RETRY_MAX_S, so a holder that is down costs a try every few
+    seconds, not one (and a warning) every look."""
+    return min(RETRY_MAX_S, interval * 2 ** min(failures, 32))
 
 
 @dataclass
@@ -74,6 +82,8 @@ class Replicator:
         self._sent: dict[str, tuple[int, str]] = {}
         self._signature: tuple[tuple[str, int, int], ...] | None = None
         self._failed_last = False
+        self._failures: dict[str, int] = {}  # holder -> pushes failed in a row
+        self._retry_at: dict[str, float] = {}  # holder -> no push to it before (monotonic)
         self._verified_at = float("-inf")
         self._pace = pace_for(settings.max_rate)  # one budget for every holder's pushes
         self.store: ReplicaStore | None = None
@@ -191,6 +201,7 @@ class Replicator:
                 o = ask_offer(self.peers, holder, timeout=min(5.0, self.settings.timeout))
             except (OSError, UntrustedInput):
                 continue  # down: the next push to it says more
+            self._retry_at.pop(holder, None)  # it answers: no backoff for the next push
             if o.step is None:
                 self._sent.pop(holder, None)
             else:
@@ -230,6 +241,9 @@ class Replicator:
             if self._sent.get(holder) == want:
                 continue
             t0 = time.monotonic()
+            if t0 < self._retry_at.get(holder, 0.0):
+                ok = False  # failed lately: its backoff is not over
+                continue
             try:
                 result = push(self.peers, holder, local, self.owners,
                               timeout=self.settings.timeout, pace=self._pace)  # fmt: skip
@@ -246,8 +260,18 @@ class Replicator:
                     self._stats.last_push_bytes = local.manifest.nbytes
             if error:
                 ok = False
-                log.warning("replica of step %d to %s failed: %s", want[0], holder, error)
+                n = self._failures[holder] = self._failures.get(holder, 0) + 1
+                self._retry_at[holder] = time.monotonic() + retry_delay(n, self.settings.interval)
+                log.log(
+                    logging.WARNING if n == 1 else logging.DEBUG,
+                    "replica of step %d to %s failed: %s%s", want[0], holder, error,
+                    f" (trying again every {RETRY_MAX_S:g} s at most)" if n == 1 else "",
+                )  # fmt: skip
                 continue
+            if self._failures.pop(holder, 0):
+                log.warning("replica of step %d to %s sent: the holder takes it again",
+                            want[0], holder)  # fmt: skip
+            self._retry_at.pop(holder, None)
             self._sent[holder] = want
             log.debug("replica of step %d to %s in %.3f s", want[0], holder, seconds)
         with self._lock:

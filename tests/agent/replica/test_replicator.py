@@ -11,7 +11,13 @@ import pytest
 from jobrun import free_port
 from replica_helpers import JOB, OWNERS, fill
 
-from diag.agent.replica.replicator import NodeAddress, ReplicaSettings, Replicator
+from diag.agent.replica.replicator import (
+    RETRY_MAX_S,
+    NodeAddress,
+    ReplicaSettings,
+    Replicator,
+    retry_delay,
+)
 from diag.agent.replica.ring import Source
 from diag.formats.slotfile import read_snapshots
 from diag.formats.snapshot import find_slots
@@ -109,3 +115,27 @@ def test_the_pull_marker_is_gone_after_the_restore_stale_ones_too(two_nodes):
     stale.touch()  # a killed agent's
     assert a.restore_at_start().source == Source.STORAGE
     assert not stale.exists()
+
+
+def test_backoff_doubles_from_the_interval_up_to_a_cap():
+    assert [retry_delay(n, 0.25) for n in (1, 2, 3)] == [0.5, 1.0, 2.0]
+    assert retry_delay(6, 0.25) == RETRY_MAX_S and retry_delay(10**6, 0.25) == RETRY_MAX_S
+
+
+def test_a_holder_that_is_down_costs_a_try_now_and_then_and_one_warning(two_nodes, caplog):
+    make, tmp_path = two_nodes
+    a = make("a")
+    fill(a.run_dir, tmp_path / "save", {0: [3], 1: [3]})
+    caplog.set_level("DEBUG", logger="diag.agent.replica.replicator")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0:  # b's agent is not there: 50 looks in a second
+        assert not a.push_once()
+        time.sleep(0.02)
+    failures = a.stats().push_failures
+    assert 1 <= failures <= 4, failures  # at 0, 0.2 and 0.6 s: the backoff doubles from 0.1 s
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "failed" in r.message]
+    assert len(warned) == 1, [r.message for r in warned]
+
+    b = make("b").start()  # b comes up: the push goes once the backoff is over
+    assert wait_for(lambda: a.push_once() and held(b, "a") == 3, RETRY_MAX_S + 30)
+    assert "the holder takes it again" in caplog.text
