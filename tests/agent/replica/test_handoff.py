@@ -8,12 +8,12 @@ before its parts are on storage."""
 from __future__ import annotations
 
 import logging
-import time
 import zipfile
 from pathlib import Path
 
 import pytest
 from jobrun import free_port
+from polling import wait_for
 from replica_helpers import JOB, OWNERS, fill
 
 from diag.agent.checkpoint.manager import CheckpointManager, CheckpointOptions
@@ -22,15 +22,6 @@ from diag.agent.checkpoint.storage import marker_runs
 from diag.agent.replica.replicator import NodeAddress, ReplicaSettings, Replicator
 from diag.agent.replication import Handoff
 from diag.formats.snapshot import read_latest_step, slot_path, writing_marker_path
-
-
-def wait_for(pred, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return bool(pred())
 
 
 @pytest.fixture
@@ -51,7 +42,7 @@ def ring(tmp_path):
         reps[node] = Replicator(settings, run_dir=run_dir, job=JOB, node=node, owners=OWNERS)
         reps[node].start()
     a, b = reps["a"], reps["b"]
-    assert wait_for(lambda: a.stats().held.get("b") == 4 and b.stats().held.get("a") == 4)
+    assert wait_for(lambda: a.stats().held.get("b") == 4 and b.stats().held.get("a") == 4, 60)
     manager = CheckpointManager(a.run_dir, JOB, CheckpointOptions(), owners=OWNERS)
     handoff = Handoff(a, manager)
     manager.stopped_hooks.append(handoff.ranks_stopped)
@@ -107,7 +98,7 @@ def test_a_peer_whose_agent_answers_persists_its_own(ring, caplog):
     _, b, manager, handoff, save = ring
     caplog.set_level(logging.INFO, logger="diag.agent.replication")
     manager.persist_all_jobs({JOB})
-    assert wait_for(lambda: "replica of b (step 4): alive" in caplog.text)
+    assert wait_for(lambda: "replica of b (step 4): alive" in caplog.text, 60)
     assert set(marker_runs(save, 4)) == {0, 1}  # a's own parts only
     # b persists its own: nothing of b's is to come from a, so a restart need not wait for a
     mark = writing_marker_path(handoff.replicator.run_dir, JOB)
@@ -126,7 +117,7 @@ def test_a_peer_that_answered_then_goes_silent_is_written(ring, caplog):
     _, b, manager, handoff, save = ring
     caplog.set_level(logging.INFO, logger="diag.agent.replication")
     manager.persist_all_jobs({JOB})
-    assert wait_for(lambda: "replica of b (step 4): alive" in caplog.text)
+    assert wait_for(lambda: "replica of b (step 4): alive" in caplog.text, 60)
     b.close()
     handoff.join(30)
     assert read_latest_step(save) == 4

@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from faults import Fired, Plan, write_json_atomic
 from jobrun import free_port
+from polling import wait_for
 from replica_helpers import CAP, JOB, OWNERS, fill
 
 from diag.agent.replica.ring import Ring
@@ -22,15 +22,6 @@ from diag.formats.slotfile import read_snapshots
 from diag.formats.snapshot import HEADER_SIZE, find_slots, slot_path
 
 SUPPORT = Path(__file__).parents[2] / "support"
-
-
-def wait_for(pred, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return bool(pred())
 
 
 # fraction -> the tick it fires at: a push ticks after its hello, its manifest and each of the
@@ -67,7 +58,7 @@ def test_a_kill_mid_push_leaves_the_holders_previous_replica_whole(
         agent = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         held = lambda: (r := store.held("a")) is not None and r.manifest.step  # noqa: E731
-        assert wait_for(lambda: held() == 2), log.read_text()
+        assert wait_for(lambda: held() == 2, 60), log.read_text()
         write_json_atomic(ctl / "plan.json", Plan(1, "replicate", (agent.pid,), "tick",
                                                   fraction).to_json())  # fmt: skip
         fill(run_dir, save, {0: [3], 1: [3]})  # a newer step: the next push is killed
@@ -79,7 +70,7 @@ def test_a_kill_mid_push_leaves_the_holders_previous_replica_whole(
     fired = Fired.load(ctl / "fired-1.json")
     assert (fired.phase, fired.step, fired.tick) == ("replicate", 3, tick), fired
     # the holder drops what arrived of step 3 and keeps step 2 whole
-    assert wait_for(lambda: not list(store.directory.glob(f"{STAGING_PREFIX}*")))
+    assert wait_for(lambda: not list(store.directory.glob(f"{STAGING_PREFIX}*")), 60)
     assert held() == 2
     again = ReplicaStore(store.directory, CAP)  # as a restarted holder finds it
     assert (r := again.held("a")) is not None and r.manifest.step == 2

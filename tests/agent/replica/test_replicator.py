@@ -9,6 +9,7 @@ import time
 
 import pytest
 from jobrun import free_port
+from polling import wait_for
 from replica_helpers import JOB, OWNERS, fill
 
 from diag.agent.replica.replicator import (
@@ -21,15 +22,6 @@ from diag.agent.replica.replicator import (
 from diag.agent.replica.ring import Source
 from diag.formats.slotfile import read_snapshots
 from diag.formats.snapshot import find_slots
-
-
-def wait_for(pred, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return bool(pred())
 
 
 @pytest.fixture
@@ -64,10 +56,10 @@ def test_each_node_holds_the_others_newest_step_and_an_empty_node_takes_it_back(
     for r in (a, b):
         assert r.restore_at_start().source == Source.LOCAL
         r.start()
-    assert wait_for(lambda: held(b, "a") == 3 and held(a, "b") == 3)
+    assert wait_for(lambda: held(b, "a") == 3 and held(a, "b") == 3, 60)
     fill(a.run_dir, save, {0: [3, 4], 1: [3, 4]}, node="a")
     a.notify()
-    assert wait_for(lambda: held(b, "a") == 4 and a.stats().sent_step == 4)
+    assert wait_for(lambda: held(b, "a") == 4 and a.stats().sent_step == 4, 60)
 
     # node a is replaced: its ranks, its agent and its shared memory are gone
     a.close()
@@ -80,7 +72,7 @@ def test_each_node_holds_the_others_newest_step_and_an_empty_node_takes_it_back(
     assert a2.stats().restore == choice
     # the returning node holds its peer's replica again once it runs
     a2.start()
-    assert wait_for(lambda: held(a2, "b") == 3)
+    assert wait_for(lambda: held(a2, "b") == 3, 60)
 
 
 def test_storage_newer_than_the_replica_wins(two_nodes):
@@ -89,7 +81,7 @@ def test_storage_newer_than_the_replica_wins(two_nodes):
     fill(a.run_dir, tmp / "save", {0: [2], 1: [2]}, node="a")
     a.start()
     b.start()
-    assert wait_for(lambda: held(b, "a") == 2)
+    assert wait_for(lambda: held(b, "a") == 2, 60)
     a.close()
     shutil.rmtree(a.run_dir)
     a2 = make("a", storage_step=lambda: 5)
