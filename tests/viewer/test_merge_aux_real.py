@@ -8,6 +8,7 @@ no suspect; the odd rank must, and a rank without a dump leads when the others a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -96,13 +97,45 @@ def ranks(tmp_path_factory):
             )
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
-        time.sleep(1.0)  # let the barrier and the loader settle
+        # The loader's workers fill their prefetch queue after "ready": until every rank is idle
+        # (its process tree's CPU time stops growing), a dump may catch a thread mid-batch.
+        assert wait_idle(procs, timeout=120), "the ranks did not settle"
         yield procs
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=30)
+
+
+def tree_cpu(pid: int) -> float:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        total = sum(proc.cpu_times()[:2])
+        for child in proc.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                total += sum(child.cpu_times()[:2])
+        return total
+    except psutil.Error:
+        return 0.0
+
+
+def wait_idle(procs: list[subprocess.Popen], timeout: float) -> bool:
+    """True once the processes and their children used under 0.05 s of CPU in 1 s, twice in a
+    row."""
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    before = sum(tree_cpu(p.pid) for p in procs)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = sum(tree_cpu(p.pid) for p in procs)
+        quiet = quiet + 1 if now - before < 0.05 else 0
+        before = now
+        if quiet >= 2:
+            return True
+    return False
 
 
 def diag_dump(timeline: Path, pids: list[int]) -> Path:
