@@ -17,7 +17,7 @@ from diag.viewer.classes import Suspect, ViewClasses, equivalence_classes, suspe
 from diag.viewer.flame import FlameHeader, FlameOptions, render_svg
 from diag.viewer.gather import Gathered
 from diag.viewer.summary import VIEW_TITLES
-from diag.viewer.tree import StackTree, View, merged_tree
+from diag.viewer.tree import NO_NATIVE, StackTree, View, merged_tree, only_marked
 
 HIGHLIGHT_SUSPECTS = 8  # suspects whose frames are kept visible at any rank count
 
@@ -68,7 +68,10 @@ def analyse(
         v: merged_tree([*got.collected[v], stand_in_stacks(absent, v)], v, world, dumped)
         for v in View
     }
-    classes = {v: equivalence_classes(t, absent.bits) for v, t in trees.items()}
+    # A rank whose native stacks were not taken (the dump skipped them: memory, time) has no
+    # evidence in that view, not a stack of its own: it forms no class there.
+    unseen = {v: only_marked(t, NO_NATIVE) if v is View.CPP else 0 for v, t in trees.items()}
+    classes = {v: equivalence_classes(t, absent.bits | unseen[v]) for v, t in trees.items()}
     return Analysis(
         world=world,
         dumped=dumped,

@@ -126,6 +126,15 @@ def view_threads(
     return (), False, ()
 
 
+def only_marked(tree: StackTree, mark: str) -> int:
+    """The ranks whose every stack in `tree` is the marker `mark` alone (bits)."""
+    text = state_info(mark).text
+    return ranksets.bits_of(
+        rank for rank, ends in tree.signatures.items()
+        if ends and all(tree.info[e].text == text and tree.parent[e] == 0 for e in ends)
+    )  # fmt: skip
+
+
 def marker(dump: RankDump, view: View, has_stacks: bool) -> str | None:
     """What stands for a rank's missing stacks (None: its stacks or its state say it all)."""
     if dump.error.startswith(NO_DUMP):

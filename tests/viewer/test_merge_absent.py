@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from mergekit import odd_one_out, py, thread, write_incident
+from mergekit import C10D, common, native, odd_one_out, py, rank_dump, thread, write_incident
 
 from diag.formats.stackdump import RankDump
 from diag.viewer import ranksets
@@ -83,3 +83,19 @@ def test_local_world_size_from_journal_tails(tmp_path: Path) -> None:
 def test_the_verdicts_culprit_leads_among_equal_scores() -> None:
     a = find_absent(8, answered(range(1, 8), world=8), None)
     assert [s.rank for s in suspects([], (5,), a)] == [5, 0]
+
+
+def test_a_rank_whose_native_stacks_were_not_taken_is_no_native_suspect(tmp_path: Path) -> None:
+    # every rank waits in the same native wait but rank 3, whose dump skipped the native pass
+    # (memory or time): no native evidence for it, so no native class either; rank 2 is odd
+    world = 5
+    waiting = [py("barrier", 4811, C10D), native("std::condition_variable::wait")]
+    stuck = [py("load_checkpoint", 14), native("time_sleep")]
+    dumps = [
+        rank_dump(r, world, thread(common(*(stuck if r == 2 else waiting)))) for r in range(world)
+    ]
+    dumps[3] = rank_dump(3, world, thread(common(py("barrier", 4811, C10D))))  # Python only
+    result = merge_incident(write_incident(tmp_path / "inc", dumps), out_dir=tmp_path / "out")
+    assert [s.rank for s in result.suspects] == [2], result.suspects
+    cpp = next(v for v in result.report.views if v.view.value == "cpp")
+    assert all(3 not in ranksets.ranks_of(c.bits) for c in cpp.classes)
