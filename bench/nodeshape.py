@@ -4,12 +4,12 @@ their own, CPU seconds of a process tree, and a page cache as cold as a replaced
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
+
+from polling import idle_for, tree_cpu_seconds  # tests/support, on the path of the benches
 
 
 def parse_cpus(text: str) -> frozenset[int]:
@@ -39,17 +39,7 @@ def pinned(cpus: frozenset[int] | None):
 
 def cpu_seconds(p: subprocess.Popen) -> float:
     """User and system CPU seconds of a process and its live children."""
-    import psutil
-
-    try:
-        proc = psutil.Process(p.pid)
-        total = sum(proc.cpu_times()[:2])
-        for child in proc.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                total += sum(child.cpu_times()[:2])
-        return total
-    except psutil.Error:
-        return 0.0
+    return tree_cpu_seconds(p.pid)
 
 
 def cached_bytes(root: Path) -> int | None:
@@ -87,6 +77,4 @@ def tree_bytes(root: Path) -> int:
 
 def settled(procs: list[subprocess.Popen]) -> bool:
     """Whether the processes are idle, waiting for their go file (0.05 s of CPU in 1 s)."""
-    before = sum(cpu_seconds(p) for p in procs)
-    time.sleep(1.0)
-    return sum(cpu_seconds(p) for p in procs) - before < 0.05
+    return idle_for([p.pid for p in procs])

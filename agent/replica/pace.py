@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diag.agent.replica.wire import CHUNK
-
 
 @dataclass
 class Pace:
@@ -37,9 +35,10 @@ class Pace:
         return -self._tokens / self.rate  # the debt, paid by waiting
 
 
-def pace_for(rate: int) -> Pace | None:
+def pace_for(rate: int, chunk: int) -> Pace | None:
     """The pace of `--replica-max-rate` bytes per second (0: none); a burst of a tenth of a
-    second's worth, at least one chunk, so the link sees no long bursts at full speed."""
+    second's worth, at least one `chunk` (what is sent at once), so the link sees no long
+    bursts at full speed."""
     if rate <= 0:
         return None
-    return Pace(float(rate), float(max(rate / 10, CHUNK)))
+    return Pace(float(rate), float(max(rate / 10, chunk)))

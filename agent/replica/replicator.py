@@ -24,6 +24,7 @@ from diag.agent.replica.settings import ReplicaSettings
 from diag.agent.replica.source import local_replica, local_steps
 from diag.agent.replica.store import ReplicaStore
 from diag.agent.replica.transport import Address, Peers, ReplicaServer, ask_offer, pull, push
+from diag.agent.replica.wire import CHUNK
 from diag.formats.slotfile import open_slot
 from diag.formats.snapshot import find_slots, pull_marker_path
 from diag.formats.untrusted import Owners, UntrustedInput
@@ -85,7 +86,7 @@ class Replicator:
         self._failures: dict[str, int] = {}  # holder -> pushes failed in a row
         self._retry_at: dict[str, float] = {}  # holder -> no push to it before (monotonic)
         self._verified_at = float("-inf")
-        self._pace = pace_for(settings.max_rate)  # one budget for every holder's pushes
+        self._pace = pace_for(settings.max_rate, CHUNK)  # one budget for every holder's pushes
         self.store: ReplicaStore | None = None
         self.server: ReplicaServer | None = None
         self._thread: threading.Thread | None = None

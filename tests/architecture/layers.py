@@ -61,6 +61,7 @@ PURE = (
     "diag.agent.precheck.rounds",
     "diag.agent.precheck.units",
     "diag.agent.replica.handover",
+    "diag.agent.replica.pace",
     "diag.agent.replica.ring",
     "diag.agent.taint.model",
     "diag.agent.taint.planner",

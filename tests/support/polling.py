@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 20.0, step: float = 0.05) -> bool:
@@ -28,3 +29,25 @@ def catches_sigterm(pid: int) -> bool:
     except OSError:
         return False
     return False
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process and its live children (0 when it is gone)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        total = sum(proc.cpu_times()[:2])
+        for child in proc.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                total += sum(child.cpu_times()[:2])
+        return total
+    except psutil.Error:
+        return 0.0
+
+
+def idle_for(pids: Sequence[int], seconds: float = 1.0, cpu: float = 0.05) -> bool:
+    """Whether the process trees of `pids` used under `cpu` seconds of CPU in `seconds`."""
+    before = sum(tree_cpu_seconds(p) for p in pids)
+    time.sleep(seconds)
+    return sum(tree_cpu_seconds(p) for p in pids) - before < cpu

@@ -8,7 +8,6 @@ no suspect; the odd rank must, and a rank without a dump leads when the others a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from polling import idle_for
 
 from diag.viewer.merge import merge_incident
 from diag.viewer.roles import Role
@@ -108,31 +108,12 @@ def ranks(tmp_path_factory):
             p.wait(timeout=30)
 
 
-def tree_cpu(pid: int) -> float:
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        total = sum(proc.cpu_times()[:2])
-        for child in proc.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                total += sum(child.cpu_times()[:2])
-        return total
-    except psutil.Error:
-        return 0.0
-
-
 def wait_idle(procs: list[subprocess.Popen], timeout: float) -> bool:
-    """True once the processes and their children used under 0.05 s of CPU in 1 s, twice in a
-    row."""
+    """True once the processes and their children are idle in two 1 s windows in a row."""
     deadline = time.monotonic() + timeout
     quiet = 0
-    before = sum(tree_cpu(p.pid) for p in procs)
     while time.monotonic() < deadline:
-        time.sleep(1.0)
-        now = sum(tree_cpu(p.pid) for p in procs)
-        quiet = quiet + 1 if now - before < 0.05 else 0
-        before = now
+        quiet = quiet + 1 if idle_for([p.pid for p in procs]) else 0
         if quiet >= 2:
             return True
     return False

@@ -46,9 +46,9 @@ def test_a_pace_needs_a_positive_rate_and_burst(rate, burst):
 
 
 def test_no_cap_no_pace_and_bursts_of_a_tenth_of_a_second():
-    assert pace_for(0) is None
-    assert pace_for(10 << 30).burst == pytest.approx((10 << 30) / 10)
-    assert pace_for(1 << 20).burst == CHUNK  # never less than one chunk
+    assert pace_for(0, CHUNK) is None
+    assert pace_for(10 << 30, CHUNK).burst == pytest.approx((10 << 30) / 10)
+    assert pace_for(1 << 20, CHUNK).burst == CHUNK  # never less than one chunk
 
 
 def test_a_capped_push_takes_at_least_its_bytes_over_the_rate(tmp_path, ring2):
