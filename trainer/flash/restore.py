@@ -116,22 +116,33 @@ def wait_for_writing(place: Place, timeout: float = WRITING_WAIT_S) -> bool:
 
 def _wait_marker(marker: Path, timeout: float, what: str) -> bool:
     owners = Owners.this_process()
-    deadline = time.monotonic() + timeout
-    told = False
-    while True:
+
+    def gone() -> bool:
         try:
             st = os.lstat(marker)
         except FileNotFoundError:
             return True
-        if not stat.S_ISREG(st.st_mode) or not owners.trusts(st):
-            return True  # not the agent's: ignored
+        return not stat.S_ISREG(st.st_mode) or not owners.trusts(st)  # not the agent's: ignored
+
+    return _wait_until(
+        gone, timeout, f"diag: waiting for the agent to {what} ({marker})",
+        f"diag: the agent's work to {what} took over {timeout:.0f} s; not waiting",
+    )  # fmt: skip
+
+
+def _wait_until(done: Callable[[], bool], timeout: float, waiting: str, late: str) -> bool:
+    """Polls `done` until it holds (True) or `timeout` seconds pass (False, `late` logged)."""
+    deadline = time.monotonic() + timeout
+    told = False
+    while not done():
         if time.monotonic() >= deadline:
-            log.warning("diag: the agent's work to %s took over %.0f s; not waiting", what, timeout)
+            log.warning("%s", late)
             return False
         if not told:
-            log.info("diag: waiting for the agent to %s (%s)", what, marker)
+            log.info("%s", waiting)
             told = True
         time.sleep(0.05)
+    return True
 
 
 def agent_is_up(place: Place) -> bool:
@@ -155,20 +166,12 @@ def wait_for_agent(place: Place, timeout: float) -> bool:
     it is. A pod's containers start together, and a rank that reaches its restore before its
     agent has even started would find an empty node and resume from storage, an older step,
     while the agent was about to pull the newer one from a peer."""
-    deadline = time.monotonic() + timeout
-    told = False
-    while not agent_is_up(place):
-        if time.monotonic() >= deadline:
-            log.warning(
-                "diag: no agent came up in %s within %.0f s (%s): restoring without it",
-                place.run_dir, timeout, AGENT_WAIT_ENV,
-            )  # fmt: skip
-            return False
-        if not told:
-            log.info("diag: waiting for this node's agent to be up (%s)", place.run_dir)
-            told = True
-        time.sleep(0.05)
-    return True
+    return _wait_until(
+        lambda: agent_is_up(place), timeout,
+        f"diag: waiting for this node's agent to be up ({place.run_dir})",
+        f"diag: no agent came up in {place.run_dir} within {timeout:.0f} s ({AGENT_WAIT_ENV}): "
+        "restoring without it",
+    )  # fmt: skip
 
 
 def _node_snapshots(place: Place) -> list[Snapshot]:
