@@ -227,13 +227,13 @@ class Handoff:
         if store is None:
             return []
         save_dir, _ = self._target()
+        latest = read_latest_step(save_dir) if save_dir is not None else None
         out = []
         for peer in store.nodes():
             held = store.held(peer)
             if held is None or safe_job_name(held.manifest.job) != self.job:
                 continue
             m = held.manifest
-            latest = read_latest_step(save_dir) if save_dir is not None else None
             done: frozenset[int] = frozenset()
             if save_dir is not None:
                 runs = storage.marker_runs(save_dir, m.step)
