@@ -26,7 +26,7 @@ from diag.agent.evidence.collection import (
     capture,
     verdict_document,
 )
-from diag.agent.evidence.pyspy import DumpTarget
+from diag.agent.evidence.pyspy import DumpTarget, Launcher
 from diag.agent.observe.observer import Observer
 from diag.agent.observe.rankproof import RankProof
 from diag.formats.incidentdir import incident_id_of
@@ -49,8 +49,10 @@ class Executor:
         native_stacks: bool = True,
         pyspy_timeout: float = 10.0,
         dump_parallel: int = 0,
+        launcher: Launcher | None = None,
     ) -> None:
         self.observer = observer
+        self.launcher = launcher  # who starts py-spy (None: this process)
         self.timeline = timeline
         self.node = node
         self.stop_grace = stop_grace
@@ -88,6 +90,7 @@ class Executor:
                         pid=t.meta.pid if proof else 0,
                         local_rank=t.meta.local_rank,
                         node=t.meta.node,
+                        claim=self.observer.claim(t) if proof else None,
                     ),
                     journal=t.path,
                     unproven=_why_not(proof),
@@ -123,6 +126,7 @@ class Executor:
                 native=self.native_stacks,
                 pyspy_timeout=self.pyspy_timeout,
                 dump_parallel=self.dump_parallel,
+                launcher=self.launcher,
                 on_disk=lambda early: self._notify(
                     self.on_disk, IncidentReport(verdict, early, job, self.node)
                 ),

@@ -59,6 +59,7 @@ class AgentConfig:
     trainer: TrainerUsers = field(default_factory=TrainerUsers)  # --trainer-uid / --trainer-gid
     retention: Retention = DEFAULT_INCIDENT_RETENTION  # of the incident directories it writes
     replica: ReplicaSettings | None = None  # replicas of flash checkpoints in peers; None: off
+    state_dir: Path | None = None  # the agent's own directory; None: privilege.statedir's default
 
 
 def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> AgentConfig:
@@ -133,6 +134,7 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
             args, job=values["job"], env=env, config=getattr(args, "config", None)
         ),
         replica=_replica_settings(values, node),
+        state_dir=values["state_dir"],
     )
 
 

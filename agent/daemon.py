@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import replace
@@ -36,7 +36,7 @@ from diag.agent.drain.executor import Drainer
 from diag.agent.drain.notice import Notice, NoticeWatcher, deadline_of
 from diag.agent.drain.plan import DrainRequest, DrainState
 from diag.agent.evidence.collection import IncidentReport
-from diag.agent.evidence.pyspy import can_trace
+from diag.agent.evidence.pyspy import Launcher, can_trace
 from diag.agent.health.monitors import monitors_for
 from diag.agent.health.watch import HealthWatch
 from diag.agent.job.jobstop import Local, StopState, closed, follow, verdict_for, wants_look
@@ -47,11 +47,11 @@ from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.server import MetricsServer
 from diag.agent.observe.observer import Observer
 from diag.agent.observe.rundircheck import owners_of
-from diag.agent.observe.rundircheck import prepare as prepare_run_dir
 from diag.agent.options import Until
 from diag.agent.prune import prune_incidents, prune_job_verdicts
 from diag.agent.replica.replicator import Replicator
 from diag.agent.replication import Handoff, replica_facts, start_replication
+from diag.agent.startup import AgentStart
 from diag.agent.taint.evidencesources import JOB_VERDICTS_DIR
 from diag.agent.taint.step import NodeTainter
 from diag.agent.taint.taintconfig import TaintMode
@@ -67,8 +67,22 @@ _WARNINGS = frozenset({EventKind.INCIDENT, EventKind.NO_STEPS})
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig, owners: Owners | None = None) -> None:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        owners: Owners | None = None,
+        *,
+        launcher: Launcher | None = None,
+        metrics_listener: socket.socket | None = None,
+        kube_api: Any = None,
+        exclusive: bool = False,
+    ) -> None:
+        """`launcher` starts py-spy (None: this process); `metrics_listener`, `kube_api`: made
+        before a privilege drop; `exclusive`: the caller holds the run directory's agent lock."""
         self.cfg = cfg
+        self.launcher = launcher
+        self._metrics_listener = metrics_listener
+        self._exclusive = exclusive
         self.owners = owners if owners is not None else owners_of(cfg.run_dir, cfg.trainer)
         self.observer = Observer(
             cfg.run_dir,
@@ -84,6 +98,7 @@ class Agent:
             native_stacks=cfg.native_stacks,
             pyspy_timeout=cfg.pyspy_timeout,
             dump_parallel=cfg.dump_parallel,
+            launcher=launcher,
         )
         self.state = WatchState()
         self.incidents = 0
@@ -130,6 +145,7 @@ class Agent:
             cfg.timeline,
             self.job_verdicts,
             health=self.health.current if self.health is not None else tuple,
+            api=kube_api,
         )
         self.executor.listeners.append(self.tainter.on_incident)
         self.control: ControlServer | None = None
@@ -319,7 +335,7 @@ class Agent:
             cfg.policy.timeouts.ceiling,
             cfg.policy.on_hang.value,
         )
-        if not can_trace():
+        if self.launcher is None and not can_trace():
             log.warning(
                 "no ptrace permission: stack dumps will fail; run as root or add SYS_PTRACE"
             )
@@ -329,9 +345,9 @@ class Agent:
             self.health.start(self.tainter.plan_health)
         self._start_replicas()
         if cfg.control:
-            socket = cfg.control_socket or control_socket_path(cfg.run_dir, cfg.job)
+            path = cfg.control_socket or control_socket_path(cfg.run_dir, cfg.job)
             self.control = ControlServer(
-                socket, self.checkpoints, owners=self.owners, client_uid=_trainer_uid(cfg)
+                path, self.checkpoints, owners=self.owners, exclusive=self._exclusive
             ).start()
         ended = False
         notices = (
@@ -403,7 +419,12 @@ class Agent:
         if self.metrics is None or cfg.metrics_port is None:
             return None
         try:
-            server = MetricsServer(self.metrics.render, cfg.metrics_host, cfg.metrics_port)
+            server = MetricsServer(
+                self.metrics.render,
+                cfg.metrics_host,
+                cfg.metrics_port,
+                listener=self._metrics_listener,
+            )
         except OSError as e:
             raise exitcodes.UsageError(
                 f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e.strerror}; "
@@ -440,43 +461,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args)
-    owners = _check_dirs(cfg)
-    agent = Agent(cfg, owners)
+    with AgentStart(cfg) as start:
+        agent = Agent(
+            start.cfg,
+            start.owners,
+            launcher=start.launcher,
+            metrics_listener=start.metrics_listener,
+            kube_api=start.kube_api,
+            exclusive=True,
+        )
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        # Only flags here: the main loop logs and acts.
-        if signum == signal.SIGTERM and agent.drainer is not None:
-            agent.request_drain(DrainRequest("SIGTERM", time.monotonic()))
-        else:
-            agent.request_stop()
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            # Only flags here: the main loop logs and acts.
+            if signum == signal.SIGTERM and agent.drainer is not None:
+                agent.request_drain(DrainRequest("SIGTERM", time.monotonic()))
+            else:
+                agent.request_stop()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    return agent.run()
-
-
-def _check_dirs(cfg: AgentConfig) -> Owners:
-    """The run directory made (private) or judged: whose files in it the agent believes."""
-    owners = prepare_run_dir(cfg.run_dir, cfg.trainer)
-    try:
-        cfg.timeline.mkdir(parents=True, exist_ok=True)
-        probe = cfg.timeline / ".diag-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise exitcodes.UsageError(
-            f"cannot write incidents to {cfg.timeline}: {e.strerror}; set --timeline or "
-            "DIAG_TIMELINE to a writable directory"
-        ) from e
-    return owners
-
-
-def _trainer_uid(cfg: AgentConfig) -> int | None:
-    """Whom the control socket is given to: the ranks' user (--trainer-uid, else the run
-    directory's owner), so that a root agent's 0600 socket is reachable by its ranks alone."""
-    if cfg.trainer.uid is not None:
-        return cfg.trainer.uid
-    try:
-        return os.stat(cfg.run_dir).st_uid
-    except OSError:
-        return None
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        return agent.run()

@@ -82,8 +82,9 @@ OPTIONS = OptionTable(
             None,
             "numeric uid the ranks run as: files in the run directory owned by anyone but it, root "
             "and the agent's user are ignored, and only processes of those users are taken for "
-            "ranks (default: the run directory's owner; a missing run directory is created 0700 "
-            "and given to it)",
+            "ranks. An agent started as root becomes this user after start-up (a root helper "
+            "keeps only the stack dumps) and refuses a run directory of any other user but root "
+            "(default: root for a root agent, else the run directory's owner)",
         ),
         Option(
             "trainer_gid",
@@ -92,6 +93,14 @@ OPTIONS = OptionTable(
             "numeric gid of the trainers: a run directory writable by its group is accepted only "
             "when the group is this one (every member is then trusted to write journals); a "
             "missing run directory is given to it",
+        ),
+        Option(
+            "state_dir",
+            Path,
+            None,
+            "the agent's own directory: its lock (one agent per run directory) and the replicas "
+            "it holds for peers; nobody else may write it (default: /run/diag-agent as root, "
+            "else /dev/shm/diag-agent-UID; in a pod, a volume of the agent's container alone)",
         ),
         Option("timeline", Path, Path(DEFAULT_TIMELINE), "where incident directories are written"),
         Option("job", str, None, "watch only journals of this job (default: all in the run dir)"),

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 TMPDIR = "TMPDIR"
+STATE_DIR = "DIAG_STATE_DIR"  # the agents' own directory (their locks, replica stores)
 DLROVER_EVENTS = "DLROVER_EVENT_FILE_DIR"  # DLRover's training events, /tmp/dlrover by default
 
 
@@ -22,10 +23,14 @@ def _private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     (`events_sys_<rank>_<pid>.log`) go to /tmp/dlrover whatever TMPDIR says: its own variable
     sends them there too."""
     tmp = tmp_path_factory.mktemp("tmpdir")
-    saved = {k: os.environ.get(k) for k in (TMPDIR, DLROVER_EVENTS)}
+    saved = {k: os.environ.get(k) for k in (TMPDIR, DLROVER_EVENTS, STATE_DIR)}
     old_default = tempfile.tempdir
     os.environ[TMPDIR] = str(tmp)
     os.environ[DLROVER_EVENTS] = str(tmp / "dlrover-events")
+    # Not /run/diag-agent: the agents the tests start leave their locks with pytest's files.
+    state = tmp_path_factory.mktemp("agent-state")
+    state.chmod(0o700)
+    os.environ[STATE_DIR] = str(state)
     tempfile.tempdir = str(tmp)
     try:
         yield

@@ -7,7 +7,8 @@ Who may call: grpc's Python server does not tell a servicer who is at the other 
 socket (`context.peer()` is "unix:", and the auth context of local credentials carries only
 "transport_security_type": "local", no uid), so the server cannot check its clients' SO_PEERCRED
 per call. It relies on the socket's mode instead: 0600, bound in a private directory and renamed
-into place, so only the socket's owner and root can connect. The ranks check the server's side
+into place, so only the socket's owner and root can connect. The agent that serves it is the
+ranks' user (or root, when they are root: agent.privilege), so the socket needs no chown. The ranks check the server's side
 (diag.trainer.control.peer).
 """
 
@@ -17,8 +18,9 @@ import contextlib
 import logging
 import os
 import queue
-import shutil
+import secrets
 import socket
+import stat
 import struct
 import tempfile
 from concurrent import futures
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 MAX_WORKERS = 64  # every connected rank holds one for its stream
 _UNIX_PATH_MAX = 107
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _key(rid: Any) -> RankKey:
@@ -148,16 +151,16 @@ class ControlServer:
         manager: CheckpointManager,
         *,
         owners: Owners | None = None,
-        client_uid: int | None = None,
+        exclusive: bool = False,
     ) -> None:
         self.path = path
-        # The ranks' user, when it is not ours: the socket is given to it (still 0600), so a
-        # root agent's ranks can connect and nobody else can.
-        self.client_uid = client_uid
         self.manager = manager
         # The users whose agent may already serve this path: root, this process's user and the
         # run directory's owner unless told (the ranks' users, once the agent is given them).
         self.owners = owners or _default_owners(path, manager.run_dir)
+        # The caller holds the lock of the run directory's agent (privilege.statedir): whatever
+        # listens at the path now is not an agent of this run directory, whoever runs it.
+        self.exclusive = exclusive
         self.server: Any = None
 
     def start(self) -> ControlServer:
@@ -166,43 +169,48 @@ class ControlServer:
                 f"the control socket path {self.path} is longer than {_UNIX_PATH_MAX} bytes; "
                 "use a shorter --run-dir or set --control-socket"
             )
-        if os.path.lexists(self.path):
-            peer = _listener(self.path)
-            if peer is not None and peer[1] in self.owners.uids:
-                raise UsageError(
-                    f"another agent (pid {peer[0]}, uid {peer[1]}) already serves {self.path}; "
-                    "stop it, or give this one another --run-dir, --job or --control-socket"
-                )
-            if peer is not None:
-                log.warning(
-                    "replacing %s: it was served by pid %d of uid %d, not a trusted user",
-                    self.path, peer[0], peer[1],
-                )  # fmt: skip
-            self.path.unlink()  # left by an agent that died, or planted
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="diag-grpc"),
-            maximum_concurrent_rpcs=MAX_WORKERS * 2,
-        )
-        pb_grpc.add_ControlServicer_to_server(ControlService(self.manager), server)
-        # Only the pod's user may connect (connecting needs write permission on the socket).
-        # The socket is bound in a private directory, made owner-only, then moved into place,
-        # so it is never reachable with a looser mode, whatever the umask.
-        private = Path(tempfile.mkdtemp(prefix=".c", dir=self.path.parent))
         try:
-            bound = private / "s"
-            if server.add_insecure_port(f"unix:{bound}") == 0:
-                raise UsageError(f"cannot serve the control channel on {self.path}")
-            os.chmod(bound, 0o600)
-            if self.client_uid is not None and self.client_uid != os.geteuid():
-                os.chown(bound, self.client_uid, -1)
-            os.replace(bound, self.path)
+            parent = os.open(self.path.parent, _DIR_FLAGS)
+        except OSError as e:
+            raise UsageError(f"cannot open {self.path.parent}: {e.strerror}") from e
+        try:
+            self._clear(parent)
+            server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="diag-grpc"),
+                maximum_concurrent_rpcs=MAX_WORKERS * 2,
+            )
+            pb_grpc.add_ControlServicer_to_server(ControlService(self.manager), server)
+            _bind_private(server, parent, self.path)
         finally:
-            shutil.rmtree(private, ignore_errors=True)
+            os.close(parent)
         server.start()
         self.server = server
         log.info("control channel on %s", self.path)
         return self
+
+    def _clear(self, parent: int) -> None:
+        """Removes what is at the socket's name: left by an agent that died, or planted."""
+        name = self.path.name
+        try:
+            os.stat(name, dir_fd=parent, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise UsageError(f"cannot look at {self.path}: {e.strerror}") from e
+        peer = _listener(self.path)
+        if peer is not None and not self.exclusive and peer[1] in self.owners.uids:
+            raise UsageError(
+                f"another agent (pid {peer[0]}, uid {peer[1]}) already serves {self.path}; "
+                "stop it, or give this one another --run-dir, --job or --control-socket"
+            )
+        if peer is not None:
+            log.warning(
+                "replacing %s: pid %d of uid %d listened there, which is not an agent of this "
+                "run directory", self.path, peer[0], peer[1],
+            )  # fmt: skip
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=parent)
 
     def stop(self, grace: float = 1.0) -> None:
         if self.server is None:
@@ -211,6 +219,41 @@ class ControlServer:
         self.server = None
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+
+def _bind_private(server: Any, parent: int, path: Path) -> None:
+    """Binds the server to `path` (in the directory open as `parent`) so that it is never
+    reachable with a looser mode than 0600, whatever the umask, and acts by descriptor only: the
+    socket is bound in a fresh private directory reached through its descriptor (a directory
+    renamed or swapped meanwhile changes nothing), made owner-only through a descriptor of its
+    own, then renamed into place between descriptors."""
+    private = Path(tempfile.mkdtemp(prefix=".c", dir=path.parent)).name
+    try:
+        fd = os.open(private, _DIR_FLAGS, dir_fd=parent)
+    except OSError as e:
+        raise UsageError(f"cannot open a private directory beside {path}: {e.strerror}") from e
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+            raise UsageError(f"the private directory made beside {path} was replaced meanwhile")
+        # A name of its own: gRPC unlinks the path it bound when it stops, by then through
+        # whatever directory has that descriptor number.
+        name = f"s-{secrets.token_hex(8)}"
+        if server.add_insecure_port(f"unix:/proc/self/fd/{fd}/{name}") == 0:
+            raise UsageError(f"cannot serve the control channel on {path}")
+        sock = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        try:
+            sst = os.fstat(sock)
+            if not stat.S_ISSOCK(sst.st_mode) or sst.st_uid != os.geteuid():
+                raise UsageError(f"the socket bound for {path} was replaced meanwhile")
+            os.chmod(f"/proc/self/fd/{sock}", 0o600)  # the socket's own inode, by descriptor
+        finally:
+            os.close(sock)
+        os.replace(name, path.name, src_dir_fd=fd, dst_dir_fd=parent)
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(private, dir_fd=parent)
 
 
 def _default_owners(path: Path, run_dir: Path) -> Owners:

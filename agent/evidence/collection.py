@@ -25,7 +25,7 @@ from diag.agent.evidence.parallelism import (
     first_wave,
     learned_cost,
 )
-from diag.agent.evidence.pyspy import DumpTarget, dump_all
+from diag.agent.evidence.pyspy import DumpTarget, Launcher, dump_all
 from diag.agent.observe.cgroup import read_limits
 from diag.agent.observe.containerlimits import ContainerLimits
 from diag.formats.incidentdir import (
@@ -209,6 +209,7 @@ def capture(
     limits: ContainerLimits | None = None,
     native_cost: DumpCost = NATIVE_DUMP,
     on_disk: Callable[[EvidenceResult], None] | None = None,
+    launcher: Launcher | None = None,
 ) -> EvidenceResult:
     """Two passes: Python stacks of all ranks (~10 ms each) go to disk with the journals and the
     verdict at once; native stacks (slower: py-spy loads the libraries' symbols) then replace them
@@ -220,7 +221,7 @@ def capture(
     `native_cost` is what a native dump is assumed to take until the first ones have been
     measured (their peak resident size), which then decides how many run at once.
     `on_disk` is called between the passes, with the Python stacks, as soon as the incident
-    directory is in place."""
+    directory is in place. `launcher` starts each py-spy (default: this process)."""
     started = time.monotonic()
     when = dt.datetime.now(dt.UTC)
     dump_targets = [t.dump for t in targets if t.dumpable]
@@ -235,7 +236,8 @@ def capture(
     )
     try:
         dumps = dump_all(
-            dump_targets, native=False, timeout=pyspy_timeout, parallel=max(1, python_width.count)
+            dump_targets, native=False, timeout=pyspy_timeout,
+            parallel=max(1, python_width.count), launcher=launcher,
         ) if dump_targets else []  # fmt: skip
         dumps = _in_order(targets, [*dumps, *refused])
         python_done = time.monotonic()
@@ -296,7 +298,7 @@ def capture(
 
         natives = dump_all(
             dump_targets, native=True, timeout=pyspy_timeout, parallel=width.count,
-            on_done=replace_with_native, widen=widen,
+            on_done=replace_with_native, widen=widen, launcher=launcher,
         )  # fmt: skip
         if measured:
             peak, after = measured[-1]

@@ -3,6 +3,8 @@
 All ranks are dumped at once (one py-spy process each, started together) so the total time is
 that of the slowest dump, not the sum. A rank in uninterruptible sleep (D state) would block a
 ptrace-based dump, so it gets a non-blocking, Python-only read instead, and its state is recorded.
+Who starts each py-spy is a `Launcher`: the agent itself, or the root helper of an agent that
+gave up root (agent.privilege).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from diag.agent.observe.procs import proc_state, proc_state_word
+from diag.agent.observe.rankproof import RankClaim
 from diag.formats.stackdump import RankDump, parse_pyspy_json
 
 
@@ -31,6 +34,8 @@ class DumpTarget:
     pid: int
     local_rank: int = -1
     node: str = ""
+    # What showed the PID to be the rank (its meta's claim): a dump helper proves it again.
+    claim: RankClaim | None = None
 
 
 def pyspy_binary() -> str:
@@ -46,16 +51,96 @@ def pyspy_binary() -> str:
     )
 
 
+@dataclass(frozen=True)
+class SpyExit:
+    """How one py-spy run ended, as its launcher saw it."""
+
+    returncode: int | None  # None: still running at the deadline (it was killed)
+    peak_rss: int  # bytes, 0 when unknown
+    stdout: bytes
+    stderr: bytes
+
+
+class Spy(Protocol):
+    """One py-spy run under way."""
+
+    def finish(self, deadline: float) -> SpyExit:
+        """How it ended (killed at `deadline` if still running); SpyRefused when it never ran
+        on the target after all."""
+        ...
+
+
+class SpyRefused(Exception):
+    """py-spy could not be started on a target: the message says why."""
+
+
+class Launcher(Protocol):
+    """Starts py-spy on a target: itself (`LocalLauncher`), or through the root dump helper of
+    an agent that dropped its privileges (agent.privilege.helperspy). The command line is the
+    launcher's own (`pyspy_command`), never taken from the caller."""
+
+    def start(self, target: DumpTarget, native: bool, nonblocking: bool, timeout: float) -> Spy:
+        """Raises SpyRefused."""
+        ...
+
+
+def pyspy_command(binary: str, pid: int, native: bool, nonblocking: bool) -> list[str]:
+    cmd = [binary, "dump", "--json", "--pid", str(pid)]
+    if native and not nonblocking:
+        cmd.append("--native")
+    if nonblocking:
+        cmd.append("--nonblocking")
+    return cmd
+
+
+class LocalLauncher:
+    """py-spy as this process's child."""
+
+    def __init__(self) -> None:
+        self.binary = pyspy_binary()  # FileNotFoundError when missing
+
+    def start(self, target: DumpTarget, native: bool, nonblocking: bool, timeout: float) -> Spy:
+        cmd = pyspy_command(self.binary, target.pid, native, nonblocking)
+        # Output to unlinked files, not pipes: py-spy can write any amount without us reading
+        # it meanwhile, and the agent reaps it itself with wait4 (for its peak memory).
+        out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115 (finish closes)
+        try:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        except OSError as e:
+            out.close()
+            err.close()
+            # The kernel refuses to run a binary whose file capability (cap_sys_ptrace, in the
+            # non-root image) is outside the container's bounding set: EPERM at exec.
+            raise SpyRefused(_start_error(self.binary, e)) from e
+        return _LocalSpy(proc, out, err)
+
+
+@dataclass
+class _LocalSpy:
+    proc: subprocess.Popen
+    out: IO[bytes]
+    err: IO[bytes]
+
+    def finish(self, deadline: float) -> SpyExit:
+        with self.out, self.err:
+            peak = reap(self.proc, deadline)
+            if peak is None:
+                self.proc.kill()
+                self.proc.wait()
+                return SpyExit(None, 0, b"", b"")
+            self.out.seek(0)
+            self.err.seek(0)
+            return SpyExit(self.proc.returncode, peak, self.out.read(), self.err.read())
+
+
 @dataclass
 class _Running:
     target: DumpTarget
-    proc: subprocess.Popen | None
+    spy: Spy | None
     started: float
     state: str
     native: bool
     error: str = ""
-    out: IO[bytes] | None = None
-    err: IO[bytes] | None = None
 
 
 def dump_all(
@@ -65,6 +150,7 @@ def dump_all(
     parallel: int | None = None,
     on_done: Callable[[RankDump], None] | None = None,
     widen: Callable[[int], int] | None = None,
+    launcher: Launcher | None = None,
 ) -> list[RankDump]:
     """Dumps every target, `parallel` at a time (default: one per usable CPU; the incident path
     decides it from the container's limits, see agent.parallelism: a native dump of a rank
@@ -72,11 +158,12 @@ def dump_all(
     symbols). Never raises for one rank's failure: it is recorded in that rank's dump.
     `on_done` sees each dump as soon as it is taken, in the order of `targets`; `widen`, given
     the largest peak resident size (bytes) a py-spy of this pass reached so far, returns how
-    many may run at once from then on."""
-    try:
-        binary = pyspy_binary()
-    except FileNotFoundError as e:
-        return [_failed(t, proc_state_word(t.pid), native, str(e), 0.0) for t in targets]
+    many may run at once from then on. `launcher` starts each py-spy (default: this process)."""
+    if launcher is None:
+        try:
+            launcher = LocalLauncher()
+        except FileNotFoundError as e:
+            return [_failed(t, proc_state_word(t.pid), native, str(e), 0.0) for t in targets]
     width = max(1, parallel or len(os.sched_getaffinity(0)))
     deadline = time.monotonic() + timeout
     queue = list(targets)
@@ -85,7 +172,7 @@ def dump_all(
     peak = 0
     while queue or running:
         while queue and len(running) < width:
-            running.append(_start(binary, queue.pop(0), native))
+            running.append(_start(launcher, queue.pop(0), native, deadline))
         r = running.pop(0)
         dump, rss = _finish(r, deadline, timeout)
         done[r.target.rank] = dump
@@ -97,7 +184,7 @@ def dump_all(
     return [done[t.rank] for t in targets]
 
 
-def _start(binary: str, t: DumpTarget, native: bool) -> _Running:
+def _start(launcher: Launcher, t: DumpTarget, native: bool, deadline: float) -> _Running:
     state = proc_state(t.pid)
     word = proc_state_word(t.pid)
     if state in ("", "Z", "X"):
@@ -109,24 +196,13 @@ def _start(binary: str, t: DumpTarget, native: bool) -> _Running:
             native,
             "process exited before its stack could be taken",
         )
-    blocking = state != "D"
-    cmd = [binary, "dump", "--json", "--pid", str(t.pid)]
-    if blocking and native:
-        cmd.append("--native")
-    if not blocking:
-        cmd.append("--nonblocking")
-    # Output to unlinked files, not pipes: py-spy can write any amount without us reading it
-    # meanwhile, and the agent reaps it itself with wait4 (for its peak memory).
-    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115 (_finish closes)
+    # A rank in uninterruptible sleep would block a ptrace-based dump.
+    nonblocking = state == "D"
     try:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-    except OSError as e:
-        out.close()
-        err.close()
-        # The kernel refuses to run a binary whose file capability (cap_sys_ptrace, in the
-        # non-root image) is outside the container's bounding set: EPERM at exec.
-        return _Running(t, None, time.monotonic(), word, native, _start_error(binary, e))
-    return _Running(t, proc, time.monotonic(), word, native and blocking, out=out, err=err)
+        spy = launcher.start(t, native, nonblocking, max(0.1, deadline - time.monotonic()))
+    except SpyRefused as e:
+        return _Running(t, None, time.monotonic(), word, native, str(e))
+    return _Running(t, spy, time.monotonic(), word, native and not nonblocking)
 
 
 def _start_error(binary: str, e: OSError) -> str:
@@ -139,7 +215,7 @@ def _start_error(binary: str, e: OSError) -> str:
     return msg
 
 
-def _reap(proc: subprocess.Popen, deadline: float) -> int | None:
+def reap(proc: subprocess.Popen, deadline: float) -> int | None:
     """Waits for `proc` until `deadline`; its peak resident size in bytes once it exited, None
     if it is still running."""
     fd = os.pidfd_open(proc.pid)
@@ -156,42 +232,37 @@ def _reap(proc: subprocess.Popen, deadline: float) -> int | None:
 
 def _finish(r: _Running, deadline: float, timeout: float) -> tuple[RankDump, int]:
     """The rank's dump, and the peak resident size of its py-spy (0 when unknown)."""
-    if r.proc is None:
+    if r.spy is None:
         return _failed(r.target, r.state, r.native, r.error, 0.0), 0
-    assert r.out is not None and r.err is not None
-    with r.out, r.err:
-        peak = _reap(r.proc, deadline)
-        if peak is None:
-            r.proc.kill()
-            r.proc.wait()
-            failed = _failed(
-                r.target,
-                r.state,
-                r.native,
-                f"py-spy did not finish within {timeout:g} s",
-                time.monotonic() - r.started,
-            )
-            return failed, 0
-        r.out.seek(0)
-        r.err.seek(0)
-        stdout, stderr = r.out.read(), r.err.read()
-    return _parse(r, stdout, stderr), peak
+    try:
+        ended = r.spy.finish(deadline)
+    except SpyRefused as e:
+        return _failed(r.target, r.state, r.native, str(e), time.monotonic() - r.started), 0
+    if ended.returncode is None:
+        failed = _failed(
+            r.target,
+            r.state,
+            r.native,
+            f"py-spy did not finish within {timeout:g} s",
+            time.monotonic() - r.started,
+        )
+        return failed, 0
+    return _parse(r, ended), ended.peak_rss
 
 
-def _parse(r: _Running, stdout: bytes, stderr: bytes) -> RankDump:
-    assert r.proc is not None
+def _parse(r: _Running, ended: SpyExit) -> RankDump:
     took = time.monotonic() - r.started
-    if r.proc.returncode != 0:
-        msg = stderr.decode(errors="replace").strip().splitlines()
+    if ended.returncode != 0:
+        msg = ended.stderr.decode(errors="replace").strip().splitlines()
         return _failed(
             r.target,
             r.state,
             r.native,
-            f"py-spy exited {r.proc.returncode}: {msg[0] if msg else ''}",
+            f"py-spy exited {ended.returncode}: {msg[0] if msg else ''}",
             took,
         )
     try:
-        threads = parse_pyspy_json(stdout.decode(errors="replace"))
+        threads = parse_pyspy_json(ended.stdout.decode(errors="replace"))
     except ValueError as e:
         return _failed(r.target, r.state, r.native, f"unreadable py-spy output: {e}", took)
     return RankDump(

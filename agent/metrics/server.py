@@ -95,19 +95,18 @@ class MetricsServer:
         write_timeout: float = 10.0,
         workers: int = 4,
         max_pending: int = 256,
+        listener: socket.socket | None = None,
     ) -> None:
+        """`listener`: a socket bound and listening already (before the agent gave up root,
+        for a port below 1024); else one is bound to `host`:`port`."""
         self.render = render
         self.host = host
         self.header_timeout = header_timeout
         self.write_timeout = write_timeout
         self.workers = workers
         self.max_pending = max_pending
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener = listener if listener is not None else bind_listener(host, port)
         try:
-            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._listener.bind((host, port))
-            self._listener.listen(128)
             self._listener.setblocking(False)
         except BaseException:
             self._listener.close()
@@ -249,3 +248,16 @@ def _head_end(buf: bytearray) -> int:
         if i >= 0:
             return i + len(sep)
     return -1
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -19,7 +19,7 @@ from pathlib import Path
 from diag.agent.detect.cadence import fold
 from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.agent.observe.procs import ProcessWatch, ProcInfo
-from diag.agent.observe.rankproof import RankProof, RankProver, claim_of
+from diag.agent.observe.rankproof import RankClaim, RankProof, RankProver, claim_of
 from diag.agent.observe.ranktracker import RankTracker
 from diag.agent.observe.rundircheck import owners_of
 from diag.formats.journal import CloseReason, JournalFormatError, JournalStatus
@@ -44,6 +44,7 @@ class Observer:
         job: str | None = None,
         warmup_cadence: float = 30.0,
         owners: Owners | None = None,
+        agent_pids: frozenset[int] | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.job = job
@@ -59,7 +60,9 @@ class Observer:
         self._warned_invisible: set[int] = set()
         self._started = time.monotonic()
         self._pid_ns = pid_namespace()
-        self.prover = RankProver(self.owners, self._pid_ns)
+        # Never a rank: this process and its descendants (by default), and whichever other
+        # processes of the agent's the caller names.
+        self.prover = RankProver(self.owners, self._pid_ns, agent_pids)
         self._ns_shared = False  # seen a trainer PID: we share its PID namespace
         self._unsure: set[Path] = set()  # invisible PIDs of journals that do not name their ns
 
@@ -96,8 +99,11 @@ class Observer:
         log.warning("ignoring %s", problem)
 
     def _proves(self, meta: JournalMeta, journal: tuple[int, int]) -> RankProof:
-        claim = claim_of(meta.pid, meta.pid_start_time, (journal,), meta.pid_ns)
-        return self.prover.check(claim)
+        return self.prover.check(_claim(meta, journal))
+
+    def claim(self, t: RankTracker) -> RankClaim:
+        """What the tracker's meta claims of its writer: what a dump helper proves again."""
+        return _claim(t.meta, t.reader.inode)
 
     def proof(self, t: RankTracker) -> RankProof:
         """Whether the tracker's PID is, now, its rank's process: asked before acting on it."""
@@ -362,3 +368,7 @@ def _ident(path: Path, *, changes: bool) -> tuple[int, ...] | None:
 def _file_id(path: Path) -> tuple[int, int] | None:
     ident = _ident(path, changes=False)
     return (ident[0], ident[1]) if ident is not None else None
+
+
+def _claim(meta: JournalMeta, journal: tuple[int, int]) -> RankClaim:
+    return claim_of(meta.pid, meta.pid_start_time, (journal,), meta.pid_ns)

@@ -4,7 +4,11 @@ signalled.
 
 The process must
 - be the one the meta names: the same start time (a reused PID is someone else);
-- map or hold open the journal the meta belongs to (the writer keeps its ring mapped for life);
+- not be the agent, nor one of its descendants (its py-spy runs, its dump helper): the agent
+  maps the journals it reads, and a meta naming the agent would have it stop itself;
+- map the journal the meta belongs to (or one of the rank's slots) shared and writable: what
+  only its writer has, for life (the agent, or anyone who merely opened the file, maps it
+  read-only or not at all);
 - run as a trusted user (root, the agent's user, the trainer's): real and effective uid;
 - live in the agent's PID namespace (the PIDs the agent signals are of its own numbering), and in
   the one the meta names when it names one.
@@ -30,7 +34,7 @@ log = logging.getLogger(__name__)
 
 _START_TIME_SLACK = 0.05  # psutil rounds create_time to 10 ms ticks
 _MAPS_MAX_BYTES = 64 << 20  # a big trainer's maps run to a few MiB
-_MAX_FDS = 1 << 16
+_MAX_DEPTH = 256  # ancestors looked at: deeper trees are not how ranks are started
 FileId = tuple[int, int]  # (st_dev, st_ino)
 
 
@@ -52,7 +56,8 @@ class ProcFacts:
     start_time: float = 0.0
     uids: tuple[int, ...] = ()  # real, effective
     pid_ns: int = 0  # 0: unreadable
-    files: frozenset[FileId] = frozenset()  # mapped or open
+    files: frozenset[FileId] = frozenset()  # mapped shared and writable
+    ancestors: tuple[int, ...] = ()  # its parent, the parent's parent, ... up to PID 1
 
 
 @dataclass(frozen=True)
@@ -68,14 +73,24 @@ class RankProof:
 PROVEN = RankProof(True)
 
 
-def judge(claim: RankClaim, facts: ProcFacts, owners: Owners, own_pid_ns: int) -> RankProof:
-    """Whether `facts` show the process `claim` names; the reason when they do not."""
+def judge(
+    claim: RankClaim,
+    facts: ProcFacts,
+    owners: Owners,
+    own_pid_ns: int,
+    agent_pids: frozenset[int] = frozenset(),
+) -> RankProof:
+    """Whether `facts` show the process `claim` names; the reason when they do not.
+    `agent_pids` are the agent's own processes (itself, its dump helper): neither they nor a
+    descendant of theirs is ever a rank."""
     if not facts.exists:
         return RankProof(False, f"no process {claim.pid} is running", exists=False)
     if abs(facts.start_time - claim.start_time) > _START_TIME_SLACK:
         return RankProof(
             False, f"PID {claim.pid} is another process (it started at another time)", exists=False
         )
+    if claim.pid in agent_pids or agent_pids & set(facts.ancestors):
+        return RankProof(False, f"PID {claim.pid} is the agent's own process or its child")
     untrusted = [u for u in facts.uids if u not in owners.uids]
     if not facts.uids or untrusted:
         allowed = ", ".join(str(u) for u in sorted(owners.uids))
@@ -87,16 +102,24 @@ def judge(claim: RankClaim, facts: ProcFacts, owners: Owners, own_pid_ns: int) -
     if claim.pid_ns and claim.pid_ns != facts.pid_ns:
         return RankProof(False, f"PID {claim.pid} is not in the PID namespace the meta names")
     if not claim.files & facts.files:
-        return RankProof(False, f"PID {claim.pid} neither maps nor holds open the journal")
+        return RankProof(False, f"PID {claim.pid} does not map the journal shared and writable")
     return PROVEN
 
 
 class RankProver:
     """Proves PIDs of metas against /proc, caching each verdict."""
 
-    def __init__(self, owners: Owners, pid_ns: int | None = None) -> None:
+    def __init__(
+        self,
+        owners: Owners,
+        pid_ns: int | None = None,
+        agent_pids: frozenset[int] | None = None,
+    ) -> None:
         self.owners = owners
         self.pid_ns = pid_namespace() if pid_ns is None else pid_ns
+        # This process, and the one that started it when that is a diag agent too (the dump
+        # helper proves for its agent).
+        self.agent_pids = agent_pids if agent_pids is not None else frozenset({os.getpid()})
         self._cache: dict[RankClaim, RankProof] = {}
 
     def check(self, claim: RankClaim) -> RankProof:
@@ -110,7 +133,7 @@ class RankProver:
                 )
             return cached
         facts = read_facts(claim.pid, claim.files)
-        proof = judge(claim, facts, self.owners, self.pid_ns)
+        proof = judge(claim, facts, self.owners, self.pid_ns, self.agent_pids)
         if facts.exists:  # "no such process" is not final: a claim may be read before its start
             if len(self._cache) > 4096:
                 self._cache.clear()
@@ -144,28 +167,53 @@ def _same_start(pid: int, start_time: float) -> bool:
 
 
 def read_facts(pid: int, want: frozenset[FileId] = frozenset()) -> ProcFacts:
-    """The facts of `pid`; of its files, only whether it maps or holds open those in `want`
-    (the cheapest look first: its maps, then its descriptors)."""
+    """The facts of `pid`; of its files, only which of those in `want` it maps shared and
+    writable."""
     try:
         proc = psutil.Process(pid)
         start = proc.create_time()
         uids = proc.uids()
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return ProcFacts(exists=False)
-    files = _mapped(pid, want) or _open_files(pid, want)
     return ProcFacts(
         exists=True,
         start_time=start,
         uids=(uids.real, uids.effective),
         pid_ns=pid_namespace(pid),
-        files=files,
+        files=_mapped_writable(pid, want),
+        ancestors=_ancestors(pid),
     )
 
 
-def _mapped(pid: int, want: frozenset[FileId]) -> frozenset[FileId]:
-    """Those of `want` in /proc/PID/maps (`start-end perms offset MM:mm inode path`). Where a
-    file system shows other numbers in maps than to stat (overlayfs), a mapping is looked up
-    in /proc/PID/map_files too."""
+def _ancestors(pid: int) -> tuple[int, ...]:
+    """Its parent, the parent's parent and so on (stat's ppid field), nearest first."""
+    out: list[int] = []
+    while pid > 1 and len(out) < _MAX_DEPTH:
+        pid = _ppid(pid)
+        if pid <= 0 or pid in out:
+            break
+        out.append(pid)
+    return tuple(out)
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read(4096)
+    except OSError:
+        return 0
+    # `pid (comm) state ppid ...`: comm may hold spaces and parentheses, the last ')' ends it.
+    fields = raw[raw.rfind(b")") + 1 :].split()
+    try:
+        return int(fields[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _mapped_writable(pid: int, want: frozenset[FileId]) -> frozenset[FileId]:
+    """Those of `want` that /proc/PID/maps (`start-end perms offset MM:mm inode path`) shows
+    mapped shared and writable (`rw?s`). Where a file system shows other numbers in maps than
+    to stat (overlayfs), a mapping is looked up in /proc/PID/map_files too."""
     try:
         with open(f"/proc/{pid}/maps", "rb") as f:
             data = f.read(_MAPS_MAX_BYTES)
@@ -174,7 +222,7 @@ def _mapped(pid: int, want: frozenset[FileId]) -> frozenset[FileId]:
     out: set[FileId] = set()
     for line in data.splitlines():
         fields = line.split(None, 5)
-        if len(fields) < 5 or fields[4] == b"0":
+        if len(fields) < 5 or fields[4] == b"0" or fields[1][1:2] != b"w" or fields[1][3:4] != b"s":
             continue
         with contextlib.suppress(ValueError):
             major, minor = (int(x, 16) for x in fields[3].split(b":"))
@@ -186,18 +234,4 @@ def _mapped(pid: int, want: frozenset[FileId]) -> frozenset[FileId]:
                     st = os.stat(f"/proc/{pid}/map_files/{fields[0].decode()}")
                     if (st.st_dev, st.st_ino) in want:
                         out.add((st.st_dev, st.st_ino))
-    return frozenset(out)
-
-
-def _open_files(pid: int, want: frozenset[FileId]) -> frozenset[FileId]:
-    out: set[FileId] = set()
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")[:_MAX_FDS]
-    except OSError:
-        return frozenset()
-    for name in names:
-        with contextlib.suppress(OSError):
-            st = os.stat(f"/proc/{pid}/fd/{name}")  # the open file itself, even if unlinked
-            if (st.st_dev, st.st_ino) in want:
-                out.add((st.st_dev, st.st_ino))
     return frozenset(out)

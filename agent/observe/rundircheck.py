@@ -3,11 +3,16 @@ slots, the control socket) only as far as it knows who wrote it, so it refuses a
 someone other than the trainer's user (or root, or itself) can write, and ignores files in it
 that such a user does not own.
 
-The trainer's user is `--trainer-uid` when given, else the directory's owner (in a pod the agent
-and the trainer run as the same user; on a bare node the trainer made the directory).
+The trainer's user is `--trainer-uid` when given. Else, for an agent started as root, it is root:
+a root agent never takes a directory from a user it was not told of (anyone may create
+/dev/shm/diag first and fill it), so it refuses one that is neither root's nor `--trainer-uid`'s.
+An agent started as another user takes the directory's owner (in a pod the agent and the trainer
+run as the same user).
 A group-writable directory is accepted only when its group is `--trainer-gid`: its members are
 then trainers by decision of whoever runs the agent, and a file one of them plants under another
 uid is still ignored.
+
+A missing directory is made 0700 through a descriptor (never chmod or chown by path).
 """
 
 from __future__ import annotations
@@ -41,9 +46,12 @@ class RunDirStat:
     mode: int
 
 
-def judge(path: Path, st: RunDirStat, users: TrainerUsers, euid: int) -> Owners:
+def judge(
+    path: Path, st: RunDirStat, users: TrainerUsers, euid: int, started_as_root: bool = False
+) -> Owners:
     """The users whose files in `path` are believed; a UsageError saying what to do when the
-    directory itself cannot be trusted."""
+    directory itself cannot be trusted. `started_as_root`: the agent was root (it may have
+    become the ranks' user since)."""
     fix = (
         f"make it private to the trainer's user (chmod 0700 {path}; chown it to that user) or "
         "point --run-dir/DIAG_RUN_DIR at a directory only it can write"
@@ -55,7 +63,15 @@ def judge(path: Path, st: RunDirStat, users: TrainerUsers, euid: int) -> Owners:
         )
     if not st.is_dir:
         raise UsageError(f"the run directory {path} is not a directory; set --run-dir")
-    trainer = users.uid if users.uid is not None else st.uid
+    root_agent = started_as_root or euid == 0
+    if root_agent and users.uid is None and st.uid not in (0, euid):
+        raise UsageError(
+            f"the run directory {path} belongs to uid {st.uid}, and the agent, started as root, "
+            "was not told that its ranks run as that user: a root agent takes no directory from "
+            f"a user it was not given. If the ranks run as uid {st.uid}, pass --trainer-uid "
+            f"{st.uid}; else remove {path} (someone else may have made it first) or set --run-dir"
+        )
+    trainer = users.uid if users.uid is not None else (0 if root_agent else st.uid)
     owners = Owners.of(euid, trainer)
     if st.uid not in owners.uids:
         raise UsageError(
@@ -76,9 +92,11 @@ def judge(path: Path, st: RunDirStat, users: TrainerUsers, euid: int) -> Owners:
     return owners
 
 
-def prepare(path: Path, users: TrainerUsers) -> Owners:
-    """Creates a missing run directory private (0700, given to the trainer's user and group
-    when named, so the trainer can write it), then judges it."""
+def prepare(path: Path, users: TrainerUsers, started_as_root: bool | None = None) -> Owners:
+    """Creates a missing run directory private (0700; given to the trainer's user and group
+    when named and the agent may), then judges it. `started_as_root` defaults to whether this
+    process is root."""
+    root = os.geteuid() == 0 if started_as_root is None else started_as_root
     try:
         os.lstat(path)
     except FileNotFoundError:
@@ -96,24 +114,35 @@ def prepare(path: Path, users: TrainerUsers) -> Owners:
         gid=raw.st_gid,
         mode=stat.S_IMODE(raw.st_mode),
     )
-    return judge(path, st, users, os.geteuid())
+    return judge(path, st, users, os.geteuid(), started_as_root=root)
 
 
 def _create(path: Path, users: TrainerUsers) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
+        try:
             os.mkdir(path, 0o700)
-            os.chmod(path, 0o700, follow_symlinks=False)  # the umask masked mkdir's mode
-            if users.uid is not None or users.gid is not None:
-                uid = -1 if users.uid is None else users.uid
-                gid = -1 if users.gid is None else users.gid
-                os.chown(path, uid, gid, follow_symlinks=False)
+        except FileExistsError:
+            return  # made meanwhile (a rank, another agent): judged as it is
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise UsageError(
             f"cannot create the run directory {path}: {e.strerror}; set --run-dir or "
             "DIAG_RUN_DIR to a directory shared with the trainer"
         ) from e
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            return  # not the one made just now (swapped meanwhile): judged as it is
+        os.fchmod(fd, 0o700)  # the umask masked mkdir's mode
+        uid = -1 if users.uid is None or os.geteuid() != 0 else users.uid
+        gid = -1 if users.gid is None else users.gid
+        if (uid, gid) != (-1, -1):
+            os.fchown(fd, uid, gid)
+    except OSError as e:
+        raise UsageError(f"cannot make the run directory {path} private: {e.strerror}") from e
+    finally:
+        os.close(fd)
 
 
 def owners_of(path: Path, users: TrainerUsers | None = None) -> Owners:

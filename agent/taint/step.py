@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from diag.agent.evidence.collection import IncidentReport
 from diag.agent.job.verdict import JobVerdict, JobVerdictStore
@@ -47,8 +48,12 @@ class NodeTainter:
         health: Callable[[], Sequence[Evidence]] = tuple,
         clock: Callable[[], float] = time.time,
         job_verdict_slack: float = JOB_VERDICT_SLACK,
+        api: Any = None,
     ) -> None:
         self.settings = settings
+        # A Kubernetes client made before the agent gave up root (its credentials may be
+        # root's to read); None: one is made for every plan.
+        self.api = api
         self.node = node
         self.timeline = timeline
         self.job_verdicts = job_verdicts or JobVerdictStore(timeline / JOB_VERDICTS_DIR)
@@ -160,7 +165,9 @@ class NodeTainter:
                     *culprit_history(self.timeline, self.node, since),
                     *(self.health() if health is None else health),
                 ]
-                out = taint(settings, self.node, self.timeline, evidence, dry_run=dry_run)
+                out = taint(
+                    settings, self.node, self.timeline, evidence, dry_run=dry_run, api=self.api
+                )
             except (KubeError, LedgerBusy, OSError) as e:
                 log.error("taint of node %s failed: %s", self.node, e)
                 return None

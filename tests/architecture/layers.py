@@ -60,6 +60,7 @@ PURE = (
     "diag.agent.precheck.measurements",
     "diag.agent.precheck.rounds",
     "diag.agent.precheck.units",
+    "diag.agent.privilege.stance",
     "diag.agent.replica.handover",
     "diag.agent.replica.pace",
     "diag.agent.replica.ring",
@@ -130,6 +131,8 @@ SUB_ROOMS: dict[str, dict[str, tuple[str, ...]]] = {
         "replica": ("diag.agent.replica.*",),
         "metrics": ("diag.agent.metrics.*",),
         "precheck": ("diag.agent.precheck.*",),
+        # Who the agent is: the privilege drop, the root dump helper, the agent's own directory.
+        "privilege": ("diag.agent.privilege.*",),
         # Option tables: flag > environment > TOML, parsed into typed values.
         "optiontable": ("diag.agent.optiontable",),
         # How much of its own output the agent keeps: the decision and the pruning.
@@ -137,7 +140,13 @@ SUB_ROOMS: dict[str, dict[str, tuple[str, ...]]] = {
         # The agent's configuration, gathered from every sub-room's settings.
         "config": ("diag.agent.config", "diag.agent.options"),
         # The loop that ties the sub-rooms together, and its executor of the core's actions.
-        "loop": ("diag.agent", "diag.agent.daemon", "diag.agent.actions", "diag.agent.replication"),
+        "loop": (
+            "diag.agent",
+            "diag.agent.daemon",
+            "diag.agent.actions",
+            "diag.agent.replication",
+            "diag.agent.startup",
+        ),
     },
     "trainer": {
         "control": ("diag.trainer.control.*",),
@@ -172,6 +181,8 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
         # Replicas across nodes: slots and snapshots (formats) only.
         "replica": frozenset(),
         "drain": frozenset({"observe", "checkpoint"}),
+        # The dump helper proves ranks (observe) and runs py-spy as evidence does.
+        "privilege": frozenset({"observe", "evidence"}),
         # job, metrics and taint hear of incidents through evidence's IncidentReport.
         "job": frozenset({"detect", "evidence"}),
         "metrics": frozenset({"detect", "evidence", "precheck"}),
@@ -210,6 +221,7 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
                 "optiontable",
                 "retention",
                 "config",
+                "privilege",
             }
         ),
     },

@@ -335,7 +335,7 @@ def test_the_agent_replaces_a_socket_served_by_another_user(
     manager = CheckpointManager(run_dir, None)
     server = ControlServer(path, manager).start()
     try:
-        assert f"served by pid {fake.proc.pid} of uid {NOBODY}" in caplog.text
+        assert f"pid {fake.proc.pid} of uid {NOBODY} listened there" in caplog.text
         client = clients(run_dir)
         assert client.wait_connected(20) and client.agent_pid == os.getpid()
         assert fake.lines == ["ready"]

@@ -165,7 +165,7 @@ def _op(w: JournalWriter, seq: int, t0: float, t1: float | None) -> None:
 
 
 def _limit_after(run_dir: Path, pending_since: float) -> tuple[float, str, float]:
-    obs = Observer(run_dir)
+    obs = Observer(run_dir, agent_pids=frozenset())  # the test process starts the ranks
     try:
         now = time.monotonic()
         limits, overdue = overdue_ranks(obs.observe(now), DEFAULTS)
@@ -235,7 +235,7 @@ def test_an_agent_that_missed_the_launchs_first_steps_does_not_restart_the_warm_
         for i in range(40):
             t += STEP
             w.step(101 + i, _ns(t))
-        obs = Observer(tmp_path)
+        obs = Observer(tmp_path, agent_pids=frozenset())  # the test process starts the ranks
         try:
             o = obs.observe(time.monotonic())
         finally:

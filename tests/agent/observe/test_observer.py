@@ -66,7 +66,7 @@ def test_leftovers_live_ranks_deaths_and_forgetting(
     os.kill(old.pid, signal.SIGKILL)
     old.join(10)
     time.sleep(0.1)
-    obs = Observer(tmp_path, "obs")
+    obs = Observer(tmp_path, "obs", agent_pids=frozenset())  # the ranks are our children
     live = _start(ctx, tmp_path, 1)
     try:
         first = obs.observe(time.monotonic())
@@ -113,7 +113,7 @@ def test_rank_in_another_pid_namespace_is_not_taken_for_dead(tmp_path: Path, cap
     import subprocess
     import sys
 
-    obs = Observer(tmp_path, "obs")
+    obs = Observer(tmp_path, "obs", agent_pids=frozenset())  # the ranks are our children
     proc = subprocess.Popen(
         [
             "unshare",
@@ -161,7 +161,7 @@ def _failing_writer(run_dir: str, rank: int) -> None:
 def test_ranks_that_ended_before_the_first_look(tmp_path: Path) -> None:
     """Both gone before the agent first looks: the one that failed is judged, the one that
     finished cleanly is not."""
-    obs = Observer(tmp_path, "obs")
+    obs = Observer(tmp_path, "obs", agent_pids=frozenset())  # the ranks are our children
     ctx = mp.get_context("spawn")
     for rank in (0, 1):
         p = ctx.Process(target=_failing_writer, args=(str(tmp_path), rank))

@@ -26,7 +26,7 @@ from polling import catches_sigterm, wait_for
 
 from diag.agent.observe.observer import Observer
 from diag.agent.observe.rankproof import ProcFacts, RankClaim, RankProver, claim_of, file_id, judge
-from diag.agent.observe.rundircheck import RunDirStat, TrainerUsers, prepare
+from diag.agent.observe.rundircheck import RunDirStat, TrainerUsers, owners_of, prepare
 from diag.agent.observe.rundircheck import judge as judge_dir
 from diag.formats.exitcodes import USAGE, UsageError
 from diag.formats.journalmeta import (
@@ -143,7 +143,8 @@ def test_world_writable_run_dir_is_refused_with_exit_2(tmp_path: Path) -> None:
         (RunDirStat(False, True, 0, 5, 0o770), TrainerUsers(gid=6), "writable by its group 5"),
         (RunDirStat(False, True, 1234, 0, 0o700), TrainerUsers(uid=1000), "owned by uid 1234"),
         (RunDirStat(False, True, 0, 5, 0o770), TrainerUsers(gid=5), None),
-        (RunDirStat(False, True, 1000, 0, 0o755), TrainerUsers(), None),
+        # A root agent takes no directory from a user it was not told of (finding A4).
+        (RunDirStat(False, True, 1000, 0, 0o755), TrainerUsers(), "pass --trainer-uid 1000"),
         (RunDirStat(False, True, 1000, 0, 0o700), TrainerUsers(uid=1000), None),
     ],
 )
@@ -154,6 +155,16 @@ def test_run_dir_judgement(st: RunDirStat, users: TrainerUsers, problem: str | N
         return
     with pytest.raises(UsageError, match=problem):
         judge_dir(Path("/run/diag"), st, users, euid=0)
+
+
+def test_an_agent_not_started_as_root_takes_the_owner_for_the_trainer() -> None:
+    """In a pod the agent and the trainer run as one user, and the trainer made the directory;
+    an agent that was root (and dropped to the ranks' user since) does not."""
+    st = RunDirStat(False, True, 1000, 0, 0o700)
+    assert judge_dir(Path("/run/diag"), st, TrainerUsers(), euid=1000).uids == {0, 1000}
+    assert judge_dir(Path("/run/diag"), st, TrainerUsers(), euid=2000).uids == {0, 1000, 2000}
+    with pytest.raises(UsageError, match="was not told"):
+        judge_dir(Path("/run/diag"), st, TrainerUsers(), euid=2000, started_as_root=True)
 
 
 @root_only
@@ -353,7 +364,7 @@ def test_files_of_another_user_are_ignored_with_one_warning(tmp_path: Path, capl
     w = _journal(tmp_path)
     write_meta(w.path, _meta(os.getpid(), psutil.Process().create_time()))
     os.chown(w.path, 4321, 4321)
-    obs = Observer(tmp_path, owners=Owners.of(os.geteuid()))
+    obs = Observer(tmp_path, owners=Owners.of(os.geteuid()), agent_pids=frozenset())
     try:
         with caplog.at_level(logging.WARNING):
             for _ in range(5):
@@ -382,11 +393,13 @@ _CLAIM = RankClaim(42, 100.0, frozenset({(1, 2)}))
         (_CLAIM, ProcFacts(True, 100.0, (1000, 4321), 7, _FACTS.files), "runs as uid"),
         (_CLAIM, ProcFacts(True, 100.0, (1000, 1000), 8, _FACTS.files), "agent's PID namespace"),
         (RankClaim(42, 100.0, _CLAIM.files, 9), _FACTS, "the meta names"),
-        (_CLAIM, ProcFacts(True, 100.0, (1000, 1000), 7, frozenset({(1, 3)})), "neither maps"),
+        (_CLAIM, ProcFacts(True, 100.0, (1000, 1000), 7, frozenset({(1, 3)})), "does not map"),
+        (RankClaim(5, 100.0, _CLAIM.files), _FACTS, "the agent's own process"),
+        (_CLAIM, ProcFacts(True, 100.0, (1000, 1000), 7, _FACTS.files, (9, 5, 1)), "agent's own"),
     ],
 )
 def test_rank_proof_judgement(claim: RankClaim, facts: ProcFacts, reason: str | None) -> None:
-    proof = judge(claim, facts, Owners.of(1000), own_pid_ns=7)
+    proof = judge(claim, facts, Owners.of(1000), own_pid_ns=7, agent_pids=frozenset({5}))
     assert proof.ok == (reason is None)
     if reason is not None:
         assert reason in proof.reason
@@ -396,13 +409,17 @@ def test_rank_proof_with_real_processes(tmp_path: Path, victim: subprocess.Popen
     w = _journal(tmp_path)  # this process maps it
     journal = file_id(w.path)
     me = psutil.Process()
-    prover = RankProver(Owners.this_process())
+    # The test process plays the rank here: no process of its is the agent's.
+    prover = RankProver(Owners.this_process(), agent_pids=frozenset())
     assert prover.check(claim_of(me.pid, me.create_time(), [journal]))
     assert prover.check(claim_of(me.pid, me.create_time(), [journal]))  # cached, still alive
     other = psutil.Process(victim.pid)
     proof = prover.check(claim_of(victim.pid, other.create_time(), [journal]))
-    assert not proof and proof.exists and "neither maps nor holds open" in proof.reason
+    assert not proof and proof.exists and "does not map the journal" in proof.reason
     assert not prover.check(claim_of(me.pid, me.create_time() - 5, [journal]))
+    # As the agent would judge it: its own process is never a rank, journal mapped or not.
+    own = RankProver(Owners.this_process()).check(claim_of(me.pid, me.create_time(), [journal]))
+    assert not own and "the agent's own process" in own.reason
 
 
 # -- finding 2: a forged meta naming an unrelated root process -----------------------------------
@@ -414,9 +431,10 @@ def test_forged_meta_naming_a_root_process_is_not_a_rank(
 ) -> None:
     base = Path(tempfile.mkdtemp(prefix="diag-test-forged-", dir="/dev/shm"))
     os.chmod(base, 0o711)  # the trainer's user reaches its run dir through it
-    run_dir, timeline = base / "run", tmp_path / "tl"
-    run_dir.mkdir(mode=0o700)
-    os.chown(run_dir, NOBODY, NOBODY)
+    run_dir, timeline = base / "run", base / "tl"
+    for d in (run_dir, timeline):  # the agent becomes the trainer's user: its directories
+        d.mkdir(mode=0o700)
+        os.chown(d, NOBODY, NOBODY)
     request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
     start = psutil.Process(victim.pid).create_time()
 
@@ -461,7 +479,9 @@ def test_drain_stops_only_processes_shown_to_be_ranks(
         manager.sessions.register(RankKey("job", 0), me.pid, start_time=me.create_time())
         other = psutil.Process(victim.pid)
         manager.sessions.register(RankKey("job", 1), victim.pid, start_time=other.create_time())
-        pids = Drainer(manager, DrainSettings())._pids("job", (0, 1))
+        # The test process plays rank 0: no process of its is the agent's here.
+        prover = RankProver(owners_of(tmp_path), agent_pids=frozenset())
+        pids = Drainer(manager, DrainSettings(), prover=prover)._pids("job", (0, 1))
         assert pids == {0: me.pid}, w.path
     finally:
         manager.close(timeout=10)
