@@ -6,9 +6,12 @@ directories outside the rank's bases, an agent sending values out of range."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
+import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -342,3 +345,101 @@ def test_the_agent_replaces_a_socket_served_by_another_user(
     finally:
         server.stop()
         manager.close(timeout=10)
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """renameat2(RENAME_EXCHANGE): what a trainer watching its run directory does to a
+    directory the agent just made there."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, rename_exchange = -100, 2
+    if libc.renameat2(at_fdcwd, bytes(a), at_fdcwd, bytes(b), rename_exchange) != 0:
+        raise OSError(ctypes.get_errno(), f"renameat2 {a} {b}")
+
+
+def test_a_swapped_private_directory_changes_no_other_file(
+    run_dir: Path, shm_dir, clients, monkeypatch
+) -> None:
+    """Finding A0: as the agent bound its socket in its private `.c*` directory, the trainer
+    swapped that directory for one of its own holding `s` -> a root file; the agent's chmod
+    (and chown) by path followed the link. Here the swap happens at the agent's chmod, the
+    moment the trainer won the race; the root file keeps its mode, and the ranks reach the
+    agent."""
+    victim_dir = shm_dir("victim")
+    victim = victim_dir / "root-file"
+    victim.write_text("root's")
+    victim.chmod(0o644)
+    trap = run_dir / "trap"
+    trap.mkdir()
+    (trap / "s").symlink_to(victim)
+    real_chmod = os.chmod
+    swapped: list[Path] = []
+
+    def chmod_after_the_swap(path, mode, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not swapped:
+            private = next(p for p in run_dir.iterdir() if p.name.startswith(".c"))
+            _exchange(private, trap)
+            swapped.append(private)
+        return real_chmod(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "chmod", chmod_after_the_swap)
+    manager = CheckpointManager(run_dir, None)
+    path = control_socket_path(run_dir, JOB)
+    server = ControlServer(path, manager).start()
+    monkeypatch.setattr(os, "chmod", real_chmod)
+    try:
+        assert swapped, "the race was not run: no chmod during start-up"
+        st = os.stat(victim)
+        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o644, 0), "the root file was changed"
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+        client = clients(run_dir)
+        assert client.wait_connected(20) and client.agent_pid == os.getpid()
+    finally:
+        server.stop()
+        manager.close(timeout=10)
+
+
+def _agent_process(run_dir: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir), "--job", JOB,
+         "--timeline", str(run_dir.parent / f"{run_dir.name}-tl"), "--interval", "0.2",
+         "--drain", "false", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def test_a_trainer_listening_first_does_not_keep_the_agent_out(run_dir: Path, clients) -> None:
+    """Finding A12: a process of the trainer's user listening at the agent's socket before the
+    agent starts made it exit 2 ("another agent"). The agent holds the run directory's lock, so
+    whatever listens there is not an agent: it takes the path over and the ranks reach it. A
+    second agent on the same run directory still exits 2."""
+    path = control_socket_path(run_dir, JOB)
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    squatter.bind(str(path))
+    squatter.listen(8)
+    planted = os.stat(path).st_ino
+    agent = _agent_process(run_dir)
+    second = None
+    try:
+        assert wait_for(lambda: agent.poll() is not None or _replaced(path, planted), 60)
+        assert agent.poll() is None, agent.communicate()[0]
+        client = clients(run_dir)
+        assert client.wait_connected(20) and client.agent_pid == agent.pid
+        second = _agent_process(run_dir)
+        out, _ = second.communicate(timeout=60)
+        assert second.returncode == 2, out
+        assert "another agent already serves the run directory" in out, out
+    finally:
+        squatter.close()
+        for p in (agent, second):
+            if p is not None and p.poll() is None:
+                p.terminate()
+        out, _ = agent.communicate(timeout=30)
+    assert "listened there, which is not an agent of this run directory" in out, out
+
+
+def _replaced(path: Path, inode: int) -> bool:
+    try:
+        return os.stat(path).st_ino != inode
+    except FileNotFoundError:
+        return False

@@ -485,3 +485,47 @@ def test_drain_stops_only_processes_shown_to_be_ranks(
         assert pids == {0: me.pid}, w.path
     finally:
         manager.close(timeout=10)
+
+
+# -- findings A2 and A4 of the second review ----------------------------------------------------
+
+
+def test_a_meta_naming_the_agent_itself_is_not_a_rank(tmp_path: Path) -> None:
+    """Finding A2: a forged meta naming the agent's own PID and start time, one op pending,
+    `--on-hang stop`: the proof passed (the agent maps the journal it reads), and the agent
+    dumped its own stack and killed itself. The agent and its children are never ranks."""
+    run_dir, timeline = tmp_path / "run", tmp_path / "tl"
+    run_dir.mkdir(mode=0o700)
+    agent = _agent(run_dir, timeline, "--on-hang", "stop")
+    try:
+        w = _journal(run_dir)
+        write_meta(w.path, _meta(agent.pid, psutil.Process(agent.pid).create_time()))
+        time.sleep(4.0)  # four times the hang limit
+        assert agent.poll() is None, agent.communicate()[0]
+    finally:
+        out = _stop(agent)
+    assert agent.returncode == 0, out
+    assert "the agent's own process or its child" in out, out
+    assert not list(timeline.rglob("verdict.json")), out
+
+
+@root_only
+def test_a_run_dir_another_user_made_first_is_refused_by_a_root_agent(tmp_path: Path) -> None:
+    """Finding A4: another local user makes the run directory (0700, theirs) before the root
+    agent starts; the agent took it and acted on the journals planted there. A root agent takes
+    a directory of no user it was not given (--trainer-uid), and says so."""
+    base = Path(tempfile.mkdtemp(prefix="diag-test-squat-", dir="/dev/shm"))
+    try:
+        run_dir = base / "diag"
+        run_dir.mkdir(mode=0o700)
+        os.chown(run_dir, NOBODY, NOBODY)
+        r = subprocess.run(
+            [*DIAG, "agent", "--run-dir", str(run_dir), "--timeline", str(tmp_path / "tl"),
+             "--control", "false"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert r.returncode == USAGE, r.stderr
+    assert f"belongs to uid {NOBODY}" in r.stderr and f"--trainer-uid {NOBODY}" in r.stderr
+    assert "Traceback" not in r.stderr
