@@ -245,7 +245,8 @@ OPTIONS = OptionTable(
             "replica_dir",
             Path,
             None,
-            "where the replicas held for peers live (default: <run dir>/.replicas, shared memory)",
+            "where the replicas held for peers live (default: in --state-dir, where the trainer "
+            "cannot reach them)",
         ),
         Option(
             "replica_interval",

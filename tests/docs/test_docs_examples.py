@@ -38,9 +38,10 @@ def test_the_tested_job_runs_the_documented_lines() -> None:
 def test_quick_start_agent_command_is_the_tested_one() -> None:
     readme = (ROOT / "README.md").read_text()
     test = (ROOT / "tests/trainer/flash/test_readme_flash.py").read_text()
-    (cmd,) = re.findall(r"^diag agent (.*)$", readme, flags=re.M)
+    (cmd,) = re.findall(r"^diag agent ((?:.*\\\n)*.*)$", readme, flags=re.M)
     for flag, value in re.findall(r"(--[a-z-]+) (\S+)", cmd):
-        if flag in ("--run-dir", "--timeline"):  # the test's own directories
+        # The test's own directories, and the user its ranks run as on this machine.
+        if flag in ("--run-dir", "--timeline", "--trainer-uid"):
             assert f'"{flag}"' in test, flag
         else:
             assert f'"{flag}", "{value}"' in test, (flag, value)

@@ -69,7 +69,8 @@ def test_readme_example_without_attach_survives_a_sigkill() -> None:
     # The README's quick-start command line (run dir and timeline of this test).
     agent_cmd = [
         sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir),
-        "--timeline", str(root / "timeline"), "--hang-timeout", "300", "--on-hang", "stop", "-v",
+        "--timeline", str(root / "timeline"), "--trainer-uid", str(os.geteuid()),
+        "--hang-timeout", "300", "--on-hang", "stop", "-v",
     ]  # fmt: skip
     with open(agent_log, "wb") as out:
         agent = subprocess.Popen(agent_cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
