@@ -56,6 +56,7 @@ from diag.agent.taint.evidencesources import JOB_VERDICTS_DIR
 from diag.agent.taint.step import NodeTainter
 from diag.agent.taint.taintconfig import TaintMode
 from diag.formats import exitcodes
+from diag.formats.incidentdir import probe_timeline
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.rundir import control_socket_path
 from diag.formats.untrusted import Owners
@@ -459,10 +460,7 @@ def _check_dirs(cfg: AgentConfig) -> Owners:
     """The run directory made (private) or judged: whose files in it the agent believes."""
     owners = prepare_run_dir(cfg.run_dir, cfg.trainer)
     try:
-        cfg.timeline.mkdir(parents=True, exist_ok=True)
-        probe = cfg.timeline / ".diag-write-test"
-        probe.write_text("")
-        probe.unlink()
+        probe_timeline(cfg.timeline)
     except OSError as e:
         raise exitcodes.UsageError(
             f"cannot write incidents to {cfg.timeline}: {e.strerror}; set --timeline or "

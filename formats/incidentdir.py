@@ -13,7 +13,8 @@ finds every node's directory of an incident, none of them read.
 
 `IncidentDir` is one such directory for both of its sides: the agent builds one
 (`IncidentDir.create`, `write_json`, `commit`), the viewer reads one (`read_verdict`, and its own
-scan of the dump files, which also accepts other tools' formats).
+scan of the dump files, which also accepts other tools' formats). `probe_timeline` is the
+agent's start-up check that it can write incidents at all.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import datetime as dt
 import json
 import os
 import re
+import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ from diag.formats.untrusted import (
     MIB,
     UntrustedInput,
     bounded_int,
+    create_new,
     read_json,
     write_file_nofollow,
 )
@@ -167,6 +170,25 @@ def read_verdict(path: Path) -> tuple[Verdict | None, tuple[str, ...]]:
             f"{clean(e.path)}: unreadable verdict ({clean(e.problem)}); directory taken on its own"
         )
         return None, (problem,)
+
+
+def probe_timeline(timeline: Path) -> None:
+    """Shows that incidents can be written to `timeline` (made if missing), or raises OSError.
+
+    Anyone who writes the timeline (trainers, other nodes) could have planted the probe's name
+    as a link to a file of ours, so the probe creates a new file of a random name
+    (`O_EXCL|O_NOFOLLOW`) and removes it by the directory's descriptor: it never opens,
+    truncates or removes anything it did not just make. The root itself may be a symlink: it is
+    the operator's path (volumes are mounted where they please), not something a writer of the
+    timeline can plant; below it nothing is followed."""
+    timeline.mkdir(parents=True, exist_ok=True)
+    d = os.open(timeline, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        name = f".diag-write-test-{secrets.token_hex(8)}"
+        os.close(create_new(name, dir_fd=d, mode=0o600))
+        os.unlink(name, dir_fd=d)
+    finally:
+        os.close(d)
 
 
 @dataclass(frozen=True)
