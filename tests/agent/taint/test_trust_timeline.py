@@ -1,23 +1,98 @@
 """The shared timeline is hostile input: every node's agent and the trainers write it, so what
-is there may be a link, a FIFO, garbage or a fake. The agent's start-up write probe goes through
-a descriptor of the timeline and touches nothing it did not make.
+is there may be a link, a FIFO, garbage or a fake. The agent's start-up write probe and the
+job's taint ledger go through descriptors and read capped into our types.
+
+Real files, links and FIFOs throughout; what could hang or eat memory on a regression runs in a
+forked child with a deadline and a capped address space, so a failure is a failed test, not a
+stuck or swapping suite.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import pickle
+import resource
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from children import terminate
 from polling import catches_sigterm, wait_for
 
+from diag.agent.taint.ledger import HISTORY, LedgerBusy, TaintLedger
+from diag.agent.taint.model import Action, JobBudget, Reason, TaintPlan, TaintRecord
 from diag.formats.incidentdir import probe_timeline
 
 pytestmark = pytest.mark.timeout(60)
 
 DIAG = [sys.executable, "-m", "diag.cli.main"]
+DAY = 86400.0
+LEDGER_LOG = "diag.agent.taint.ledger"
+
+
+def in_child(fn: Callable[[], object], timeout: float = 15.0) -> tuple[str, object]:
+    """fn() in a forked child whose address space may grow by 256 MiB at most: ("ok", its
+    value), ("error", "Type: message") or ("hang", None) when it was still running at
+    `timeout` (then killed)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        try:
+            os.close(r)
+            with open("/proc/self/statm") as f:
+                size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            limit = size + (256 << 20)
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+            try:
+                out: tuple[str, object] = ("ok", fn())
+            except BaseException as e:
+                out = ("error", f"{type(e).__name__}: {e}")
+            os.write(w, pickle.dumps(out))
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        if not wait_for(lambda: os.waitpid(pid, os.WNOHANG) != (0, 0), timeout=timeout):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "hang", None
+        data = b""
+        while chunk := os.read(r, 1 << 16):
+            data += chunk
+    finally:
+        os.close(r)
+    return pickle.loads(data) if data else ("error", "the child died without a word")
+
+
+def logged(logger: str, fn: Callable[[], object]) -> Callable[[], tuple[object, list[str]]]:
+    """fn, returning what it returned and the warnings `logger` gave meanwhile."""
+
+    def run() -> tuple[object, list[str]]:
+        lines: list[str] = []
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                lines.append(record.getMessage())
+
+        handler = Keep(logging.WARNING)
+        log = logging.getLogger(logger)
+        log.addHandler(handler)
+        try:
+            return fn(), lines
+        finally:
+            log.removeHandler(handler)
+
+    return run
+
+
+def taint_plan(node: str, now: float, until: float | None = None) -> TaintPlan:
+    record = TaintRecord(Reason.REPEATED_CULPRIT, "culprit", since=now, until=until)
+    return TaintPlan(node=node, action=Action.TAINT, why="test", record=record)
 
 
 @pytest.fixture
@@ -73,3 +148,116 @@ def test_write_probe_follows_the_root_only(tmp_path: Path, victim: Path) -> None
     (tmp_path / "file").write_text("")
     with pytest.raises(OSError):
         probe_timeline(tmp_path / "file")
+
+
+# -- A10: the taint ledger ----------------------------------------------------------------------
+
+
+def ledger_dir(timeline: Path, job: str = "job") -> Path:
+    d = timeline / ".taints" / job
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@pytest.mark.parametrize("where", ["lock", "job", "taints"])
+def test_links_planted_in_the_ledger_create_nothing_through_them(
+    tmp_path: Path, where: str
+) -> None:
+    timeline = tmp_path / "timeline"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if where == "lock":
+        (ledger_dir(timeline) / ".lock").symlink_to(elsewhere / "created")
+    elif where == "job":
+        (timeline / ".taints").mkdir(parents=True)
+        (timeline / ".taints" / "job").symlink_to(elsewhere)
+    else:
+        timeline.mkdir()
+        (timeline / ".taints").symlink_to(elsewhere)
+    ledger = TaintLedger(timeline, "job", timeout=1.0)
+    with pytest.raises(LedgerBusy, match="not used"), ledger.locked():
+        ledger.record(taint_plan("n1", 1e9), 1e9)
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_claim_is_never_written_through_a_planted_temp_name(tmp_path: Path, victim: Path) -> None:
+    d = ledger_dir(tmp_path)
+    for name in (f"n1.tmp{os.getpid()}", "n1.json"):  # the old temp name, and the claim's own
+        (d / name).symlink_to(victim)
+    ledger = TaintLedger(tmp_path, "job")
+    with ledger.locked():
+        ledger.record(taint_plan("n1", 1e9), 1e9)
+    assert victim.read_bytes() == b"root's data\n"
+    assert victim.stat().st_mode & 0o777 == 0o644
+    claim = d / "n1.json"
+    assert not claim.is_symlink() and claim.stat().st_mode & 0o777 == 0o600
+    assert json.loads(claim.read_text())["node"] == "n1"
+    assert ledger.budget(1e9).tainted_nodes == ("n1",)
+
+
+def sparse_gib(p: Path) -> None:
+    with p.open("wb") as f:
+        f.truncate(1 << 30)  # a GiB that takes no disk
+
+
+PLANTED_CLAIMS = {
+    # what is planted at x.json: a FIFO hung the taint thread with the job's lock held, a
+    # link to /dev/zero ran out of memory, `[]` raised AttributeError, the rest ValueError.
+    "fifo": lambda p: os.mkfifo(p),
+    "dev-zero": lambda p: p.symlink_to("/dev/zero"),
+    "huge": sparse_gib,
+    "list": lambda p: p.write_text("[]"),
+    "bad-until": lambda p: p.write_text('{"node": "x", "until": "soon"}'),
+    "not-json": lambda p: p.write_bytes(b"\xff\x00{"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED_CLAIMS))
+def test_planted_claims_neither_hang_nor_crash_the_budget(tmp_path: Path, kind: str) -> None:
+    d = ledger_dir(tmp_path)
+    now = 1e9
+    ledger = TaintLedger(tmp_path, "job", timeout=2.0)
+    with ledger.locked():
+        ledger.record(taint_plan("n1", now, until=now + DAY), now)
+        ledger.record(taint_plan("gone", now - 2 * DAY, until=now - DAY), now)  # expired
+    PLANTED_CLAIMS[kind](d / "x.json")
+
+    def under_the_lock() -> JobBudget:
+        with ledger.locked():
+            return ledger.budget(now)
+
+    outcome, value = in_child(logged(LEDGER_LOG, under_the_lock))
+    assert outcome == "ok", (outcome, value)
+    budget, warnings = value  # type: ignore[misc]
+    # A claim that cannot be read counts as held under its file's name: the cap errs low.
+    assert budget.tainted_nodes == ("n1", "x")
+    assert len(warnings) == 1 and "x.json" in warnings[0], warnings
+    # The lock was given back: the next agent of the job takes it at once.
+    with TaintLedger(tmp_path, "job", timeout=0.5).locked():
+        pass
+
+
+def test_a_fifo_at_the_history_blocks_no_taint(tmp_path: Path) -> None:
+    d = ledger_dir(tmp_path)
+    os.mkfifo(d / HISTORY)
+    ledger = TaintLedger(tmp_path, "job")
+
+    def take() -> tuple[float, ...]:
+        with ledger.locked():
+            ledger.record(taint_plan("n1", 1e9), 1e9)
+            return ledger.budget(1e9).recent_taints
+
+    assert in_child(take) == ("ok", (1e9,))
+    assert (d / HISTORY).is_file()  # the FIFO was replaced, not written through
+
+
+def test_history_lines_that_are_not_taints_are_dropped_with_one_warning(tmp_path: Path) -> None:
+    d = ledger_dir(tmp_path)
+    lines = ['{"node": "a", "at": 5.0}', "[]", '{"at": NaN}', '{"at": "x"}', "{", '"at"']
+    (d / HISTORY).write_text("\n".join(lines) + "\n")
+    ledger = TaintLedger(tmp_path, "job")
+    outcome, value = in_child(logged(LEDGER_LOG, lambda: ledger.budget(10.0).recent_taints))
+    assert outcome == "ok", value
+    times, warnings = value  # type: ignore[misc]
+    assert times == (5.0,)
+    assert len(warnings) == 1 and HISTORY in warnings[0], warnings
