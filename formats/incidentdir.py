@@ -14,7 +14,8 @@ finds every node's directory of an incident, none of them read.
 `IncidentDir` is one such directory for both of its sides: the agent builds one
 (`IncidentDir.create`, `write_json`, `commit`), the viewer reads one (`read_verdict`, and its own
 scan of the dump files, which also accepts other tools' formats). `probe_timeline` is the
-agent's start-up check that it can write incidents at all.
+agent's start-up check that it can write incidents at all; `node_dir_pattern` and
+`verdict_in` tell retention which directories this node wrote.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from diag.formats.untrusted import (
     write_file_nofollow,
 )
 
-# `retag` rewrites a verdict this node's agent wrote; any verdict read (the viewer's, from any
-# timeline) is capped at inputcaps.VERDICT_MAX_BYTES.
+# A verdict this node's agent wrote (`retag` rewrites one, retention reads one); any verdict read
+# (the viewer's, from any timeline) is capped at inputcaps.VERDICT_MAX_BYTES.
 RETAG_VERDICT_MAX_BYTES = 4 * MIB
 VERDICT_FORMAT = "diag.verdict/1"
 VERDICT_FILE = "verdict.json"
@@ -63,10 +64,23 @@ def incident_key(incident_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.~-]+", "_", incident_id)[:120] or "incident"
 
 
+def _safe_node(node: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", node)[:63] or "node"
+
+
 def dir_name(when: dt.datetime, kind: str, node: str, incident_id: str = "") -> str:
-    safe_node = re.sub(r"[^A-Za-z0-9_.-]+", "_", node)[:63] or "node"
-    name = f"{when.strftime(_NAME_TIME_FORMAT)}-{kind.replace('_', '-')}-{safe_node}"
+    name = f"{when.strftime(_NAME_TIME_FORMAT)}-{kind.replace('_', '-')}-{_safe_node(node)}"
     return f"{name}@{incident_key(incident_id)}" if incident_id else name
+
+
+def node_dir_pattern(node: str) -> re.Pattern[str]:
+    """The names `dir_name` (and `create`'s `.n`) gives `node`'s incident directories, whatever
+    their time, kind and incident. A node whose name ends another's (`b-n1`, `n1`) matches too:
+    the verdict inside says which node wrote it (`verdict_in`)."""
+    return re.compile(
+        rf"^\d{{8}}-\d{{6}}-[A-Za-z0-9]+(?:-[A-Za-z0-9]+)*-{re.escape(_safe_node(node))}"
+        r"(?:@[A-Za-z0-9_.~-]+)?(?:\.\d+)?$"
+    )
 
 
 def name_time(name: str) -> dt.datetime | None:
@@ -170,6 +184,18 @@ def read_verdict(path: Path) -> tuple[Verdict | None, tuple[str, ...]]:
             f"{clean(e.path)}: unreadable verdict ({clean(e.problem)}); directory taken on its own"
         )
         return None, (problem,)
+
+
+def verdict_in(dir_fd: int, where: Path) -> Verdict:
+    """The verdict of the incident directory open as `dir_fd` (at `where`, for messages), read
+    capped, without following a symlink or blocking on a FIFO; UntrustedInput if there is none
+    to believe."""
+    source = str(where / VERDICT_FILE)
+    try:
+        raw = read_json(VERDICT_FILE, max_bytes=RETAG_VERDICT_MAX_BYTES, dir_fd=dir_fd)
+    except UntrustedInput as e:
+        raise UntrustedInput(source, e.problem) from None
+    return Verdict.from_dict(raw, source)
 
 
 def probe_timeline(timeline: Path) -> None:

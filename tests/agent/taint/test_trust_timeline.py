@@ -1,6 +1,7 @@
 """The shared timeline is hostile input: every node's agent and the trainers write it, so what
-is there may be a link, a FIFO, garbage or a fake. The agent's start-up write probe and the
-job's taint ledger go through descriptors and read capped into our types.
+is there may be a link, a FIFO, garbage or a fake. The agent's start-up write probe, the job's
+taint ledger and incident retention go through descriptors, read capped into our types, and
+count only what this node wrote.
 
 Real files, links and FIFOs throughout; what could hang or eat memory on a regression runs in a
 forked child with a deadline and a capped address space, so a failure is a failed test, not a
@@ -17,6 +18,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +26,8 @@ import pytest
 from children import terminate
 from polling import catches_sigterm, wait_for
 
+from diag.agent.prune import prune_incidents
+from diag.agent.retention import Entry, Retention, to_remove
 from diag.agent.taint.ledger import HISTORY, LedgerBusy, TaintLedger
 from diag.agent.taint.model import Action, JobBudget, Reason, TaintPlan, TaintRecord
 from diag.formats.incidentdir import probe_timeline
@@ -31,7 +35,9 @@ from diag.formats.incidentdir import probe_timeline
 pytestmark = pytest.mark.timeout(60)
 
 DIAG = [sys.executable, "-m", "diag.cli.main"]
+NOBODY = 65534
 DAY = 86400.0
+Y2030 = 1_893_456_000.0  # 2030-01-01 UTC
 LEDGER_LOG = "diag.agent.taint.ledger"
 
 
@@ -261,3 +267,102 @@ def test_history_lines_that_are_not_taints_are_dropped_with_one_warning(tmp_path
     times, warnings = value  # type: ignore[misc]
     assert times == (5.0,)
     assert len(warnings) == 1 and HISTORY in warnings[0], warnings
+
+
+# -- A11: retention counts only what this node wrote --------------------------------------------
+
+NOW = 1_800_000_000.0  # 2027-01-15
+
+
+def e(name: str, at: float, size: int = 1) -> Entry:
+    return Entry(name, at, size)
+
+
+FUTURE_TABLE = [
+    # (entries, retention, removed): the allowance is 300 s; future entries rank below every
+    # real one and go first, the farthest in the future before the nearer
+    (
+        [e("real", NOW - DAY), *(e(f"fake{i}", Y2030 + i) for i in range(3))],
+        Retention(count=1),
+        ["fake2", "fake1", "fake0"],
+    ),
+    ([e("old", NOW - 9 * DAY), e("fake", Y2030)], Retention(count=1), ["fake"]),
+    ([e("real", NOW - DAY), e("skewed", NOW + 200)], Retention(count=1), ["real"]),  # allowed
+    ([e("real", NOW - DAY), e("ahead", NOW + 400)], Retention(count=1), ["ahead"]),
+    ([e("a", NOW - 2 * DAY), e("b", NOW - DAY), e("f", Y2030)], Retention(count=3), []),
+    ([e("a", NOW - 2 * DAY, 5), e("f", Y2030, 1)], Retention(max_bytes=5), ["f"]),
+    ([e("f", Y2030, 1), e("g", Y2030 + 1, 1)], Retention(count=1), ["g"]),
+    # age: a future entry is never "old"; real ones still go by age
+    (
+        [e("a", NOW - 20 * DAY), e("b", NOW - DAY), e("f", Y2030)],
+        Retention(max_age=14 * DAY),
+        ["a"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("entries", "keep", "removed"), FUTURE_TABLE)
+def test_future_dated_entries_never_displace_real_ones(
+    entries: list[Entry], keep: Retention, removed: list[str]
+) -> None:
+    assert to_remove(entries, keep, NOW) == removed
+    assert to_remove(list(reversed(entries)), keep, NOW) == removed
+
+
+def incident(
+    timeline: Path, when: str, node: str, *, at: float, written_by: str | None = None
+) -> Path:
+    """An incident directory named as `node`'s agent names one, its verdict naming
+    `written_by` (default: `node`), dated `at`."""
+    d = timeline / f"{when}-hang-{node}@job-{when}"
+    d.mkdir(parents=True)
+    doc = {"incident_id": f"job-{when}", "node": written_by or node, "kind": "hang"}
+    (d / "verdict.json").write_text(json.dumps(doc))
+    os.utime(d, (at, at))
+    return d
+
+
+def test_retention_counts_and_removes_only_this_nodes_incidents(tmp_path: Path) -> None:
+    tl = tmp_path / "timeline"
+    now = time.time()
+    ours = [incident(tl, f"2026010{i}-000000", "n1", at=now - (9 - i) * DAY) for i in range(5)]
+    others = [
+        incident(tl, "20250101-000000", "n2", at=now - 99 * DAY),
+        # ends in "-n1" as n1's do; its verdict says which node wrote it
+        incident(tl, "20250102-000000", "b-n1", at=now - 98 * DAY),
+        # named as n1's, but its verdict names another node
+        incident(tl, "20250103-000000", "n1", at=now - 97 * DAY, written_by="n3"),
+        # named as n1's, but made by another user
+        incident(tl, "20250104-000000", "n1", at=now - 96 * DAY),
+    ]
+    os.chown(others[-1], NOBODY, NOBODY)
+    garbage = incident(tl, "20250105-000000", "n1", at=now - 95 * DAY)
+    (garbage / "verdict.json").write_text("[]")
+
+    removed = prune_incidents(tl, Retention(count=2), now, node="n1")
+
+    assert sorted(removed) == sorted(d.name for d in ours[:3])
+    assert all(d.is_dir() for d in [*ours[3:], *others, garbage])
+    # As n2's agent: only its one incident counts, and it is its newest, so it stays.
+    assert prune_incidents(tl, Retention(count=1), now, node="n2") == []
+
+
+def test_fakes_dated_2030_never_displace_this_nodes_incidents(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tl = tmp_path / "timeline"
+    now = time.time()
+    real = [incident(tl, f"2026010{i}-000000", "n1", at=now - (9 - i) * DAY) for i in range(3)]
+    # Forged as n1's own (a name, a verdict and a date of 2030), and as other nodes'.
+    fakes = [incident(tl, f"2030010{i}-000000", "n1", at=Y2030 + i) for i in range(1, 6)]
+    foreign = [incident(tl, f"2030010{i}-000000", f"x{i}", at=Y2030) for i in range(1, 6)]
+
+    with caplog.at_level(logging.WARNING, logger="diag.agent.prune"):
+        removed = prune_incidents(tl, Retention(count=5), now, node="n1")
+        again = prune_incidents(tl, Retention(count=5), now, node="n1")
+
+    # Five kept: the three real ones, then the two fakes nearest in time.
+    assert sorted(removed) == sorted(d.name for d in fakes[2:]) and again == []
+    assert all(d.is_dir() for d in [*real, *fakes[:2], *foreign])
+    future = [r for r in caplog.records if "in the future" in r.getMessage()]
+    assert sorted(r.getMessage().split()[0] for r in future) == sorted(str(d) for d in fakes)
