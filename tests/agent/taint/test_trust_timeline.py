@@ -234,7 +234,7 @@ def test_planted_claims_neither_hang_nor_crash_the_budget(tmp_path: Path, kind: 
 
     outcome, value = in_child(logged(LEDGER_LOG, under_the_lock))
     assert outcome == "ok", (outcome, value)
-    budget, warnings = value  # type: ignore[misc]
+    budget, warnings = value
     # A claim that cannot be read counts as held under its file's name: the cap errs low.
     assert budget.tainted_nodes == ("n1", "x")
     assert len(warnings) == 1 and "x.json" in warnings[0], warnings
@@ -264,7 +264,7 @@ def test_history_lines_that_are_not_taints_are_dropped_with_one_warning(tmp_path
     ledger = TaintLedger(tmp_path, "job")
     outcome, value = in_child(logged(LEDGER_LOG, lambda: ledger.budget(10.0).recent_taints))
     assert outcome == "ok", value
-    times, warnings = value  # type: ignore[misc]
+    times, warnings = value
     assert times == (5.0,)
     assert len(warnings) == 1 and HISTORY in warnings[0], warnings
 
