@@ -205,7 +205,9 @@ class Agent:
         incident just written is kept whatever the limits."""
         current = [report.evidence.path.name] if report and report.evidence else []
         now = time.time()
-        prune_incidents(self.cfg.timeline, self.cfg.retention, now, protected=current)
+        prune_incidents(
+            self.cfg.timeline, self.cfg.retention, now, node=self.cfg.node, protected=current
+        )
         prune_job_verdicts(self.cfg.timeline, self.cfg.retention, now)
 
     def request_stop(self) -> None:

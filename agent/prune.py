@@ -1,8 +1,14 @@
-"""Deletes what `retention.to_remove` lets go in the timeline: the agent's incident directories
+"""Deletes what `retention.decide` lets go in the timeline: this node's incident directories
 and the job-verdict directories of `.jobs/<job>/`.
 
-Only entries that are real directories with the names the agent gives are candidates: the
-timeline is shared (xpu_timer writes there too), and a symlink is never followed nor removed.
+The timeline is shared by every node's agent, the trainers (their own dumps) and xpu_timer, so
+what is in it is input, not a record of what this agent wrote. An incident directory counts
+(toward the limits, and as one that may go) only when it is this node's: a real directory, not
+a symlink, named as `dir_name` names this node's, owned by this agent's user or root, with a
+verdict.json (read capped, typed) that names this node. Another node's incidents are never
+counted nor removed, whatever their names and dates; one dated in the future ranks below every
+real one (`retention`), with one warning naming it.
+
 Everything goes through descriptors of the timeline opened without following symlinks, and
 `shutil.rmtree(dir_fd=...)` refuses a top entry swapped for a symlink meanwhile.
 """
@@ -18,13 +24,14 @@ import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from diag.agent.retention import Entry, Retention, to_remove
-from diag.formats.untrusted import UntrustedInput, open_dir
+from diag.agent.retention import Entry, Retention, decide
+from diag.formats.incidentdir import name_time, node_dir_pattern, verdict_in
+from diag.formats.inputcaps import clean
+from diag.formats.untrusted import Owners, UntrustedInput, WarnOnce, open_dir
 
 log = logging.getLogger(__name__)
+_warn = WarnOnce(log)
 
-# <YYYYmmdd-HHMMSS>-<kind>-<node>[@<incident key>][.<n>] (incident.dir_name)
-INCIDENT_NAME = re.compile(r"^\d{8}-\d{6}-[A-Za-z0-9_.~@-]+$")
 ANY_NAME = re.compile(r"^[^.]")
 JOBS_DIR = ".jobs"  # taintevidence.JOB_VERDICTS_DIR
 # A job-verdict directory this young may still be settling on another node: never removed.
@@ -32,9 +39,9 @@ JOB_VERDICT_MIN_AGE = 3600.0
 
 
 def prune_incidents(
-    timeline: Path, keep: Retention, now: float, protected: Iterable[str] = ()
+    timeline: Path, keep: Retention, now: float, *, node: str, protected: Iterable[str] = ()
 ) -> list[str]:
-    """Removes the incident directories of `timeline` past `keep`; returns their names."""
+    """Removes `node`'s incident directories in `timeline` past `keep`; returns their names."""
     if keep == Retention():
         return []
     try:
@@ -43,7 +50,8 @@ def prune_incidents(
         log.warning("incident retention skipped: %s", e)
         return []
     try:
-        return _prune(fd, timeline, INCIDENT_NAME, keep, now, frozenset(protected))
+        entries = list(_own_incidents(fd, timeline, node, sized=keep.max_bytes > 0))
+        return _prune(fd, timeline, entries, keep, now, frozenset(protected))
     finally:
         os.close(fd)
 
@@ -65,13 +73,10 @@ def prune_job_verdicts(timeline: Path, keep: Retention, now: float) -> list[str]
             except UntrustedInput:
                 continue
             try:
-                young = frozenset(
-                    e.name for e in _subdirs(fd, ANY_NAME) if now - e.time < JOB_VERDICT_MIN_AGE
-                )
+                entries = list(_subdirs(fd, ANY_NAME, sized=keep.max_bytes > 0))
+                young = frozenset(e.name for e in entries if now - e.time < JOB_VERDICT_MIN_AGE)
                 where = timeline / JOBS_DIR / job.name
-                removed += [
-                    f"{job.name}/{n}" for n in _prune(fd, where, ANY_NAME, keep, now, young)
-                ]
+                removed += [f"{job.name}/{n}" for n in _prune(fd, where, entries, keep, now, young)]
             finally:
                 os.close(fd)
     finally:
@@ -82,14 +87,19 @@ def prune_job_verdicts(timeline: Path, keep: Retention, now: float) -> list[str]
 def _prune(
     fd: int,
     where: Path,
-    pattern: re.Pattern[str],
+    entries: list[Entry],
     keep: Retention,
     now: float,
     protected: frozenset[str],
 ) -> list[str]:
-    entries = list(_subdirs(fd, pattern, sized=keep.max_bytes > 0))
+    verdict = decide(entries, keep, now, protected)
+    for name in verdict.future:
+        _warn(
+            "%s is dated in the future: counted after every real entry, removed first",
+            where / name,
+        )
     removed = []
-    for name in to_remove(entries, keep, now, protected):
+    for name in verdict.remove:
         try:
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             if not stat.S_ISDIR(st.st_mode):
@@ -108,6 +118,37 @@ def _prune(
             keep,
         )
     return removed
+
+
+def _own_incidents(fd: int, timeline: Path, node: str, *, sized: bool) -> Iterator[Entry]:
+    """`node`'s incident directories in the timeline open as `fd`. Its time is the later of
+    the directory's mtime and the time its name begins with (the same for what we wrote: the
+    name is taken before the first file), so a fake cannot hide a future date in either."""
+    pattern = node_dir_pattern(node)
+    owners = Owners.this_process()
+    for name in os.listdir(fd):
+        if not pattern.match(name):
+            continue
+        try:
+            d = open_dir(name, dir_fd=fd)
+        except UntrustedInput:
+            continue  # a symlink, a file, or gone
+        try:
+            st = os.fstat(d)
+            if not owners.trusts(st):
+                continue  # made by another user: not what this agent wrote
+            try:
+                written_by = verdict_in(d, timeline / name).node
+            except UntrustedInput as e:
+                _warn("%s: not counted nor removed by retention: %s", e.path, e.problem)
+                continue
+            if written_by != clean(node):
+                continue
+            named = name_time(name)
+            t = max(st.st_mtime, named.timestamp()) if named is not None else st.st_mtime
+            yield Entry(name, t, _tree_bytes(d, ".") if sized else 0)
+        finally:
+            os.close(d)
 
 
 def _subdirs(fd: int, pattern: re.Pattern[str], *, sized: bool = False) -> Iterator[Entry]:

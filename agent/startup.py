@@ -30,6 +30,7 @@ from diag.agent.privilege.stance import PrivilegePlan, plan
 from diag.agent.taint.kube import connect
 from diag.agent.taint.taintconfig import TaintMode
 from diag.formats import exitcodes
+from diag.formats.incidentdir import probe_timeline
 from diag.formats.untrusted import Owners
 
 log = logging.getLogger(__name__)
@@ -126,10 +127,7 @@ def _check_dirs(cfg: AgentConfig, started_as_root: bool) -> Owners:
     """The run directory made (private) or judged: whose files in it the agent believes."""
     owners = prepare_run_dir(cfg.run_dir, cfg.trainer, started_as_root=started_as_root)
     try:
-        cfg.timeline.mkdir(parents=True, exist_ok=True)
-        probe = cfg.timeline / ".diag-write-test"
-        probe.write_text("")
-        probe.unlink()
+        probe_timeline(cfg.timeline)
     except OSError as e:
         raise exitcodes.UsageError(
             f"cannot write incidents to {cfg.timeline} as uid {os.geteuid()}: {e.strerror}; set "

@@ -13,7 +13,9 @@ finds every node's directory of an incident, none of them read.
 
 `IncidentDir` is one such directory for both of its sides: the agent builds one
 (`IncidentDir.create`, `write_json`, `commit`), the viewer reads one (`read_verdict`, and its own
-scan of the dump files, which also accepts other tools' formats).
+scan of the dump files, which also accepts other tools' formats). `probe_timeline` is the
+agent's start-up check that it can write incidents at all; `node_dir_pattern` and
+`verdict_in` tell retention which directories this node wrote.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import datetime as dt
 import json
 import os
 import re
+import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +36,13 @@ from diag.formats.untrusted import (
     MIB,
     UntrustedInput,
     bounded_int,
+    create_new,
     read_json,
     write_file_nofollow,
 )
 
-# `retag` rewrites a verdict this node's agent wrote; any verdict read (the viewer's, from any
-# timeline) is capped at inputcaps.VERDICT_MAX_BYTES.
+# A verdict this node's agent wrote (`retag` rewrites one, retention reads one); any verdict read
+# (the viewer's, from any timeline) is capped at inputcaps.VERDICT_MAX_BYTES.
 RETAG_VERDICT_MAX_BYTES = 4 * MIB
 VERDICT_FORMAT = "diag.verdict/1"
 VERDICT_FILE = "verdict.json"
@@ -60,10 +64,23 @@ def incident_key(incident_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.~-]+", "_", incident_id)[:120] or "incident"
 
 
+def _safe_node(node: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", node)[:63] or "node"
+
+
 def dir_name(when: dt.datetime, kind: str, node: str, incident_id: str = "") -> str:
-    safe_node = re.sub(r"[^A-Za-z0-9_.-]+", "_", node)[:63] or "node"
-    name = f"{when.strftime(_NAME_TIME_FORMAT)}-{kind.replace('_', '-')}-{safe_node}"
+    name = f"{when.strftime(_NAME_TIME_FORMAT)}-{kind.replace('_', '-')}-{_safe_node(node)}"
     return f"{name}@{incident_key(incident_id)}" if incident_id else name
+
+
+def node_dir_pattern(node: str) -> re.Pattern[str]:
+    """The names `dir_name` (and `create`'s `.n`) gives `node`'s incident directories, whatever
+    their time, kind and incident. A node whose name ends another's (`b-n1`, `n1`) matches too:
+    the verdict inside says which node wrote it (`verdict_in`)."""
+    return re.compile(
+        rf"^\d{{8}}-\d{{6}}-[A-Za-z0-9]+(?:-[A-Za-z0-9]+)*-{re.escape(_safe_node(node))}"
+        r"(?:@[A-Za-z0-9_.~-]+)?(?:\.\d+)?$"
+    )
 
 
 def name_time(name: str) -> dt.datetime | None:
@@ -167,6 +184,37 @@ def read_verdict(path: Path) -> tuple[Verdict | None, tuple[str, ...]]:
             f"{clean(e.path)}: unreadable verdict ({clean(e.problem)}); directory taken on its own"
         )
         return None, (problem,)
+
+
+def verdict_in(dir_fd: int, where: Path) -> Verdict:
+    """The verdict of the incident directory open as `dir_fd` (at `where`, for messages), read
+    capped, without following a symlink or blocking on a FIFO; UntrustedInput if there is none
+    to believe."""
+    source = str(where / VERDICT_FILE)
+    try:
+        raw = read_json(VERDICT_FILE, max_bytes=RETAG_VERDICT_MAX_BYTES, dir_fd=dir_fd)
+    except UntrustedInput as e:
+        raise UntrustedInput(source, e.problem) from None
+    return Verdict.from_dict(raw, source)
+
+
+def probe_timeline(timeline: Path) -> None:
+    """Shows that incidents can be written to `timeline` (made if missing), or raises OSError.
+
+    Anyone who writes the timeline (trainers, other nodes) could have planted the probe's name
+    as a link to a file of ours, so the probe creates a new file of a random name
+    (`O_EXCL|O_NOFOLLOW`) and removes it by the directory's descriptor: it never opens,
+    truncates or removes anything it did not just make. The root itself may be a symlink: it is
+    the operator's path (volumes are mounted where they please), not something a writer of the
+    timeline can plant; below it nothing is followed."""
+    timeline.mkdir(parents=True, exist_ok=True)
+    d = os.open(timeline, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        name = f".diag-write-test-{secrets.token_hex(8)}"
+        os.close(create_new(name, dir_fd=d, mode=0o600))
+        os.unlink(name, dir_fd=d)
+    finally:
+        os.close(d)
 
 
 @dataclass(frozen=True)

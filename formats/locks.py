@@ -7,6 +7,8 @@ releases them when the last descriptor of that open file goes away (a dead holde
 lock behind). They go through the same lock manager as POSIX locks, so network filesystems that
 support POSIX locks (NFSv3 with lockd, NFSv4, CephFS, Lustre with -o flock) honour them across
 machines.
+
+`open_lock_file` opens a lock file in a directory others can write (the shared timeline).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import struct
+
+from diag.formats.untrusted import UntrustedInput, describe_mode, open_error
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux; OFD locks need l_pid == 0
 
@@ -34,3 +39,21 @@ def ofd_lock(fd: int, kind: int, wait: bool) -> bool:
             return False
         raise
     return True
+
+
+def open_lock_file(name: str, *, dir_fd: int, mode: int = 0o600) -> int:
+    """The lock file `name` in the directory `dir_fd`, opened read-write (made with `mode` if
+    missing) without following a symlink or blocking on a FIFO; UntrustedInput unless it is a
+    regular file. Another writer of the directory may have been first: a symlink there would
+    have us create or lock a file of its choosing, a FIFO would hang the open."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, mode, dir_fd=dir_fd)
+    except OSError as e:
+        raise open_error(name, e) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UntrustedInput(name, f"is {describe_mode(st.st_mode)}, expected a regular file")
+    os.set_blocking(fd, True)
+    return fd

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import secrets
 import stat
@@ -34,6 +35,10 @@ from diag.formats.refusals import MIB as MIB
 from diag.formats.refusals import UntrustedInput as UntrustedInput
 from diag.formats.refusals import bounded_int as bounded_int
 from diag.formats.refusals import printable as printable
+
+# The problem of an UntrustedInput for a file that is not there: most readers take that as "none
+# yet", not as a refusal.
+MISSING = "does not exist"
 
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -64,7 +69,7 @@ class Owners:
             )
 
 
-def _describe(mode: int) -> str:
+def describe_mode(mode: int) -> str:
     for test, name in (
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISSOCK, "a socket"),
@@ -78,13 +83,13 @@ def _describe(mode: int) -> str:
     return "not a regular file"
 
 
-def _open_error(path: str | os.PathLike[str], err: OSError) -> UntrustedInput:
+def open_error(path: str | os.PathLike[str], err: OSError) -> UntrustedInput:
     if err.errno == errno.ELOOP:
         return UntrustedInput(
             path, "is a symlink; diag does not follow symlinks in shared directories"
         )
     if err.errno == errno.ENOENT:
-        return UntrustedInput(path, "does not exist")
+        return UntrustedInput(path, MISSING)
     if err.errno in (errno.EACCES, errno.EPERM):
         return UntrustedInput(path, "permission denied")
     return UntrustedInput(path, f"cannot open: {err.strerror or err}")
@@ -103,11 +108,11 @@ def open_regular(
     try:
         fd = os.open(path, _READ_FLAGS | flags, dir_fd=dir_fd)
     except OSError as e:
-        raise _open_error(path, e) from None
+        raise open_error(path, e) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UntrustedInput(path, f"is {_describe(st.st_mode)}, expected a regular file")
+            raise UntrustedInput(path, f"is {describe_mode(st.st_mode)}, expected a regular file")
         if owners is not None:
             owners.check(path, st)
         if st.st_size > max_bytes:
@@ -140,6 +145,26 @@ def read_bounded(
     if len(data) > max_bytes:
         raise UntrustedInput(path, f"grew past the {max_bytes}-byte limit while being read")
     return data
+
+
+class WarnOnce:
+    """One warning per distinct message: readers that look again and again (each plan, each
+    prune) name a refused file once, not at every look. Past `limit` messages it forgets them
+    all, so a flood of bad files costs bounded memory."""
+
+    def __init__(self, logger: logging.Logger, limit: int = 4096) -> None:
+        self._log = logger
+        self._limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, msg: str, *args: object) -> None:
+        text = msg % args if args else msg
+        if text in self._seen:
+            return
+        if len(self._seen) >= self._limit:
+            self._seen.clear()
+        self._seen.add(text)
+        self._log.warning("%s", text)
 
 
 def parse_json(path: str | os.PathLike[str], data: bytes) -> object:
@@ -186,7 +211,7 @@ def open_dir(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> int:
     except OSError as e:
         if e.errno == errno.ENOTDIR:
             raise UntrustedInput(path, "is not a directory (or is a symlink)") from None
-        raise _open_error(path, e) from None
+        raise open_error(path, e) from None
 
 
 @contextlib.contextmanager

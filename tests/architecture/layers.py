@@ -64,6 +64,7 @@ PURE = (
     "diag.agent.replica.handover",
     "diag.agent.replica.pace",
     "diag.agent.replica.ring",
+    "diag.agent.retention",  # what the agent keeps of its own output
     "diag.agent.taint.model",
     "diag.agent.taint.planner",
     "diag.trainer.elastic.search",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as dt
 import io
 import json
 import logging
@@ -329,10 +330,15 @@ def test_retention_refuses_negative_limits() -> None:
         Retention(count=-1)
 
 
-def make_incident(timeline: Path, name: str, age_days: float, size: int = 100) -> Path:
+def make_incident(
+    timeline: Path, name: str, age_days: float, size: int = 100, node: str = "n1"
+) -> Path:
+    """A directory as the agent of `node` leaves one: its verdict.json names it (`size` bytes)."""
     d = timeline / name
     d.mkdir(parents=True)
-    (d / "verdict.json").write_bytes(b"x" * size)
+    doc = {"incident_id": name, "node": node, "summary": ""}
+    doc["summary"] = "x" * max(0, size - len(json.dumps(doc)))
+    (d / "verdict.json").write_text(json.dumps(doc))
     t = time.time() - age_days * DAY
     os.utime(d, (t, t))
     return d
@@ -353,7 +359,7 @@ def test_prune_removes_old_incidents_keeps_newest_in_progress_and_foreign(tmp_pa
     os.utime(link, (t, t), follow_symlinks=False)
 
     removed = prune_incidents(
-        tl, Retention(count=3, max_age=14 * DAY), time.time(), protected=[current.name]
+        tl, Retention(count=3, max_age=14 * DAY), time.time(), node="n1", protected=[current.name]
     )
 
     assert sorted(removed) == sorted(p.name for p in old)
@@ -374,7 +380,7 @@ def test_prune_job_verdicts_spares_young_ones(tmp_path: Path) -> None:
 def test_prune_by_bytes_keeps_the_newest_that_fit(tmp_path: Path) -> None:
     tl = tmp_path / "timeline"
     dirs = [make_incident(tl, f"2026010{i}-000000-hang-n1", 10 - i, size=1000) for i in range(6)]
-    removed = prune_incidents(tl, Retention(max_bytes=2500), time.time())
+    removed = prune_incidents(tl, Retention(max_bytes=2500), time.time(), node="n1")
     assert sorted(removed) == sorted(d.name for d in dirs[:4])
     assert dirs[4].is_dir() and dirs[5].is_dir()
 
@@ -384,25 +390,40 @@ def test_prune_does_not_follow_a_symlinked_timeline(tmp_path: Path) -> None:
     make_incident(real, "20260101-000000-hang-n1", 40)
     make_incident(real, "20260102-000000-hang-n1", 30)
     (tmp_path / "tl").symlink_to(real)
-    assert prune_incidents(tmp_path / "tl", Retention(count=1), time.time()) == []
+    assert prune_incidents(tmp_path / "tl", Retention(count=1), time.time(), node="n1") == []
     assert len(list(real.iterdir())) == 2
 
 
 @pytest.mark.timeout(60)
 def test_agent_applies_retention_at_start_up(tmp_path: Path) -> None:
+    """Only this node's own incidents count: other nodes' stay whatever their number, and
+    fakes dated 2030 (forged as this node's or another's) never push out a real one."""
     tl = tmp_path / "tl"
     dirs = [make_incident(tl, f"2026010{i}-000000-hang-n1@job-{i}", 9 - i) for i in range(5)]
+    others = [
+        make_incident(tl, f"2026010{i}-000000-hang-n2@job-{i}", 20 - i, node="n2") for i in range(5)
+    ]
+    future = (dt.datetime(2030, 1, 1, tzinfo=dt.UTC).timestamp() - time.time()) / DAY
+    fakes = {
+        n: [
+            make_incident(tl, f"2030010{i}-000000-hang-{n}@job-x{i}", -future - i, node=n)
+            for i in range(1, 4)
+        ]
+        for n in ("n1", "n9")
+    }
     cmd = [
         sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(tmp_path / "run"),
-        "--timeline", str(tl), "--control", "false", "--keep-incidents", "2",
+        "--timeline", str(tl), "--control", "false", "--keep-incidents", "2", "--node", "n1",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
-        while any(d.exists() for d in dirs[:3]):
+        while any(d.exists() for d in [*dirs[:3], *fakes["n1"]]):
             assert proc.poll() is None and time.monotonic() < deadline
+            assert dirs[3].is_dir() and dirs[4].is_dir()
             time.sleep(0.2)
         assert dirs[3].is_dir() and dirs[4].is_dir()
+        assert all(d.is_dir() for d in [*others, *fakes["n9"]])
     finally:
         terminate(proc, timeout=15)
 
