@@ -14,6 +14,7 @@ from diag.formats.untrusted import Owners
 JOB = "rj"
 WORLD = 4  # two nodes of two ranks; node a holds ranks 0 and 1
 CAP = 64 << 20
+TOKEN = "replica-test-token-0123"  # a job's secret, as long as the agent asks
 OWNERS = Owners.this_process()
 
 

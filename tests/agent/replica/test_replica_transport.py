@@ -215,8 +215,8 @@ def test_a_restarted_holder_finds_its_replicas_and_drops_half_received_ones(tmp_
     run_dir.mkdir()
     fill(run_dir, save, {0: [1], 1: [1]})
     assert push(a, "b", local_replica(run_dir, JOB, "a", OWNERS), OWNERS).ok
-    (store.directory / f"{STAGING_PREFIX}a-dead").mkdir()  # what a killed holder leaves
-    (store.directory / "a-9-nomanifest").mkdir()
+    (store.directory / f"{STAGING_PREFIX}a-0badcafe").mkdir()  # what a killed holder leaves
+    (store.directory / "a-9-0123abcd").mkdir()  # renamed, its manifest lost
     again = ReplicaStore(store.directory, CAP)
     assert again.held("a") is not None and again.held("a").manifest.step == 1
     assert sorted(p.name for p in store.directory.iterdir()) == [store.held("a").path.name]
