@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from snapshot_helpers import captured, model_states, new_slot, write_snapshot
+from snapshot_helpers import captured, model_states, new_slot, write_raw_snapshot, write_snapshot
 
 from diag.formats.slotfile import SlotFile
 from diag.formats.snapshot import slot_path
@@ -45,3 +45,14 @@ def fill(
                            save_dir=save_dir, node=node, run=run)  # fmt: skip
     for s in slots.values():
         s.close()
+
+
+def raw_slots(run_dir: Path, save: Path, step: int, *, ranks: int) -> None:
+    """Node a's ranks of a world of `ranks`, each with a slot of 8 MiB holding a small snapshot
+    of raw files (no torch: quick)."""
+    for rank in range(ranks):
+        slot = new_slot(run_dir, JOB, rank, 0, world=ranks)
+        write_raw_snapshot(slot, step, {f"global_step{step}/r{rank}.bin": b"x" * 1000},
+                           job=JOB, rank=rank, world=ranks, save_dir=save, node="a",
+                           run="r1")  # fmt: skip
+        slot.close()
