@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from diag.agent.replica.handover import (
     next_reach,
     wants_reach,
 )
+from diag.agent.replica.handshake import NotAuthenticated
 from diag.agent.replica.replicator import Replicator
 from diag.agent.replica.ring import RingError
 from diag.agent.replica.store import Replica
@@ -67,6 +69,10 @@ def start_replication(cfg: AgentConfig, owners: Owners) -> Replicator | None:
         )  # fmt: skip
     except RingError as e:
         raise UsageError(f"--replica-nodes: {e}") from None
+    except (OSError, ssl.SSLError, ValueError) as e:
+        raise UsageError(
+            f"cannot set up replication: {e}; check --replica-token and the --replica-tls-* files"
+        ) from None
     replicator.restore_at_start()
     try:
         replicator.start()
@@ -249,8 +255,10 @@ class Handoff:
         timeout = min(PROBE_TIMEOUT_S, self.replicator.settings.timeout)
         try:
             ask_offer(self.replicator.peers, peer, timeout=timeout)
+        except NotAuthenticated:
+            return False  # whatever answers there is not an agent of the job
         except UntrustedInput:
-            return True  # something of the job answered there, if only to refuse
+            return True  # the peer's agent answered, if only to refuse
         except OSError:
             return False
         return True
