@@ -56,7 +56,9 @@ PROBE_TIMEOUT_S = 5.0  # a peer's agent that does not accept within this is sile
 GIVE_UP_S = 300.0  # past `lost_after`: how long a peer that answers is watched for its parts
 
 
-def start_replication(cfg: AgentConfig, owners: Owners) -> Replicator | None:
+def start_replication(
+    cfg: AgentConfig, owners: Owners, checkpoints: CheckpointManager
+) -> Replicator | None:
     """An empty node takes its ranks' newest replica from a peer (before the control channel
     opens); then replication runs in the background. None without --replica-nodes."""
     if cfg.replica is None or cfg.job is None:
@@ -74,6 +76,9 @@ def start_replication(cfg: AgentConfig, owners: Owners) -> Replicator | None:
             f"cannot set up replication: {e}; check --replica-token and the --replica-tls-* files"
         ) from None
     replicator.restore_at_start()
+    got = replicator.installed
+    if got is not None:  # what the holder sent names no save directory this node writes to
+        checkpoints.pulled.add(got.paths, got.step, got.run)
     try:
         replicator.start()
     except OSError as e:
@@ -270,7 +275,7 @@ class Handoff:
         own = self.checkpoints.options.save_dir
         if own is not None:
             return own, None
-        snaps = self.checkpoints.snapshots(self.job)
+        snaps = self.checkpoints.own_snapshots(self.job)  # not a slot pulled from a peer
         if not snaps:
             return None, None
         newest = max(snaps, key=lambda s: s.meta.step)

@@ -1,19 +1,20 @@
 """A real `diag agent` restoring an empty node next to hostile replica holders on 127.0.0.1
 (tests/support/fakeholder.py speaks the wire protocol): a holder that cannot prove the job's
-token is not believed and never sees the token; one that dribbles its bytes does not keep the
-node out of service; and without a token there is no replication at all (findings A5, A7, A9 of
-the security review)."""
+token is not believed and never sees the token; one that can still does not choose where the
+node writes; one that dribbles its bytes does not keep the node out of service; and without a
+token there is no replication at all (findings A5, A7, A9 of the security review)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from fakeholder import FakeHolder, Offered
 from jobrun import free_port
-from polling import wait_for
+from polling import catches_sigterm, wait_for
 from replica_helpers import TOKEN
 
 JOB = "rj"
@@ -42,6 +43,43 @@ def stop(agent: subprocess.Popen) -> None:
     if agent.poll() is None:
         agent.kill()
         agent.wait(10)
+
+
+def test_a_holder_is_believed_only_once_it_proves_the_token_and_never_chooses_the_save_dir(
+    tmp_path: Path,
+) -> None:
+    """A5. Holder b cannot prove the token and offers step 2^62; holder c can, and offers a step
+    whose part names the trainer's ~/.ssh with a file `authorized_keys`. The agent pulls from c
+    only, sends neither the token, and at the drain (SIGTERM) writes nothing into ~/.ssh: a
+    pulled part goes only where this node's own configuration or ranks say."""
+    ssh = tmp_path / "home" / ".ssh"
+    ssh.mkdir(parents=True)
+    stranger = FakeHolder("b", Offered("a", JOB, 1 << 62, ssh))
+    insider = FakeHolder("c", Offered("a", JOB, (1 << 61) + 1, ssh), token=TOKEN)
+    for h, where in ((stranger, "b"), (insider, "c")):
+        h.offered.build(tmp_path / f"parts-{where}")
+    ring = f"a=127.0.0.1:{free_port()},b=127.0.0.1:{stranger.port},c=127.0.0.1:{insider.port}"
+    agent, log = start_agent(tmp_path, ring, "--replica-factor", "2",
+                             env={"DIAG_REPLICA_TOKEN": TOKEN})  # fmt: skip
+    try:
+        assert wait_for(lambda: "control channel on" in log.read_text(), 60), log.read_text()
+        assert wait_for(lambda: catches_sigterm(agent.pid), 30)
+        agent.send_signal(signal.SIGTERM)  # a drain: persist every newest snapshot, then exit
+        agent.wait(60)
+    finally:
+        stop(agent)
+        stranger.close()
+        insider.close()
+    text = log.read_text()
+    assert not (ssh / "authorized_keys").exists(), text
+    assert list(ssh.iterdir()) == [], text
+    for h in (stranger, insider):
+        assert TOKEN.encode() not in h.received, "the token crossed the wire"
+    assert "did not prove the job's replica token" in text, text
+    assert "offer" not in stranger.served and "pull" not in stranger.served
+    assert f"replica restore: peer step {(1 << 61) + 1}" in text, text
+    assert "pulled from a peer's replica" in text, text
+    assert "Traceback" not in text, text
 
 
 def test_a_holder_dribbling_its_replica_does_not_keep_the_node_out_of_service(
