@@ -232,9 +232,12 @@ class ReplicaServer:
                 log.info("%s: %s", source, dropped)
                 self.on_event("dropped", dropped)
                 return
-            refused = isinstance(e, UntrustedInput)
-            log.warning("refused: %s" if refused else f"{source}: %s", e)
-            self.on_event("refused" if refused else "failed", str(e))
+            if isinstance(e, UntrustedInput):
+                log.warning("refused: %s", e)
+                self.on_event("refused", str(e))
+            else:
+                log.warning("%s: %s", source, e)
+                self.on_event("failed", str(e))
             with contextlib.suppress(OSError, ValueError):
                 send(sock, Kind.RESULT, result_body(Result(False, str(e))))
         finally:

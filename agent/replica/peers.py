@@ -4,7 +4,7 @@ itself with (the job's token, TLS where configured)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diag.agent.replica.ring import Ring
 from diag.agent.replica.tls import Tls
@@ -20,7 +20,7 @@ class Peers:
     addresses: Mapping[str, Address]
     me: str
     job: str
-    token: str
+    token: str = field(repr=False)  # never in a log line
     tls: Tls | None = None
 
     def __post_init__(self) -> None:

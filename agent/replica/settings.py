@@ -5,7 +5,7 @@ TLS."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from diag.agent.replica.tls import TlsFiles
@@ -26,7 +26,8 @@ class NodeAddress:
 @dataclass(frozen=True)
 class ReplicaSettings:
     nodes: tuple[NodeAddress, ...]  # the job's nodes, in the ring's order
-    token: str  # the job's secret, which every agent proves it holds (never sent)
+    # the job's secret, which every agent proves it holds (never sent, never in a log line)
+    token: str = field(repr=False)
     factor: int = 1
     max_bytes: int = 65536 * MIB  # one peer's replica, all its ranks
     directory: Path | None = None  # None: <run dir>/.replicas

@@ -86,3 +86,34 @@ def test_no_nodes_no_replicas():
 def test_replica_mistakes_are_usage_errors(argv, problem):
     with pytest.raises(UsageError, match=problem):
         load(argv)
+
+
+@pytest.mark.parametrize(
+    ("env", "problem"),
+    [
+        ({}, "is not set"),
+        ({"DIAG_REPLICA_TOKEN": "s3cret"}, "fewer than 16"),
+    ],
+)
+def test_replication_needs_the_jobs_token(env, problem):
+    with pytest.raises(UsageError, match=problem) as e:
+        load(["--job", "j", "--node", "w1", "--replica-nodes", NODES], env=env)
+    assert "DIAG_REPLICA_TOKEN" in str(e.value)
+
+
+def test_the_pull_deadline_and_tls_options(tmp_path):
+    cfg = load(["--job", "j", "--node", "w1", "--replica-nodes", NODES,
+                "--replica-pull-deadline", "30", "--replica-tls-cert", "/c.pem",
+                "--replica-tls-key", "/k.pem", "--replica-tls-ca", "/ca.pem"])  # fmt: skip
+    r = cfg.replica
+    assert r is not None and r.pull_deadline == 30.0
+    assert r.tls is not None and (str(r.tls.cert), str(r.tls.key), str(r.tls.ca)) == (
+        "/c.pem", "/k.pem", "/ca.pem"
+    )  # fmt: skip
+    assert load(["--job", "j", "--node", "w1", "--replica-nodes", NODES]).replica.tls is None
+    with pytest.raises(UsageError, match="--replica-tls-key, --replica-tls-ca"):
+        load(["--job", "j", "--node", "w1", "--replica-nodes", NODES,
+              "--replica-tls-cert", "/c.pem"])  # fmt: skip
+    with pytest.raises(UsageError, match="replica-pull-deadline"):
+        load(["--job", "j", "--node", "w1", "--replica-nodes", NODES,
+              "--replica-pull-deadline", "0"])  # fmt: skip
