@@ -35,6 +35,7 @@ from diag.agent.checkpoint.stats import CheckpointStats, RankCheckpointStats
 from diag.agent.checkpoint.storage import has_part
 from diag.agent.checkpoint.writers import WatchOutcome, Writer, WriterWatch
 from diag.agent.checkpoint.writingmark import WritingMarks
+from diag.formats.journalmeta import safe_job_name
 from diag.formats.slotfile import Snapshot, read_snapshots, run_dir_owners
 from diag.formats.snapshot import find_slots, read_latest_step
 from diag.formats.untrusted import Owners
@@ -218,7 +219,8 @@ class CheckpointManager:
     def own_save_dirs(self, job: str) -> set[str]:
         """The save directories this node's ranks of `job` name themselves: when they register,
         and in snapshots of their own."""
-        named = {s.save_dir for s in self.sessions.of_job(job).values() if s.save_dir}
+        sessions = self.sessions.of_job(safe_job_name(job))  # keyed as the ranks register
+        named = {s.save_dir for s in sessions.values() if s.save_dir}
         return named | {s.meta.save_dir for s in self.own_snapshots(job)}
 
     def _slot_of(self, job: str, rank: int, step: int | None) -> list[Snapshot]:
