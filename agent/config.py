@@ -25,7 +25,9 @@ from diag.agent.observe.rundircheck import TrainerUsers
 from diag.agent.options import OPTIONS, REMOVED, Until, check_removed, parse_port
 from diag.agent.options import add_arguments as add_arguments
 from diag.agent.optiontable import Option, read_toml_table
+from diag.agent.replica.auth import MIN_TOKEN_CHARS, token_problem
 from diag.agent.replica.settings import ReplicaSettings
+from diag.agent.replica.tls import TlsFiles
 from diag.agent.retention import DEFAULT_INCIDENT_RETENTION, Retention
 from diag.agent.taint import taintconfig
 from diag.agent.taint.taintconfig import TaintSettings
@@ -149,17 +151,44 @@ def _replica_settings(values: dict[str, Any], node: str) -> ReplicaSettings | No
             f"this node, {node!r}, is not in --replica-nodes: name it there as --node (or "
             "$NODE_NAME, the hostname) names it"
         )
+    token = values["replica_token"] or ""
+    problem = token_problem(token)
+    if problem is not None:
+        raise UsageError(
+            f"--replica-nodes needs the job's replica token, which {problem}: set "
+            f"DIAG_REPLICA_TOKEN to one secret of at least {MIN_TOKEN_CHARS} characters, the "
+            "same on every node of the job (e.g. `openssl rand -hex 32`, kept in a Kubernetes "
+            "Secret); agents prove they hold it without sending it"
+        )
     return ReplicaSettings(
         nodes=nodes,
         factor=values["replica_factor"],
-        token=values["replica_token"] or "",
+        token=token,
         max_bytes=values["replica_max_bytes"],
         directory=values["replica_dir"],
         interval=values["replica_interval"],
         listen_host=values["replica_listen"],
         max_rate=values["replica_max_rate"],
         lost_after=values["replica_lost_after"],
+        pull_deadline=values["replica_pull_deadline"],
+        tls=_tls_files(values),
     )
+
+
+def _tls_files(values: dict[str, Any]) -> TlsFiles | None:
+    names = ("replica_tls_cert", "replica_tls_key", "replica_tls_ca")
+    given = [values[n] for n in names]
+    if not any(given):
+        return None
+    if not all(given):
+        missing = ", ".join(
+            f"--{n.replace('_', '-')}" for n, v in zip(names, given, strict=True) if not v
+        )
+        raise UsageError(
+            f"TLS between agents needs all three --replica-tls-* options: set {missing}"
+        )
+    cert, key, ca = given
+    return TlsFiles(cert, key, ca)
 
 
 def _drain_settings(values: dict[str, Any]) -> DrainSettings:

@@ -402,7 +402,7 @@ class Agent:
         return exitcodes.HANG_DETECTED if self.incidents and cfg.until != Until.FOREVER else 0
 
     def _start_replicas(self) -> None:
-        self.replicator = start_replication(self.cfg, self.owners)
+        self.replicator = start_replication(self.cfg, self.owners, self.checkpoints)
         if self.replicator is not None:
             self.handoff = Handoff(self.replicator, self.checkpoints)
             self.checkpoints.stopped_hooks.append(self.handoff.ranks_stopped)

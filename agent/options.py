@@ -231,8 +231,10 @@ OPTIONS = OptionTable(
             "replica_token",
             str,
             None,
-            "a secret the job's agents share: a replica peer that does not present it is refused "
-            "(set it through the environment, DIAG_REPLICA_TOKEN, not a flag others can read)",
+            "a secret the job's agents share, at least 16 characters, needed with "
+            "--replica-nodes: peers prove they hold it (never sending it) and one that does not "
+            "is refused (set it through the environment, DIAG_REPLICA_TOKEN, not a flag others "
+            "can read)",
         ),
         Option(
             "replica_max_bytes",
@@ -270,6 +272,29 @@ OPTIONS = OptionTable(
             "seconds a peer's agent must stay silent, once this node's ranks were stopped, before "
             "this node writes the replica it holds for that peer to storage (a lost node: the "
             "job can resume at a smaller size from that newer step)",
+        ),
+        Option(
+            "replica_pull_deadline",
+            positive,
+            90.0,
+            "seconds an empty node's restore from a peer may take in all (asking the holders, "
+            "the pull); past them the ranks restore from storage (keep it under the 120 s the "
+            "ranks wait for the pull)",
+        ),
+        Option(
+            "replica_tls_cert",
+            Path,
+            None,
+            "TLS between agents: this agent's certificate (PEM); with --replica-tls-key and "
+            "--replica-tls-ca (default: plain TCP)",
+        ),
+        Option("replica_tls_key", Path, None, "TLS between agents: the certificate's key (PEM)"),
+        Option(
+            "replica_tls_ca",
+            Path,
+            None,
+            "TLS between agents: the CA (PEM) that signed every agent's certificate; a peer "
+            "without one is refused",
         ),
         Option(
             "drain",
@@ -350,6 +375,7 @@ BOUNDS = {
     "replica_interval": Bounds(0, 3600, lo_open=True),
     "replica_max_rate": Bounds(0, 1 << 50),
     "replica_lost_after": Bounds(0, 3600, lo_open=True),
+    "replica_pull_deadline": Bounds(0, 3600, lo_open=True),
     "snapshot_linger": Bounds(0, _WEEK, lo_open=True),
     "persist_workers": Bounds(0, 256),
     "termination_grace": Bounds(0, _DAY, lo_open=True),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from diag.agent.replica.handover import (
     next_reach,
     wants_reach,
 )
+from diag.agent.replica.handshake import NotAuthenticated
 from diag.agent.replica.replicator import Replicator
 from diag.agent.replica.ring import RingError
 from diag.agent.replica.store import Replica
@@ -54,7 +56,9 @@ PROBE_TIMEOUT_S = 5.0  # a peer's agent that does not accept within this is sile
 GIVE_UP_S = 300.0  # past `lost_after`: how long a peer that answers is watched for its parts
 
 
-def start_replication(cfg: AgentConfig, owners: Owners) -> Replicator | None:
+def start_replication(
+    cfg: AgentConfig, owners: Owners, checkpoints: CheckpointManager
+) -> Replicator | None:
     """An empty node takes its ranks' newest replica from a peer (before the control channel
     opens); then replication runs in the background. None without --replica-nodes."""
     if cfg.replica is None or cfg.job is None:
@@ -67,7 +71,14 @@ def start_replication(cfg: AgentConfig, owners: Owners) -> Replicator | None:
         )  # fmt: skip
     except RingError as e:
         raise UsageError(f"--replica-nodes: {e}") from None
+    except (OSError, ssl.SSLError, ValueError) as e:
+        raise UsageError(
+            f"cannot set up replication: {e}; check --replica-token and the --replica-tls-* files"
+        ) from None
     replicator.restore_at_start()
+    got = replicator.installed
+    if got is not None:  # what the holder sent names no save directory this node writes to
+        checkpoints.pulled.add(got.paths, got.step, got.run)
     try:
         replicator.start()
     except OSError as e:
@@ -249,8 +260,10 @@ class Handoff:
         timeout = min(PROBE_TIMEOUT_S, self.replicator.settings.timeout)
         try:
             ask_offer(self.replicator.peers, peer, timeout=timeout)
+        except NotAuthenticated:
+            return False  # whatever answers there is not an agent of the job
         except UntrustedInput:
-            return True  # something of the job answered there, if only to refuse
+            return True  # the peer's agent answered, if only to refuse
         except OSError:
             return False
         return True
@@ -262,7 +275,7 @@ class Handoff:
         own = self.checkpoints.options.save_dir
         if own is not None:
             return own, None
-        snaps = self.checkpoints.snapshots(self.job)
+        snaps = self.checkpoints.own_snapshots(self.job)  # not a slot pulled from a peer
         if not snaps:
             return None, None
         newest = max(snaps, key=lambda s: s.meta.step)

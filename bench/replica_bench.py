@@ -129,7 +129,7 @@ class Node:
         self.holder_run = Path(tempfile.mkdtemp(prefix="diag-rb-h-", dir="/dev/shm"))
         self.env = dict(os.environ, DIAG_RUN_DIR=str(self.run_dir), OMP_NUM_THREADS="1",
                         PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
-                        DIAG_REPLICA_TOKEN="bench", DIAG_AGENT_WAIT="60")  # fmt: skip
+                        DIAG_REPLICA_TOKEN="replica-bench-token-0123", DIAG_AGENT_WAIT="60")  # fmt: skip
         ports = setup.ports
         self.spec = f"a=127.0.0.1:{ports[0]},b=127.0.0.1:{ports[1]}"
         self.procs: list[subprocess.Popen] = []

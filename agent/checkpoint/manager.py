@@ -29,11 +29,13 @@ from typing import Any
 
 from diag.agent.checkpoint.cleanup import removable, remove, slots_by_job, writer_alive
 from diag.agent.checkpoint.persist import PersistResult, persist_slot
+from diag.agent.checkpoint.pulled import PulledSlots, refusal
 from diag.agent.checkpoint.sessions import CommandReport, RankKey, Sessions
 from diag.agent.checkpoint.stats import CheckpointStats, RankCheckpointStats
 from diag.agent.checkpoint.storage import has_part
 from diag.agent.checkpoint.writers import WatchOutcome, Writer, WriterWatch
 from diag.agent.checkpoint.writingmark import WritingMarks
+from diag.formats.journalmeta import safe_job_name
 from diag.formats.slotfile import Snapshot, read_snapshots, run_dir_owners
 from diag.formats.snapshot import find_slots, read_latest_step
 from diag.formats.untrusted import Owners
@@ -91,6 +93,7 @@ class CheckpointManager:
         # are persisted (a holder then writes a lost peer's replica: agent.replication).
         self.stopped_hooks: list[Callable[[set[str]], None]] = []
         self.writing = WritingMarks(run_dir)  # ranks resuming from storage wait for these
+        self.pulled = PulledSlots()  # slots installed from a peer's replica (agent.replication)
         if job is not None:
             self.writing.clear_stale(job)  # a killed agent's
         self.writers = WriterWatch(self._writer_exited)
@@ -209,25 +212,44 @@ class CheckpointManager:
         """Complete snapshots of `job` (or all jobs) in trusted slot files."""
         return read_snapshots(find_slots(self.run_dir, job), self.owners)
 
-    def _slot_of(self, job: str, rank: int, step: int | None) -> list[Path]:
-        """The slot files of a rank holding `step` complete (any complete one when None)."""
+    def own_snapshots(self, job: str | None) -> list[Snapshot]:
+        """`snapshots`, less the slots installed from a peer's replica that no rank rewrote."""
+        return [s for s in self.snapshots(job) if not self.pulled.holds(s)]
+
+    def own_save_dirs(self, job: str) -> set[str]:
+        """The save directories this node's ranks of `job` name themselves: when they register,
+        and in snapshots of their own."""
+        sessions = self.sessions.of_job(safe_job_name(job))  # keyed as the ranks register
+        named = {s.save_dir for s in sessions.values() if s.save_dir}
+        return named | {s.meta.save_dir for s in self.own_snapshots(job)}
+
+    def _slot_of(self, job: str, rank: int, step: int | None) -> list[Snapshot]:
+        """The snapshots of a rank holding `step` complete (any complete one when None)."""
         snaps = [s for s in self.snapshots(job) if s.meta.rank == rank]
         if step is not None:
             snaps = [s for s in snaps if s.meta.step == step]
-        return [s.path for s in sorted(snaps, key=lambda s: -s.meta.step)]
+        return sorted(snaps, key=lambda s: -s.meta.step)
 
     def _persist_rank(
         self, job: str, rank: int, step: int | None, lock_timeout: float | None = None
     ) -> PersistResult:
         key = RankKey(job, rank)
         with self._rank_locks[key]:
-            paths = self._slot_of(job, rank, step)
-            if not paths:
+            snaps = self._slot_of(job, rank, step)
+            if not snaps:
                 return PersistResult(
                     job, rank, step or -1, "", False, f"step {step} is not in memory (overwritten?)"
                 )
+            snap = snaps[0]
+            refused = None
+            if self.options.save_dir is None and self.pulled.holds(snap):
+                refused = refusal(snap.meta.save_dir, self.own_save_dirs(job))
+            if refused is not None:
+                result = PersistResult(job, rank, snap.meta.step, "", False, refused)
+                self._record(result)
+                return result
             result = persist_slot(
-                paths[0],
+                snap.path,
                 step=step,
                 save_dir=self.options.save_dir,
                 keep=self.options.keep_last,

@@ -2,8 +2,10 @@
 the memory of the next nodes of a ring, so a node that comes back empty restores its ranks from a
 peer's memory instead of from storage.
 
-`ring` is pure (placement and choices); `wire` the protocol between agents (TCP), `store` the
-replicas a node holds for its peers, `source` what a node sends of its own slots, `transport` the
-server and the client.
+Pure: `ring` (placement and choices), `auth` (the proofs of the job's token), `admission` (whom
+the server keeps waiting and serves), `handover`, `pace`. Adapters: `wire` the protocol between
+agents (TCP), `handshake` its authentication, `holder` the server, `transport` the client calls,
+`deadline` whole-call deadlines, `tls` the optional TLS, `store` the replicas a node holds for its
+peers, `source` what a node sends of its own slots and installs back.
 May import: formats.
 """

@@ -122,6 +122,13 @@ def _recv_copied(
         offset += k
 
 
+def slot_size(nbytes: int, capacity: int, room: int) -> int:
+    """The size an installed part's file gets: its bytes, and of the room its slot had for the
+    rank's next snapshots (`capacity`) as much as `room` still allows: one allowance for all the
+    parts of a pull, whatever each header claims."""
+    return nbytes + min(max(0, capacity - nbytes), max(0, room))
+
+
 def receive_part(
     sock: socket.socket,
     fd: int,
@@ -130,30 +137,30 @@ def receive_part(
     source: str,
     *,
     where: Path,
-    capacity_cap: int = 0,
-) -> SlotHeader:
-    """Reads one part from `sock` into the new file `fd`, checks it, and marks it complete last.
-    UntrustedInput when it is not the part the manifest announced; ShmSpaceError when it does
-    not fit. The file gets the part's size, or the slot's capacity up to `capacity_cap` (a slot
-    the rank will write into again)."""
+    room: int | None = None,
+) -> int:
+    """Reads one part from `sock` into the new file `fd`, checks it, and marks it complete last;
+    the file's size. UntrustedInput when it is not the part the manifest announced;
+    ShmSpaceError when it does not fit. A held copy (`room` None) gets the part's size; an
+    installed slot (one the rank writes into again) also up to `room` bytes of its capacity."""
     head = recv_exact(sock, HEADER_SIZE, source)
     try:
         h = unpack_header(head)
     except (SnapshotError, struct.error) as e:
         raise UntrustedInput(source, f"rank {part.rank}'s part: {e}") from None
     check_header(h, part, m, source)
-    size = max(part.nbytes, min(h.capacity, capacity_cap))
+    size = part.nbytes if room is None else slot_size(part.nbytes, h.capacity, room)
     reserved = _reserve(fd, size, where)
     torn = bytearray(head)
     struct.pack_into("<Q", torn, GEN_OFFSET, h.gen - 1)  # odd: not a snapshot until checked
-    if capacity_cap:  # an installed slot: its header tells its real size
+    if room is not None:  # an installed slot: its header tells its real size
         struct.pack_into("<Q", torn, CAPACITY_OFFSET, size)
     os.pwrite(fd, torn, 0)
     receive = _recv_mapped if reserved else _recv_copied
     receive(sock, fd, HEADER_SIZE, part.nbytes, source, part.rank)
     check_meta(os.pread(fd, h.meta_len, h.meta_offset), h, part, m, source)
     os.pwrite(fd, struct.pack("<Q", h.gen), GEN_OFFSET)  # even: complete, written last
-    return h
+    return size
 
 
 def send_part(

@@ -17,13 +17,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from diag.agent.replica.deadline import DeadlineExceeded
 from diag.agent.replica.pace import pace_for
 from diag.agent.replica.ring import Offer, RestoreChoice, Ring, Source, choose_restore
 from diag.agent.replica.settings import NodeAddress as NodeAddress
 from diag.agent.replica.settings import ReplicaSettings
 from diag.agent.replica.source import local_replica, local_steps
 from diag.agent.replica.store import ReplicaStore
-from diag.agent.replica.transport import Address, Peers, ReplicaServer, ask_offer, pull, push
+from diag.agent.replica.tls import Tls
+from diag.agent.replica.transport import (
+    OFFER_DEADLINE_S,
+    Address,
+    Peers,
+    ReplicaServer,
+    ask_offer,
+    pull,
+    push,
+)
 from diag.agent.replica.wire import CHUNK
 from diag.formats.slotfile import open_slot
 from diag.formats.snapshot import find_slots, pull_marker_path
@@ -55,6 +65,16 @@ class ReplicaStats:
     restore_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class Installed:
+    """The slots an empty node's restore installed from a holder's replica."""
+
+    holder: str
+    step: int
+    run: str
+    paths: tuple[Path, ...]
+
+
 class Replicator:
     def __init__(
         self,
@@ -74,7 +94,8 @@ class Replicator:
         self.storage_step = storage_step
         ring = Ring.of([n.name for n in settings.nodes], settings.factor)
         addresses: dict[str, Address] = {n.name: (n.host, n.port) for n in settings.nodes}
-        self.peers = Peers(ring, addresses, node, job, settings.token)
+        tls = Tls.load(settings.tls) if settings.tls is not None else None
+        self.peers = Peers(ring, addresses, node, job, settings.token, tls)
         self.holders = ring.holders(node)  # raises RingError for a node not in the ring
         self._stats = ReplicaStats()
         self._lock = threading.Lock()
@@ -90,6 +111,7 @@ class Replicator:
         self.store: ReplicaStore | None = None
         self.server: ReplicaServer | None = None
         self._thread: threading.Thread | None = None
+        self.installed: Installed | None = None  # what the restore pulled, if anything
 
     # -- at start ---------------------------------------------------------------------------------
 
@@ -114,6 +136,7 @@ class Replicator:
         return choice
 
     def _restore(self, marker: Path) -> RestoreChoice:
+        until = time.monotonic() + self.settings.pull_deadline
         held = local_steps(self.run_dir, self.job, self.node, self.owners)
         if not held and self.holders:
             # ranks starting meanwhile wait for this to go before they look for snapshots
@@ -121,7 +144,7 @@ class Replicator:
             marker.unlink(missing_ok=True)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             os.close(os.open(marker, flags, 0o600))
-        offers = [] if held else self._offers()
+        offers = [] if held else self._offers(until)
         choice = choose_restore(
             local_steps=held,
             offers=offers,
@@ -132,36 +155,57 @@ class Replicator:
         # The best offer first, then the others: a holder that fails mid-pull is not the end.
         if choice.source == Source.PEER:
             ordered = sorted(offers, key=lambda o: o.step, reverse=True)
-            choice = self._pull_first(ordered, choice) or replace(
+            choice = self._pull_first(ordered, choice, until) or replace(
                 choice, source=Source.STORAGE, holder=None,
                 reason=f"{choice.reason}, but no holder gave it: storage",
             )  # fmt: skip
         return choice
 
-    def _offers(self) -> list[Offer]:
+    def _offers(self, until: float) -> list[Offer]:
         out = []
         for holder in self.holders:
+            left = until - time.monotonic()
+            if left <= 0:
+                log.warning("replica restore: no time left to ask %s (--replica-pull-deadline "
+                            "%g s)", holder, self.settings.pull_deadline)  # fmt: skip
+                break
             try:
-                o = ask_offer(self.peers, holder, timeout=min(5.0, self.settings.timeout))
+                o = ask_offer(self.peers, holder, timeout=min(5.0, self.settings.timeout, left),
+                              deadline=min(OFFER_DEADLINE_S, left))  # fmt: skip
             except (OSError, UntrustedInput) as e:
-                log.info("replica holder %s has no offer: %s", holder, e)
+                level = logging.WARNING if isinstance(e, UntrustedInput) else logging.INFO
+                log.log(level, "replica holder %s has no offer: %s", holder, e)
                 continue
             if o.step is not None:
                 out.append(Offer(holder, o.step, o.run, o.world_size, o.ranks))
         return out
 
-    def _pull_first(self, offers: list[Offer], choice: RestoreChoice) -> RestoreChoice | None:
+    def _pull_first(
+        self, offers: list[Offer], choice: RestoreChoice, until: float
+    ) -> RestoreChoice | None:
         for o in offers:
             if choice.step is not None and o.step < choice.step:
                 break  # never an older replica than the choice: storage instead
+            left = until - time.monotonic()
+            if left <= 0:
+                log.warning("replica restore: --replica-pull-deadline (%g s) passed before the "
+                            "pull from %s: the ranks restore from storage",
+                            self.settings.pull_deadline, o.holder)  # fmt: skip
+                break
             try:
-                m, _ = pull(
+                m, paths = pull(
                     self.peers, o.holder, self.run_dir,
                     max_bytes=self.settings.max_bytes, timeout=self.settings.timeout,
+                    deadline=left,
                 )  # fmt: skip
+            except DeadlineExceeded as e:
+                log.warning("pulling the replica from %s failed: %s (--replica-pull-deadline): "
+                            "the ranks restore from storage", o.holder, e)  # fmt: skip
+                break
             except (OSError, UntrustedInput) as e:
                 log.warning("pulling the replica from %s failed: %s", o.holder, e)
                 continue
+            self.installed = Installed(o.holder, m.step, m.run, tuple(paths))
             return RestoreChoice(Source.PEER, m.step, o.holder, f"{o.holder} held step {m.step}")
         return None
 

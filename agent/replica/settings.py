@@ -1,12 +1,14 @@
 """The settings of replication, as the agent's options give them: the job's nodes (name and where
-each agent listens, in one order on every node), the factor, the token, the caps."""
+each agent listens, in one order on every node), the factor, the token, the caps, the deadlines,
+TLS."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from diag.agent.replica.tls import TlsFiles
 from diag.formats.refusals import MIB
 
 MAX_NODES = 65536
@@ -24,8 +26,9 @@ class NodeAddress:
 @dataclass(frozen=True)
 class ReplicaSettings:
     nodes: tuple[NodeAddress, ...]  # the job's nodes, in the ring's order
+    # the job's secret, which every agent proves it holds (never sent, never in a log line)
+    token: str = field(repr=False)
     factor: int = 1
-    token: str = ""
     max_bytes: int = 65536 * MIB  # one peer's replica, all its ranks
     directory: Path | None = None  # None: <run dir>/.replicas
     interval: float = 0.25  # between looks at the slot headers (a few bytes each)
@@ -33,6 +36,10 @@ class ReplicaSettings:
     timeout: float = 30.0  # a connection silent this long fails
     max_rate: int = 0  # bytes per second pushes may take of the network; 0: no cap
     lost_after: float = 5.0  # a peer silent this long after an incident: its replica to storage
+    # An empty node's whole restore (offers and pull) ends by then: storage instead. Below the
+    # 120 s ranks wait for the pull (trainer.flash.restore.PULL_WAIT_S), or they would not wait.
+    pull_deadline: float = 90.0
+    tls: TlsFiles | None = None  # TLS between agents; None: plain TCP
 
 
 def parse_nodes(text: str) -> tuple[NodeAddress, ...]:

@@ -80,31 +80,35 @@ def local_steps(run_dir: Path, job: str, node: str, owners: Owners) -> list[int]
 def install(
     sock: socket.socket, m: Manifest, run_dir: Path, source: str, *, capacity_cap: int
 ) -> list[Path]:
-    """Receives every part of `m` from `sock` into the run directory as the ranks' slots."""
+    """Receives every part of `m` from `sock` into the run directory as the ranks' slots: all of
+    them or, when one fails, none. The files take at most `capacity_cap` bytes in all (the parts,
+    and what is left of the cap as room for the ranks' next snapshots)."""
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = os.stat(run_dir)
     d = open_dir(run_dir)
-    done: list[Path] = []
+    received: list[tuple[str, Path]] = []
     try:
+        room = capacity_cap - m.nbytes
         for part in m.parts:
             final = slot_path(run_dir, m.job, part.rank, part.slot)
             tmp = f".{final.name}.pull-{secrets.token_hex(4)}"
             fd = new_part_file(tmp, dir_fd=d)
+            received.append((tmp, final))
             try:
-                try:
-                    if os.geteuid() == 0 and st.st_uid != 0:
-                        os.fchown(fd, st.st_uid, st.st_gid)  # the ranks' user writes it next
-                    receive_part(
-                        sock, fd, part, m, source, where=run_dir, capacity_cap=capacity_cap
-                    )
-                finally:
-                    os.close(fd)
-                os.rename(tmp, final.name, src_dir_fd=d, dst_dir_fd=d)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=d)
-                raise
-            done.append(final)
+                if os.geteuid() == 0 and st.st_uid != 0:
+                    os.fchown(fd, st.st_uid, st.st_gid)  # the ranks' user writes it next
+                size = receive_part(sock, fd, part, m, source, where=run_dir, room=room)
+                room -= size - part.nbytes
+            finally:
+                os.close(fd)
+        # every part checked: only now do they become the ranks' slots
+        for tmp, final in received:
+            os.rename(tmp, final.name, src_dir_fd=d, dst_dir_fd=d)
+        return [final for _, final in received]
+    except BaseException:
+        for tmp, _ in received:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=d)
+        raise
     finally:
         os.close(d)
-    return done

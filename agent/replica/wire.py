@@ -1,7 +1,9 @@
 """The protocol between agents for replicas: length-prefixed frames over a TCP connection.
 
-Every connection starts with the client's HELLO (who it is, the job, the operation, the job's
-replica token). Then, by operation:
+Every connection starts with the authentication (auth.py): the client's HELLO (who it is, the
+job, the operation, the holder it means, its nonce), the holder's CHALLENGE (its nonce and its
+proof of the job's token), and, once the client checked that proof, the client's AUTH (its own
+proof). The token itself never crosses the wire. Then, by operation:
 
 - push: the client sends a MANIFEST (node, job, step, launch, world size, and for each rank its
   slot index and byte count), then each part's bytes in the manifest's order, exactly as many as
@@ -23,15 +25,17 @@ import json
 import socket
 import struct
 from dataclasses import dataclass
+from typing import Protocol
 
+from diag.agent.replica.auth import NONCE_BYTES, PROOF_BYTES
 from diag.formats.snapshot import HEADER_SIZE
 from diag.formats.untrusted import KIB, UntrustedInput, bounded_int
 
 MAGIC = b"DRPL"
-VERSION = 1
+VERSION = 2  # 2: mutual authentication by nonces and HMAC (1 sent the token itself)
 FRAME = struct.Struct("<4sBBI")  # magic, version, kind, payload length
 MAX_FRAME = 256 * KIB  # a manifest of thousands of ranks stays far below
-MAX_TEXT = 256  # node, job, launch, token
+MAX_TEXT = 256  # node, job, launch
 MAX_PARTS = 4096  # ranks of one node
 MAX_SLOTS = 64
 MAX_WORLD = 1 << 20
@@ -44,6 +48,8 @@ class Kind(enum.IntEnum):
     MANIFEST = 2
     RESULT = 3
     OFFER = 4
+    CHALLENGE = 5
+    AUTH = 6
 
 
 class Op(enum.Enum):
@@ -57,7 +63,24 @@ class Hello:
     op: Op
     node: str  # the node the client is (push, pull, offer: of its own replica)
     job: str
-    token: str = ""
+    holder: str  # the node the client means to reach: a proof for another holder is no use
+    nonce: bytes  # NONCE_BYTES, fresh
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """The holder's answer to a HELLO: its nonce and its proof of the token."""
+
+    holder: str
+    nonce: bytes
+    proof: bytes
+
+
+@dataclass(frozen=True)
+class Auth:
+    """The client's proof of the token, sent once it believes the holder."""
+
+    proof: bytes
 
 
 @dataclass(frozen=True)
@@ -111,7 +134,13 @@ def send(sock: socket.socket, kind: Kind, body: dict[str, object]) -> None:
     sock.sendall(FRAME.pack(MAGIC, VERSION, kind, len(data)) + data)
 
 
-def recv_exact(sock: socket.socket, n: int, source: str) -> bytes:
+class Readable(Protocol):
+    """What frames are read from: a socket (or, for the fuzzer, bytes in memory)."""
+
+    def recv_into(self, buffer: memoryview, nbytes: int = ..., /) -> int: ...
+
+
+def recv_exact(sock: Readable, n: int, source: str) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -123,7 +152,7 @@ def recv_exact(sock: socket.socket, n: int, source: str) -> bytes:
     return bytes(buf)
 
 
-def recv(sock: socket.socket, want: Kind | tuple[Kind, ...], source: str) -> tuple[Kind, dict]:
+def recv(sock: Readable, want: Kind | tuple[Kind, ...], source: str) -> tuple[Kind, dict]:
     """The next frame, of one of the kinds `want`, its body a JSON object."""
     wanted = (want,) if isinstance(want, Kind) else want
     magic, version, kind, length = FRAME.unpack(recv_exact(sock, FRAME.size, source))
@@ -160,8 +189,19 @@ def _text(body: dict, key: str, source: str, *, empty: bool = False) -> str:
     return value
 
 
+def _bytes(body: dict, key: str, n: int, source: str) -> bytes:
+    value = body.get(key)
+    if not isinstance(value, str) or len(value) != 2 * n:
+        raise UntrustedInput(source, f"{key} must be {n} bytes in hex")
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise UntrustedInput(source, f"{key} must be {n} bytes in hex") from None
+
+
 def hello_body(h: Hello) -> dict[str, object]:
-    return {"op": h.op.value, "node": h.node, "job": h.job, "token": h.token}
+    return {"op": h.op.value, "node": h.node, "job": h.job, "holder": h.holder,
+            "nonce": h.nonce.hex()}  # fmt: skip
 
 
 def parse_hello(body: dict, source: str) -> Hello:
@@ -174,8 +214,29 @@ def parse_hello(body: dict, source: str) -> Hello:
         parsed,
         _text(body, "node", source),
         _text(body, "job", source),
-        _text(body, "token", source, empty=True),
+        _text(body, "holder", source),
+        _bytes(body, "nonce", NONCE_BYTES, source),
     )
+
+
+def challenge_body(c: Challenge) -> dict[str, object]:
+    return {"holder": c.holder, "nonce": c.nonce.hex(), "proof": c.proof.hex()}
+
+
+def parse_challenge(body: dict, source: str) -> Challenge:
+    return Challenge(
+        _text(body, "holder", source),
+        _bytes(body, "nonce", NONCE_BYTES, source),
+        _bytes(body, "proof", PROOF_BYTES, source),
+    )
+
+
+def auth_body(a: Auth) -> dict[str, object]:
+    return {"proof": a.proof.hex()}
+
+
+def parse_auth(body: dict, source: str) -> Auth:
+    return Auth(_bytes(body, "proof", PROOF_BYTES, source))
 
 
 def manifest_body(m: Manifest) -> dict[str, object]:

@@ -61,6 +61,8 @@ PURE = (
     "diag.agent.precheck.rounds",
     "diag.agent.precheck.units",
     "diag.agent.privilege.stance",
+    "diag.agent.replica.admission",  # whom the replica server keeps waiting, whom it serves
+    "diag.agent.replica.auth",  # the proofs of the replica token
     "diag.agent.replica.handover",
     "diag.agent.replica.pace",
     "diag.agent.replica.ring",
@@ -97,6 +99,9 @@ PURE_STDLIB = frozenset(
         "fractions",
         "functools",
         "heapq",
+        # keyed hashes of bytes given to them (the replica token's proofs); no state, no I/O
+        "hashlib",
+        "hmac",
         "itertools",
         # text to values and back, no files: json.load/dump take a file the caller opened.
         "json",

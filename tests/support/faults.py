@@ -275,7 +275,7 @@ def install_trainer(inj: Injector) -> None:
 
 def install_agent(inj: Injector) -> None:
     """Marks the agent's phases: persist (files, fsyncs, marker), commit (`latest`), replicate
-    (the hello, the manifest, each rank's part sent) and receive (each part, the manifest)."""
+    (the authentication, the manifest, each rank's part sent) and receive (each part, the manifest)."""
     from diag.agent.checkpoint import manager, persist, storage
     from diag.agent.replica import replicator, store, transport
 
@@ -306,6 +306,7 @@ def install_agent(inj: Injector) -> None:
             return push(peers, holder, local, *args, **kwargs)
 
     replicator.push = marked_push
+    transport.client_side = inj.wrap(transport.client_side)  # the authentication
     transport.send = inj.wrap(transport.send)
     transport.send_part = inj.wrap(transport.send_part)
 

@@ -103,7 +103,7 @@ class KillSuite:
         self.lab = NetLab(2) if netns else None
         if replicas:
             self.env["DIAG_NODE"] = NODE  # the ranks' and the agent's node name
-            self.env["DIAG_REPLICA_TOKEN"] = "kill-suite"
+            self.env["DIAG_REPLICA_TOKEN"] = "kill-suite-replica-token"
         self.procs = Launcher(
             root, zero, self.job, self.persist_every, self.run_dir, self.holder_run, self.env,
             ring=replica_ring(self.lab) if replicas else "", lab=self.lab,

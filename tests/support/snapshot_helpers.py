@@ -67,6 +67,36 @@ def write_snapshot(
     return meta
 
 
+def write_raw_snapshot(
+    slot: SlotFile,
+    step: int,
+    raw: dict[str, bytes],
+    *,
+    job: str,
+    rank: int,
+    world: int,
+    save_dir: Path,
+    node: str = "node-a",
+    run: str = "",
+) -> SnapshotMeta:
+    """write_snapshot for raw files only, without torch (a second or more to import)."""
+    entries, data_end = plan_layout(captured({}, raw=raw))
+    meta = SnapshotMeta(
+        job=job, rank=rank, world_size=world, local_rank=rank, node=node, step=step,
+        tag=step_tag(step), save_dir=str(save_dir), files=tuple(entries), run=run,
+    )  # fmt: skip
+    blob = meta.to_json()
+    if slot.capacity < data_end + len(blob):
+        slot.grow(data_end + len(blob))
+    gen = slot.begin_write()
+    for entry, data in zip(entries, raw.values(), strict=True):
+        assert entry.data is not None
+        slot.mm[entry.data.offset : entry.data.offset + entry.data.length] = data
+    slot.mm[data_end : data_end + len(blob)] = blob
+    slot.finish_write(gen, step, data_end, len(blob), 0.0)
+    return meta
+
+
 def model_states(step: int, seed: int = 0) -> dict[str, Any]:
     import torch
 

@@ -50,7 +50,7 @@ class Nodes:
 
     def start(self, node: str) -> None:
         i = NODES.index(node)
-        env = dict(os.environ, DIAG_REPLICA_TOKEN="job-secret", OMP_NUM_THREADS="1")
+        env = dict(os.environ, DIAG_REPLICA_TOKEN="job-secret-replica-token", OMP_NUM_THREADS="1")
         log = open(self.tmp / f"agent-{node}.log", "ab")  # noqa: SIM115
         self.agents[node] = subprocess.Popen(
             self.lab.exec_in(i, [

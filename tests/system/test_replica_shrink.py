@@ -66,7 +66,7 @@ class Cluster:
 
     def env(self, node: str) -> dict[str, str]:
         return dict(os.environ, DIAG_RUN_DIR=str(self.runs[node]), DIAG_NODE=node,
-                    DIAG_REPLICA_TOKEN="job-secret", OMP_NUM_THREADS="1")  # fmt: skip
+                    DIAG_REPLICA_TOKEN="job-secret-replica-token", OMP_NUM_THREADS="1")  # fmt: skip
 
     def start_agent(self, node: str) -> None:
         log = open(self.root / f"agent-{node}.log", "ab")  # noqa: SIM115 - the agent owns it

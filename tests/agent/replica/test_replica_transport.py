@@ -9,21 +9,21 @@ import errno
 import os
 import socket
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from replica_helpers import CAP, JOB, OWNERS, WORLD, fill
+from replica_helpers import CAP, JOB, OWNERS, WORLD, fill, handshake
 
+from diag.agent.replica.admission import Limits
 from diag.agent.replica.ring import Ring
 from diag.agent.replica.source import local_replica
 from diag.agent.replica.store import STAGING_PREFIX, ReplicaStore
 from diag.agent.replica.transport import Peers, ReplicaServer, ask_offer, pull, push
 from diag.agent.replica.wire import (
     CHUNK,
-    Hello,
     Kind,
     Op,
-    hello_body,
     manifest_body,
     parse_result,
     recv,
@@ -100,11 +100,21 @@ def test_a_newer_push_replaces_the_replica(tmp_path, ring2):
     assert len([p for p in store.directory.iterdir()]) == 1
 
 
-def raw_push(port: int, hello: Hello, manifest: dict | None, payload: bytes = b"", *, close=False):
-    """A hand-made client: what a hostile or broken peer can send."""
+@dataclass(frozen=True)
+class As:
+    """Who a hand-made client says it is."""
+
+    node: str = "a"
+    job: str = JOB
+    token: str = "tok"
+    holder: str = "b"
+
+
+def raw_push(port: int, who: As, manifest: dict | None, payload: bytes = b"", *, close=False):
+    """A hand-made client: what a hostile or broken peer can send, after the handshake."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        send(sock, Kind.HELLO, hello_body(hello))
         try:
+            handshake(sock, Op.PUSH, who.node, who.job, who.holder, who.token)
             if manifest is not None:
                 send(sock, Kind.MANIFEST, manifest)
             sock.sendall(payload)
@@ -116,29 +126,45 @@ def raw_push(port: int, hello: Hello, manifest: dict | None, payload: bytes = b"
 
 
 @pytest.mark.parametrize(
-    ("hello", "problem"),
+    ("who", "problem"),
     [
-        (Hello(Op.PUSH, "a", JOB, "wrong"), "wrong replica token"),
-        (Hello(Op.PUSH, "a", "other-job", "tok"), "of job 'other-job'"),
-        (Hello(Op.PUSH, "zz", JOB, "tok"), "not a peer of the ring"),
-        (Hello(Op.PUSH, "b", JOB, "tok"), "not a peer of the ring"),  # itself
+        (As(token="wrong"), "wrong proof of the replica token"),
+        (As(job="other-job"), "of job 'other-job'"),
+        (As(node="zz"), "not a peer of the ring"),
+        (As(node="b"), "not a peer of the ring"),  # itself
+        (As(holder="c"), "meant node 'c'"),  # a connection meant for another holder
     ],
 )
-def test_strangers_are_refused(ring2, hello, problem):
+def test_strangers_are_refused(ring2, who, problem):
     _, store, server = ring2
-    result = raw_push(server.port, hello, None)
-    assert result is not None and not result.ok and problem in result.error
+    events: list[tuple[str, str]] = []
+    server.on_event = lambda kind, detail: events.append((kind, detail))
+    result = raw_push(server.port, who, None)
+    assert result is None or not result.ok
+    assert wait_until(lambda: events), events
+    assert events[0][0] == "refused" and problem in events[0][1], events
     assert store.held("a") is None
+
+
+def test_a_holder_without_the_token_is_not_believed(tmp_path, ring2):
+    """The client checks the holder's proof before it sends or believes anything."""
+    a, _, _ = ring2
+    wrong = Peers(a.ring, a.addresses, "a", JOB, "not-the-token")
+    with pytest.raises(UntrustedInput, match="did not prove"):
+        ask_offer(wrong, "b")
 
 
 def test_a_node_the_holder_does_not_hold_for_is_refused(tmp_path):
     ring = Ring.of(["a", "b", "c"], 1)  # b holds a's replica only
     addrs = {n: ("127.0.0.1", 0) for n in ring.nodes}
     store = ReplicaStore(tmp_path / "b", CAP)
-    server = ReplicaServer(store, Peers(ring, addrs, "b", JOB), ("127.0.0.1", 0)).start()
+    server = ReplicaServer(store, Peers(ring, addrs, "b", JOB, "t"), ("127.0.0.1", 0)).start()
+    events: list[str] = []
+    server.on_event = lambda kind, detail: events.append(detail)
     try:
-        result = raw_push(server.port, Hello(Op.PUSH, "c", JOB), None)
-        assert result is not None and "not one b holds replicas of" in result.error
+        result = raw_push(server.port, As(node="c", token="t"), None)
+        assert result is None or not result.ok
+        assert wait_until(lambda: events) and "not one b holds replicas of" in events[0]
     finally:
         server.close()
 
@@ -161,7 +187,7 @@ def test_hostile_manifests_and_parts_leave_the_previous_replica(tmp_path, ring2)
     good = store.held("a")
     fill(run_dir, save, {0: [1, 2], 1: [1, 2]})
     body, payload = manifest_of(run_dir)
-    hello = a.hello(Op.PUSH)
+    who = As()
 
     cases = {
         "over the cap": ({**body, "parts": [[0, 1, CAP], [1, 1, CAP]]}, payload),
@@ -178,7 +204,7 @@ def test_hostile_manifests_and_parts_leave_the_previous_replica(tmp_path, ring2)
     ended: list[str] = []
     server.on_event = lambda kind, detail: ended.append(kind)
     for what, (m, data) in cases.items():
-        result = raw_push(server.port, hello, m, data, close=what == "cut short")
+        result = raw_push(server.port, who, m, data, close=what == "cut short")
         assert result is None or not result.ok, what
         assert store.held("a") == good, what
     # the connection cut in the middle ends when the server sees the socket close
@@ -215,8 +241,8 @@ def test_a_restarted_holder_finds_its_replicas_and_drops_half_received_ones(tmp_
     run_dir.mkdir()
     fill(run_dir, save, {0: [1], 1: [1]})
     assert push(a, "b", local_replica(run_dir, JOB, "a", OWNERS), OWNERS).ok
-    (store.directory / f"{STAGING_PREFIX}a-dead").mkdir()  # what a killed holder leaves
-    (store.directory / "a-9-nomanifest").mkdir()
+    (store.directory / f"{STAGING_PREFIX}a-0badcafe").mkdir()  # what a killed holder leaves
+    (store.directory / "a-9-0123abcd").mkdir()  # renamed, its manifest lost
     again = ReplicaStore(store.directory, CAP)
     assert again.held("a") is not None and again.held("a").manifest.step == 1
     assert sorted(p.name for p in store.directory.iterdir()) == [store.held("a").path.name]
@@ -242,29 +268,30 @@ def wait_until(pred, timeout: float = 30.0) -> bool:
     return bool(pred())
 
 
-def test_connections_past_the_cap_are_closed_unanswered(tmp_path, monkeypatch):
-    import diag.agent.replica.transport as transport
-
-    monkeypatch.setattr(transport, "MAX_CONNECTIONS", 2)
+def test_connections_waiting_past_the_bound_drop_the_oldest(tmp_path):
     ring = Ring.of(["a", "b"], 1)
     addrs = {"a": ("127.0.0.1", 0), "b": ("127.0.0.1", 0)}
     server = ReplicaServer(
-        ReplicaStore(tmp_path / "b", CAP), Peers(ring, addrs, "b", JOB), ("127.0.0.1", 0)
-    ).start()
-    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(2)]
+        ReplicaStore(tmp_path / "b", CAP), Peers(ring, addrs, "b", JOB, "tok"), ("127.0.0.1", 0),
+        limits=Limits(max_pending=2),
+    ).start()  # fmt: skip
     try:
-        # the two idle peers hold both places: a third is closed without a word
-        assert wait_until(lambda: server._slots._value == 0)  # type: ignore[attr-defined]
-        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as third:
-            assert third.recv(1) == b""
-    finally:
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10)]
+        assert wait_until(lambda: server.gate.waiting() == 1)
+        idle += [socket.create_connection(("127.0.0.1", server.port), timeout=10)]
+        assert wait_until(lambda: server.gate.waiting() == 2)
+        idle += [socket.create_connection(("127.0.0.1", server.port), timeout=10)]
+        # a third waits: the oldest is dropped without a word, the newer two still wait
+        assert idle[0].recv(1) == b""
+        assert wait_until(lambda: server.gate.waiting() == 2)
+        # a real peer, newer than both, is served all the same
+        peers = Peers(ring, {"a": ("127.0.0.1", 0), "b": ("127.0.0.1", server.port)}, "a", JOB,
+                      "tok")  # fmt: skip
+        assert ask_offer(peers, "b").step is None
         for s in idle:
             s.close()
-    # once they leave, peers are served again
-    assert wait_until(lambda: server._slots._value == 2)  # type: ignore[attr-defined]
-    peers = Peers(ring, {"a": ("127.0.0.1", 0), "b": ("127.0.0.1", server.port)}, "a", JOB)
-    assert ask_offer(peers, "b").step is None
-    server.close()
+    finally:
+        server.close()
 
 
 def big_slots(run_dir: Path, save: Path, step: int, nbytes: int) -> None:
@@ -316,8 +343,6 @@ def test_parts_of_many_chunks_arrive_bit_for_bit(tmp_path, ring2, monkeypatch, f
     body, payload = manifest_of(run_dir)
     ended: list[str] = []
     server.on_event = lambda kind, detail: ended.append(kind)
-    assert (
-        raw_push(server.port, a.hello(Op.PUSH), body, payload[: CHUNK + 4096], close=True) is None
-    )
+    assert raw_push(server.port, As(), body, payload[: CHUNK + 4096], close=True) is None
     assert wait_until(lambda: ended == ["refused"]), ended
     assert store.held("a") == held and not staging(store)

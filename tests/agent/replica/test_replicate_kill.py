@@ -13,7 +13,7 @@ import pytest
 from faults import Fired, Plan, write_json_atomic
 from jobrun import free_port
 from polling import wait_for
-from replica_helpers import CAP, JOB, OWNERS, fill
+from replica_helpers import CAP, JOB, OWNERS, TOKEN, fill
 
 from diag.agent.replica.ring import Ring
 from diag.agent.replica.store import STAGING_PREFIX, ReplicaStore
@@ -24,7 +24,7 @@ from diag.formats.snapshot import HEADER_SIZE, find_slots, slot_path
 SUPPORT = Path(__file__).parents[2] / "support"
 
 
-# fraction -> the tick it fires at: a push ticks after its hello, its manifest and each of the
+# fraction -> the tick it fires at: a push ticks after its handshake, its manifest and each of the
 # node's two parts (4 ticks), and fires at int(fraction x 5)
 @pytest.mark.parametrize(("fraction", "tick"), [(0.5, 2), (0.7, 3)])
 def test_a_kill_mid_push_leaves_the_holders_previous_replica_whole(
@@ -35,7 +35,7 @@ def test_a_kill_mid_push_leaves_the_holders_previous_replica_whole(
     addresses = {n: ("127.0.0.1", p) for n, p in ports.items()}
     store = ReplicaStore(tmp_path / "b-replicas", CAP)
     server = ReplicaServer(
-        store, Peers(ring, addresses, "b", JOB, "tok"), ("127.0.0.1", ports["b"])
+        store, Peers(ring, addresses, "b", JOB, TOKEN), ("127.0.0.1", ports["b"])
     ).start()
     run_dir, save, ctl = tmp_path / "a-run", tmp_path / "save", tmp_path / "ctl"
     run_dir.mkdir()
@@ -50,7 +50,7 @@ def test_a_kill_mid_push_leaves_the_holders_previous_replica_whole(
         "--replica-interval", "0.05",
     ]  # fmt: skip
     env = dict(
-        os.environ, DIAG_REPLICA_TOKEN="tok", DIAG_RUN_DIR=str(run_dir),
+        os.environ, DIAG_REPLICA_TOKEN=TOKEN, DIAG_RUN_DIR=str(run_dir),
         PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
     )  # fmt: skip
     log = tmp_path / "agent.log"
@@ -75,7 +75,7 @@ def test_a_kill_mid_push_leaves_the_holders_previous_replica_whole(
     again = ReplicaStore(store.directory, CAP)  # as a restarted holder finds it
     assert (r := again.held("a")) is not None and r.manifest.step == 2
     fresh = tmp_path / "a-run-new"  # the replaced node
-    m, _ = pull(Peers(ring, addresses, "a", JOB, "tok"), "b", fresh, max_bytes=CAP)
+    m, _ = pull(Peers(ring, addresses, "a", JOB, TOKEN), "b", fresh, max_bytes=CAP)
     server.close()
     assert m.step == 2
     got = {(s.meta.rank, s.meta.step) for s in read_snapshots(find_slots(fresh, JOB), OWNERS)}
