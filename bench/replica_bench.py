@@ -141,6 +141,7 @@ class Node:
                "--native-stacks", "false", "--interval", "0.5", "--keep-last", "3", "-v"]  # fmt: skip
         if self.mode == "replica":
             cmd += ["--replica-nodes", self.spec, "--replica-interval", "0.05"]
+            cmd += ["--replica-dir", str(run_dir / ".replicas")]  # in the node's memory
             if self.setup.max_rate:
                 cmd += ["--replica-max-rate", self.setup.max_rate]
         log = open(self.root / f"agent-{node}-{gen}.log", "ab")  # noqa: SIM115

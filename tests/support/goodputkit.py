@@ -250,6 +250,8 @@ class GoodputJob:
             replicas = [] if not self.ring else [
                 "--replica-nodes", self.ring, "--replica-listen", "127.0.0.1",
                 "--replica-interval", str(self.spec.replica_interval),
+                # In the node's memory, where a lost node's wipe reaches it.
+                "--replica-dir", str(node.run_dir / ".replicas"),
             ]  # fmt: skip
             with open(self.root / f"agent-{tag}.log", "wb") as f:
                 node.agent = subprocess.Popen(

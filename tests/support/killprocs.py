@@ -85,6 +85,8 @@ class Launcher:
         ]  # fmt: skip
         if self.ring:
             cmd += ["--replica-nodes", self.ring, "--replica-interval", "0.05"]
+            # In the node's memory (its run directory), where the suite looks and a wipe reaches.
+            cmd += ["--replica-dir", str(self.run_dir / ".replicas")]
         return self._popen(NODE_NS, cmd, self.env, "agent.log")
 
     def holder(self) -> subprocess.Popen:
@@ -95,6 +97,7 @@ class Launcher:
             "--", "agent", "--run-dir", str(self.holder_run),
             "--job", self.job, "--node", HOLDER_NODE, "--timeline", str(self.root / "timeline"),
             "--native-stacks", "false", "--replica-nodes", self.ring, "-v",
+            "--replica-dir", str(self.holder_run / ".replicas"),
         ]  # fmt: skip
         env = dict(self.env, DIAG_RUN_DIR=str(self.holder_run), DIAG_NODE=HOLDER_NODE)
         return self._popen(HOLDER_NS, cmd, env, "holder.log")

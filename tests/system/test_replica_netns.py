@@ -57,6 +57,7 @@ class Nodes:
                 sys.executable, "-m", "diag.cli.main", "agent", "--run-dir",
                 str(self.run_dir(node)), "--timeline", str(self.tmp / "timeline"), "--job", JOB,
                 "--node", node, "--replica-nodes", self.spec, "--replica-interval", "0.2",
+                "--replica-dir", str(self.run_dir(node) / ".replicas"),
                 "--save-dir", str(self.save), "--native-stacks", "false", "-v"]),
             env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
 

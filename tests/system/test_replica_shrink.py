@@ -75,7 +75,7 @@ class Cluster:
              "--timeline", str(self.root / f"timeline-{node}"), "--job", self.job, "--node", node,
              "--replica-nodes", self.ring, "--replica-listen", "127.0.0.1",
              "--replica-interval", "0.2", "--replica-lost-after", "1", "--native-stacks", "false",
-             "--interval", "0.25", "-v"],
+             "--interval", "0.25", "-v", "--replica-dir", str(self.runs[node] / ".replicas")],
             env=self.env(node), stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         log.close()
