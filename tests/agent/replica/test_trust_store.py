@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from jobrun import free_port
+from polling import catches_sigterm, wait_for
 from replica_helpers import CAP, TOKEN
 
 from diag.agent.replica.store import ReplicaStore
@@ -85,7 +87,9 @@ def test_a_store_dir_that_is_not_the_agents_own_is_refused(tmp_path, problem):
 
 
 def test_the_agent_exits_2_on_a_planted_store_and_deletes_nothing(tmp_path):
-    """End to end: the agent started with --replica-nodes and a planted `.replicas` link."""
+    """End to end, finding A1: a `.replicas` link planted in the run directory. The store lives
+    in the agent's own state directory now, so the link is not even looked at: the agent starts
+    and the target is intact. Named as --replica-dir, the link is refused with exit 2."""
     target = victim(tmp_path / "elsewhere")
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
@@ -96,8 +100,20 @@ def test_the_agent_exits_2_on_a_planted_store_and_deletes_nothing(tmp_path):
     cmd = [sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir),
            "--timeline", str(tmp_path / "timeline"), "--job", "rj", "--node", "a",
            "--replica-nodes", ring, "--replica-listen", "127.0.0.1", "--native-stacks",
-           "false"]  # fmt: skip
+           "false", "--state-dir", str(tmp_path / "state")]  # fmt: skip
     agent = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for(lambda: catches_sigterm(agent.pid) or agent.poll() is not None, 60)
+        time.sleep(2.0)  # its start-up, the store's sweep of what a dead agent left included
+        assert agent.poll() is None, agent.communicate()[0].decode(errors="replace")
+    finally:
+        agent.terminate()
+        agent.communicate(timeout=30)
+    assert intact(target)
+    agent = subprocess.Popen(
+        [*cmd, "--replica-dir", str(run_dir / ".replicas")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
     try:
         out, _ = agent.communicate(timeout=30)
     finally:
