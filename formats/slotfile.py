@@ -1,4 +1,5 @@
-"""Slot files of flash-checkpoint snapshots: mapping, the seqlock, locks, and room in tmpfs.
+"""Slot files of flash-checkpoint snapshots: mapping, the seqlock and locks (room in tmpfs:
+shmroom.py).
 
 The format is described in snapshot.py. No torch here: the agent reads slots with this module.
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.locks import EXCLUSIVE, SHARED, UNLOCK, ofd_lock
+from diag.formats.shmroom import space_message
 from diag.formats.slotmeta import MAX_META_BYTES, parse_meta
 from diag.formats.snapshot import (
     CLOSED_CLEAN,
@@ -308,47 +310,6 @@ def _reserve(fd: int, path: Path, size: int, allocated: int | None = None) -> No
             raise
         if size > current:
             os.ftruncate(fd, size)  # a filesystem without fallocate: sparse, as good as it gets
-
-
-def free_bytes(directory: Path) -> int:
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
-
-
-def is_memory_backed(directory: Path) -> bool:
-    """True when `directory` lives on tmpfs (or ramfs)."""
-    try:
-        best, fstype = "", ""
-        target = str(directory.resolve())
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3:
-                    mnt = parts[1].replace("\\040", " ")
-                    inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
-                    if inside and len(mnt) >= len(best):
-                        best, fstype = mnt, parts[2]
-        return fstype in ("tmpfs", "ramfs")
-    except OSError:
-        return False
-
-
-def space_message(directory: Path, needed: int) -> str:
-    free = free_bytes(directory) if directory.exists() else 0
-    return (
-        f"flash checkpoint needs {needed / 2**30:.2f} GiB more in {directory} but only "
-        f"{free / 2**30:.2f} GiB is free. Give the shared-memory directory more room: "
-        f"`docker run --shm-size=...`, or in Kubernetes mount an emptyDir with `medium: Memory` "
-        f"and a `sizeLimit` of at least the slots of all local ranks at the run directory "
-        f"(DIAG_RUN_DIR); remember that tmpfs pages count against the pod's memory limit"
-    )
-
-
-def check_space(directory: Path, needed: int) -> None:
-    """Raises ShmSpaceError, before anything is allocated, when `needed` bytes do not fit."""
-    free = free_bytes(directory)
-    if needed > free:
-        raise ShmSpaceError(space_message(directory, needed))
 
 
 @dataclass(frozen=True)

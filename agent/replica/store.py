@@ -36,7 +36,8 @@ from diag.agent.replica.wire import (
     parse_manifest,
 )
 from diag.formats.journalmeta import safe_job_name
-from diag.formats.slotfile import SlotFile, check_space
+from diag.formats.shmroom import check_space
+from diag.formats.slotfile import SlotFile
 from diag.formats.snapshot import SnapshotError
 from diag.formats.untrusted import (
     KIB,

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.rundir import make_run_dir
-from diag.formats.slotfile import SlotFile, check_space, is_memory_backed
+from diag.formats.shmroom import check_space, is_memory_backed
+from diag.formats.slotfile import SlotFile
 from diag.formats.snapshot import SlotView, SnapshotError, align, slot_path, write_order
 from diag.formats.untrusted import Owners, UntrustedInput
 
