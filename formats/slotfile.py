@@ -24,6 +24,7 @@ from pathlib import Path
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.locks import EXCLUSIVE, SHARED, UNLOCK, ofd_lock
 from diag.formats.shmroom import space_message
+from diag.formats.slotcache import DESCRIPTIONS, SlotIdentity
 from diag.formats.slotmeta import MAX_META_BYTES, parse_meta
 from diag.formats.snapshot import (
     CLOSED_CLEAN,
@@ -59,7 +60,7 @@ class SlotFile:
         self.mm = mm
         self.writable = writable
         st = os.fstat(fd)
-        self.inode = st.st_ino
+        self.device, self.inode = st.st_dev, st.st_ino
         self.owner_uid = st.st_uid  # who wrote it: whose save directory it may name
         self._locked = False
 
@@ -187,18 +188,28 @@ class SlotFile:
         return unpack_header(self.mm)
 
     def meta(self) -> SnapshotMeta:
-        """The validated description of the complete snapshot (UntrustedInput if malformed)."""
+        """The validated description of the complete snapshot (UntrustedInput if malformed),
+        parsed once per generation of the slot (slotcache.py)."""
         h = self.header()
         if not h.complete:
             raise SnapshotError(f"{self.path}: no complete snapshot (generation {h.gen})")
-        if (
-            h.meta_offset < HEADER_SIZE
-            or h.meta_len > MAX_META_BYTES
-            or h.meta_offset + h.meta_len > len(self.mm)
-        ):
+        if h.meta_len > MAX_META_BYTES:  # refused unread
+            raise UntrustedInput(
+                self.path, f"snapshot description of {h.meta_len} bytes, over {MAX_META_BYTES}"
+            )
+        if h.meta_offset < HEADER_SIZE or h.meta_offset + h.meta_len > len(self.mm):
             raise UntrustedInput(self.path, "snapshot description out of bounds")
-        data = self.mm[h.meta_offset : h.meta_offset + h.meta_len]
-        return parse_meta(data, source=str(self.path), data_end=h.meta_offset)
+        source = str(self.path)
+        return DESCRIPTIONS.parse(
+            SlotIdentity.of(self.device, self.inode, len(self.mm), h),
+            source,
+            lambda: parse_meta(
+                self.mm[h.meta_offset : h.meta_offset + h.meta_len],
+                source=source,
+                data_end=h.meta_offset,
+            ),
+            lambda: self.header() == h,  # not rewritten while it was read
+        )
 
     def view(self, offset: int, length: int) -> memoryview:
         if offset < HEADER_SIZE or offset + length > len(self.mm):

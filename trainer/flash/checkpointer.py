@@ -204,12 +204,12 @@ class FlashCheckpointer:
         with phase("checkpoint"):
             files = self._capture(step, client_state or {})
             entries, data_end = layout.plan_layout(files)
-            meta = SnapshotMeta(
+            meta = layout.description(SnapshotMeta(
                 job=self.job, rank=self.rank, world_size=self.world_size,
                 local_rank=self.local_rank, node=self.node, step=step, tag=step_tag(step),
                 save_dir=self.save_dir, files=tuple(entries), device=_device_of(files),
                 run=self._run,
-            ).to_json()  # fmt: skip
+            ))  # fmt: skip
             got = self._slots.acquire(data_end + len(meta))
             # All ranks save a step or none does: a step one rank skipped alone could never be
             # restored from memory, and it would push out the ranks' common older one.
