@@ -64,6 +64,8 @@ def test_persisted_files_load_with_torch(run_dir: Path, tmp_path: Path) -> None:
     again = unpickle_state(
         slot.view(entry.pickle.offset, entry.pickle.length),
         lambda k: slot.view(spans[k].offset, spans[k].nbytes),
+        storages={k: s.nbytes for k, s in spans.items()},
+        budget=slot.capacity,
     )
     assert _equal(again, state)
     slot.close()

@@ -70,12 +70,14 @@ def setup():
     logging.getLogger().addHandler(Keep(logging.WARNING))
     return CheckpointManager(run_dir, None)
 
-def act(manager):
+def read(manager):
     try:
         found = [len(manager.snapshots(None)) for _ in range(3)]
     finally:
         manager.close(timeout=10)
     return json.dumps({"found": found, "warnings": warnings})
+
+CASES = {"read": read}
 """
 
 
@@ -87,7 +89,7 @@ def act(manager):
 def test_a_planted_description_costs_the_agent_no_memory(size: int) -> None:
     """A13: 32 MiB of `[{},...]` grew the agent by 771 MiB at every snapshots() call. Over the
     cap it is not even read; under it, its objects are counted before anything is parsed."""
-    probe = memprobe.run(f"BLOB = {size}\n" + _PLANTED)
+    probe = memprobe.run(f"BLOB = {size}\n" + _PLANTED)["read"]
     assert probe.peak_grew < 48 * MIB, probe
     got = json.loads(probe.outcome)
     assert got["found"] == [0, 0, 0], probe
