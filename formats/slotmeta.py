@@ -25,8 +25,9 @@ from diag.formats.untrusted import MIB, UntrustedInput, bounded_int, parse_json,
 
 # Measured on real ZeRO 1/2/3 snapshots (fp32, bf16): 43 bytes per storage (ZeRO-3 keeps one per
 # parameter tensor, ZeRO 1/2 a handful per group) and about 170 per file. 8 MiB holds 190,000
-# parameter tensors, four times a 671B MoE model's whole count; parsing costs about ten times
-# the bytes parsed at worst (short keys), once per change of a slot (slotcache.py).
+# parameter tensors, about four times a 671B MoE model's whole count. Parsing takes at most
+# about 15 times the bytes parsed (one object of short unique keys: 120 MB at the cap; unique
+# strings or numbers 8-9 times), once per change of a slot (slotcache.py).
 MAX_META_BYTES = 8 * MIB
 MAX_FILES = 65536
 MAX_STORAGES = 1 << 18  # in all the files of one snapshot (37 bytes at least each)
