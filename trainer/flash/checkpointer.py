@@ -282,7 +282,7 @@ class FlashCheckpointer:
             if got.resharded_from is not None:
                 self.stats.resharded_from = got.resharded_from
                 self.stats.last_reshard_seconds = got.reshard_seconds
-        self.stats.memory_step = plan.step if plan.source == Source.MEMORY else None
+            self.stats.memory_step = plan.step if plan.source == Source.MEMORY else None
         return plan.step
 
     def _place(self) -> Place:
