@@ -31,7 +31,7 @@ from typing import Any
 
 from diag.trainer.flash.allowlist import allowed
 from diag.trainer.flash.picklerules import standin
-from diag.trainer.flash.picklestandins import Budget, Made, Proof, current, describe
+from diag.trainer.flash.picklestandins import Budget, Made, Proof, current, describe, short
 from diag.trainer.flash.refused import RefusedCall, RefusedGlobal, RefusedPickle
 
 __all__ = ["Budget", "canonical", "prove"]
@@ -65,16 +65,16 @@ class _Prover(pickle.Unpickler):
         except (KeyError, TypeError):
             pass
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise RefusedCall(f"persistent id {pid!r:.80}: torch.save writes storages only")
+            raise RefusedCall(f"persistent id {short(pid)}: torch.save writes storages only")
         _, storage_type, key, _location, numel = pid
         itemsize = _storage_itemsize(storage_type)
         if itemsize is None:
             raise RefusedCall(f"a storage of {describe(storage_type)}, not of a storage type")
         nbytes = proof.storages.get(key) if isinstance(key, str) else None
         if nbytes is None:
-            raise RefusedCall(f"storage {key!r:.40} is not one the slot holds")
+            raise RefusedCall(f"storage {short(key)} is not one the slot holds")
         if not isinstance(numel, int) or not 0 <= numel * itemsize <= nbytes:
-            raise RefusedCall(f"storage {key} of {numel!r:.40} items, {nbytes} bytes in the slot")
+            raise RefusedCall(f"storage {key} of {short(numel)} items, {nbytes} bytes in the slot")
         found = proof.loaded.get((key, itemsize))
         if found is None:
             if key not in proof.copied:

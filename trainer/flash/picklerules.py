@@ -25,6 +25,7 @@ from diag.trainer.flash.picklestandins import (
     describe,
     ints,
     scalars,
+    short,
     sized,
 )
 from diag.trainer.flash.refused import RefusedCall
@@ -43,11 +44,13 @@ def _view(where: str, args: tuple) -> Made:
     if type(size) is not tuple or type(stride) is not tuple:
         size, stride = ints(size, where, "size"), ints(stride, where, "stride")
     if type(offset) is not int or offset < 0 or len(size) != len(stride) or len(size) > MAX_DIMS:
-        raise RefusedCall(f"{where}: size {size!r:.80}, stride {stride!r:.80}, offset {offset!r}")
+        raise RefusedCall(
+            f"{where}: size {short(size)}, stride {short(stride)}, offset {short(offset)}"
+        )
     numel, end = 1, offset + 1
     for n, step in zip(size, stride, strict=True):
         if type(n) is not int or type(step) is not int or n < 0 or step < 0:
-            raise RefusedCall(f"{where}: size {size!r:.80}, stride {stride!r:.80}")
+            raise RefusedCall(f"{where}: size {short(size)}, stride {short(stride)}")
         numel *= n
         end += (n - 1) * step
     if numel and end > storage.size:
@@ -153,7 +156,7 @@ def _encode(where: str, args: tuple) -> bytes:
     if not 1 <= len(args) <= 3 or not isinstance(args[0], str):
         raise RefusedCall(f"{where} of {describe(args[0] if args else None)}, not of a string")
     if len(args) == 1 or args[1] not in ("latin1", "latin-1"):
-        raise RefusedCall(f"{where} to {args[1:2]!r}: protocol 2 writes bytes as latin1 only")
+        raise RefusedCall(f"{where} to {short(args[1:2])}: protocol 2 writes bytes as latin1 only")
     charge(len(args[0]), where)
     return args[0].encode("latin-1")
 
@@ -176,11 +179,11 @@ def _small(where: str, args: tuple) -> Made:
 
 def _range(where: str, args: tuple) -> Made:
     if not 1 <= len(args) <= 3 or not all(isinstance(a, int) for a in args):
-        raise RefusedCall(f"{where} of {args!r:.80}")
+        raise RefusedCall(f"{where} of {short(args)}")
     try:
         n = len(range(*args))
     except (OverflowError, ValueError) as e:
-        raise RefusedCall(f"{where} of {args!r:.80}: {e}") from None
+        raise RefusedCall(f"{where} of {short(args)}: {e}") from None
     return Made(f"a {where}", "sized", n)  # never expanded here: its copies are charged
 
 
@@ -191,7 +194,7 @@ def _container(obj: Made, args: tuple) -> None:
         obj.size = sized(args[0], type(obj)._where)
         charge(ELEMENT * obj.size, type(obj)._where)
     if len(args) > 2 or (len(args) == 2 and not isinstance(args[1], int | None)):
-        raise RefusedCall(f"{type(obj)._where} called with {args!r:.80}")
+        raise RefusedCall(f"{type(obj)._where} called with {short(args)}")
 
 
 def _defaultdict(obj: Made, args: tuple) -> None:
@@ -208,7 +211,7 @@ def _bytearray(obj: Made, args: tuple) -> None:
     if args:
         n = args[0] if isinstance(args[0], int) else sized(args[0], "builtins.bytearray")
         if n < 0 or len(args) > 3:
-            raise RefusedCall(f"builtins.bytearray of {args!r:.80}")
+            raise RefusedCall(f"builtins.bytearray of {short(args)}")
         charge(n, "builtins.bytearray")
         obj.size = n
 

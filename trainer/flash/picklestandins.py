@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
+import reprlib
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -75,7 +77,7 @@ def _build_on_class(cls: Any, state: Any) -> None:
 
 def _keys(state: Any) -> str:
     parts = state if isinstance(state, tuple) else (state,)
-    names = [repr(k)[:40] for p in parts if isinstance(p, dict) for k in list(p)[:5]]
+    names = [short(k) for p in parts if isinstance(p, dict) for k in itertools.islice(p, 5)]
     return "attributes " + ", ".join(names) if names else "its state"
 
 
@@ -176,6 +178,15 @@ def sized(x: Any, where: str) -> int:
     raise RefusedCall(f"{where} of {describe(x)}, whose length the checkpoint states nowhere")
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 40
+
+
+def short(x: Any) -> str:
+    """A value from the pickle in an error message: bounded, however big or deep it is."""
+    return _SHORT.repr(x)
+
+
 def describe(x: Any) -> str:
     if isinstance(x, Made):
         return x.what
@@ -193,7 +204,7 @@ def ints(x: Any, where: str, what: str) -> tuple[int, ...]:
         raise RefusedCall(f"{where}: {what} must be up to {MAX_DIMS} integers, not {describe(x)}")
     for n in x:
         if not isinstance(n, int) or n < 0:
-            raise RefusedCall(f"{where}: {what} holds {n!r}, not a count")
+            raise RefusedCall(f"{where}: {what} holds {short(n)}, not a count")
     return tuple(x)
 
 
@@ -220,7 +231,7 @@ def attribute_state(real: type, state: Any, what: str) -> None:
     for key in state:
         if not isinstance(key, str) or _shadows(real, key):
             raise RefusedBuild(
-                f"attribute {key!r} of {what} would shadow a method or special name of "
+                f"attribute {short(key)} of {what} would shadow a method or special name of "
                 f"{real.__module__}.{real.__qualname__}; a checkpoint sets data attributes only"
             )
     charge(ELEMENT * len(state), f"the state of {what}")
