@@ -101,7 +101,7 @@ class Made:
             else:
                 attribute_state(real, state, self.what)
         elif self.kind == "dtype":
-            charge(ELEMENT * count(state), "a dtype's state")
+            dtype_state(state)
         elif self.kind == "array":
             self.size = array_state(state)
         else:
@@ -250,6 +250,11 @@ def array_state(state: Any) -> int:
     raw bytes match the shape before it allocates, but an object array's list only after."""
     if not isinstance(state, tuple) or len(state) not in (4, 5):
         raise RefusedBuild(f"an array's state is {describe(state)}")
+    if len(state) == 5 and type(state[0]) is not int:
+        raise RefusedBuild(f"an array's state of version {short(state[0])}")
+    dtype, fortran = state[-3], state[-2]
+    if not (isinstance(dtype, Made) and dtype.kind == "dtype") or type(fortran) is not bool:
+        raise RefusedBuild(f"an array's state with dtype {describe(dtype)}, {short(fortran)}")
     shape, data = ints(state[-4], "an array's state", "shape"), state[-1]
     if isinstance(data, list):
         nbytes = ELEMENT * math.prod(shape)
@@ -257,3 +262,23 @@ def array_state(state: Any) -> int:
         nbytes = sized(data, "an array's data")
     charge(nbytes, "an array's data")
     return nbytes
+
+
+_BYTE_ORDERS = frozenset({"<", ">", "|", "="})
+
+
+def dtype_state(state: Any) -> None:
+    """numpy.dtype.__setstate__: (version, byte order, subarray, names, fields, item size,
+    alignment, flags[, metadata]), as numpy writes it for the plain dtypes a checkpoint's arrays
+    and scalars have. A structured or subarray dtype is refused: numpy's own checks of those
+    states let odd ones through to its internals, and no checkpoint's state needs one."""
+    if not isinstance(state, tuple) or len(state) not in (8, 9):
+        raise RefusedBuild(f"a dtype's state is {describe(state)} of {count(state)}")
+    version, order, subarray, names, fields, *numbers = state[:8]
+    if (
+        not isinstance(version, int)
+        or order not in _BYTE_ORDERS
+        or (subarray, names, fields) != (None, None, None)
+        or not all(type(n) is int for n in numbers)
+    ):
+        raise RefusedBuild(f"a dtype's state {short(state)}: not a plain dtype's")
