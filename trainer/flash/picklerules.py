@@ -227,11 +227,14 @@ def _value(obj: Made, args: tuple) -> None:
 
 
 def _dtype(obj: Made, args: tuple) -> None:
+    """numpy.dtype(name, align, copy=True), as numpy pickles a dtype: without the copy numpy
+    hands out its own dtype of that name, shared by the whole process, which a BUILD after it
+    would change."""
     obj.kind = "dtype"
-    spec = args[0] if args else None
-    if args and not isinstance(spec, str | bytes) and not isinstance(spec, type):
-        raise RefusedCall(f"numpy.dtype of {describe(spec)}")
-    scalars(args[1:], "numpy.dtype")
+    if len(args) != 3 or not isinstance(args[0], str | bytes) or len(args[0]) > MAX_TEXT:
+        raise RefusedCall(f"numpy.dtype of {short(args)}")
+    if type(args[1]) is not bool or args[2] is not True:
+        raise RefusedCall(f"numpy.dtype of {short(args)}: not a copy of its own")
 
 
 _FUNCTIONS: dict[tuple[str, str], Callable[[str, tuple], Any]] = {
@@ -275,9 +278,6 @@ def standin(module: str, name: str) -> Any:
     where = f"{module}.{name}"
     if (module, name) in _CLASS_FUNCTIONS:  # types whose calls make a plain value
         return Global(where, _CLASS_FUNCTIONS[module, name])
-    if isinstance(real, type):
-        rule = _CLASSES.get((module, name))
-        if rule is None and module == "numpy.dtypes":
-            rule = _dtype
-        return class_standin(where, real, rule)
+    if isinstance(real, type):  # numpy.dtypes' classes too: calling one gives numpy's own dtype
+        return class_standin(where, real, _CLASSES.get((module, name)))
     return Global(where, _FUNCTIONS.get((module, name)))

@@ -148,6 +148,28 @@ def test_an_objects_state_cannot_shadow_its_methods(run_dir: Path, where, key: s
     assert type(refused.value).__name__ == "RefusedBuild"
 
 
+_DTYPE_STATE = b"(K\x03" + text("<") + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x3ftb"
+
+
+@pytest.mark.parametrize(
+    "pkl",
+    [
+        pickle_of(global_("numpy.dtypes", "UInt32DType"), b")R", _DTYPE_STATE),
+        pickle_of(global_("numpy", "dtype"), text("u4"), b"\x89\x89\x87R", _DTYPE_STATE),
+    ],
+    ids=["dtype-class-called", "dtype-without-a-copy"],
+)
+def test_numpys_own_dtypes_are_never_given_state(run_dir: Path, pkl: bytes) -> None:
+    """Both calls return numpy's own uint32 dtype, shared by the process: BUILD after them is
+    BUILD on a global. numpy pickles a dtype as a copy (`numpy.dtype(name, align, True)`)."""
+    import numpy as np
+
+    with pytest.raises(Exception, match=r"never called|not a copy of its own") as refused:
+        _load(run_dir, pkl)
+    assert type(refused.value).__name__ == "RefusedCall"
+    assert np.dtype("u4").flags == 0
+
+
 def test_what_checkpoints_hold_still_loads(run_dir: Path) -> None:
     """The bounds refuse nothing a checkpoint's client state holds (protocol 2 names builtins
     `__builtin__.set`: the code before them refused sets, bytearrays and ranges)."""
