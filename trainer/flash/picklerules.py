@@ -235,6 +235,7 @@ def _dtype(obj: Made, args: tuple) -> None:
         raise RefusedCall(f"numpy.dtype of {short(args)}")
     if type(args[1]) is not bool or args[2] is not True:
         raise RefusedCall(f"numpy.dtype of {short(args)}: not a copy of its own")
+    obj.value = (args[0], args[1])  # what its state is checked against
 
 
 _FUNCTIONS: dict[tuple[str, str], Callable[[str, tuple], Any]] = {

@@ -101,7 +101,7 @@ class Made:
             else:
                 attribute_state(real, state, self.what)
         elif self.kind == "dtype":
-            dtype_state(state)
+            dtype_state(state, self.value)
         elif self.kind == "array":
             self.size = array_state(state)
         else:
@@ -267,18 +267,31 @@ def array_state(state: Any) -> int:
 _BYTE_ORDERS = frozenset({"<", ">", "|", "="})
 
 
-def dtype_state(state: Any) -> None:
-    """numpy.dtype.__setstate__: (version, byte order, subarray, names, fields, item size,
-    alignment, flags[, metadata]), as numpy writes it for the plain dtypes a checkpoint's arrays
-    and scalars have. A structured or subarray dtype is refused: numpy's own checks of those
-    states let odd ones through to its internals, and no checkpoint's state needs one."""
-    if not isinstance(state, tuple) or len(state) not in (8, 9):
-        raise RefusedBuild(f"a dtype's state is {describe(state)} of {count(state)}")
-    version, order, subarray, names, fields, *numbers = state[:8]
+def dtype_state(state: Any, spec: Any) -> None:
+    """numpy.dtype.__setstate__ on a dtype made as `numpy.dtype(*spec)`: the state must be what
+    numpy writes for that dtype, in either byte order. numpy believes the sizes and flags a
+    state gives (flags -1 made a uint32 array look like one of objects: errors deep inside
+    numpy in a fuzz run), so nothing but the dtype's own is let through."""
+    import numpy
+
+    name, align = spec
+    own = numpy.dtype(name, align, True).__reduce__()[2]
     if (
-        not isinstance(version, int)
-        or order not in _BYTE_ORDERS
-        or (subarray, names, fields) != (None, None, None)
-        or not all(type(n) is int for n in numbers)
+        not isinstance(state, tuple)
+        or len(state) != len(own)
+        or state[1] not in _BYTE_ORDERS
+        or state[:1] + state[2:8] != own[:1] + own[2:8]
+        or (len(state) == 9 and not _datetime_unit(state[8]))
     ):
-        raise RefusedBuild(f"a dtype's state {short(state)}: not a plain dtype's")
+        raise RefusedBuild(f"a {name!s:.20} dtype's state {short(state)}: not what numpy writes")
+
+
+def _datetime_unit(metadata: Any) -> bool:
+    """A datetime64's unit, the ninth item of its dtype's state: (None, (unit, count, 1, 1))."""
+    if not (isinstance(metadata, tuple) and len(metadata) == 2 and metadata[0] is None):
+        return False
+    unit = metadata[1]
+    return (
+        isinstance(unit, tuple) and len(unit) == 4 and isinstance(unit[0], bytes)
+        and len(unit[0]) <= 8 and all(type(n) is int for n in unit[1:])
+    )  # fmt: skip

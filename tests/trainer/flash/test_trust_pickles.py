@@ -170,6 +170,22 @@ def test_numpys_own_dtypes_are_never_given_state(run_dir: Path, pkl: bytes) -> N
     assert np.dtype("u4").flags == 0
 
 
+def test_a_dtype_state_numpy_never_writes_is_refused(run_dir: Path) -> None:
+    """numpy believes the flags a dtype's state gives: -1 made a uint32 array look like one of
+    objects (errors deep inside numpy, found by the fuzz run)."""
+    import pickle
+
+    import numpy as np
+
+    good = pickle.dumps(np.zeros(2, "u4"), protocol=2)
+    flags = b"J\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00t"
+    assert good.count(flags) == 1
+    with pytest.raises(Exception, match="not what numpy writes") as refused:
+        _load(run_dir, good.replace(flags, flags[:-3] + b"J\xff\xff\xff\xfft"))
+    assert type(refused.value).__name__ == "RefusedBuild"
+    assert list(_load(run_dir, good, job="k")) == [0, 0]
+
+
 def test_what_checkpoints_hold_still_loads(run_dir: Path) -> None:
     """The bounds refuse nothing a checkpoint's client state holds (protocol 2 names builtins
     `__builtin__.set`: the code before them refused sets, bytearrays and ranges)."""
