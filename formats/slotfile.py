@@ -1,4 +1,5 @@
-"""Slot files of flash-checkpoint snapshots: mapping, the seqlock, locks, and room in tmpfs.
+"""Slot files of flash-checkpoint snapshots: mapping, the seqlock and locks (room in tmpfs:
+shmroom.py).
 
 The format is described in snapshot.py. No torch here: the agent reads slots with this module.
 
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.locks import EXCLUSIVE, SHARED, UNLOCK, ofd_lock
+from diag.formats.shmroom import space_message
+from diag.formats.slotcache import DESCRIPTIONS, SlotIdentity
 from diag.formats.slotmeta import MAX_META_BYTES, parse_meta
 from diag.formats.snapshot import (
     CLOSED_CLEAN,
@@ -57,7 +60,7 @@ class SlotFile:
         self.mm = mm
         self.writable = writable
         st = os.fstat(fd)
-        self.inode = st.st_ino
+        self.device, self.inode = st.st_dev, st.st_ino
         self.owner_uid = st.st_uid  # who wrote it: whose save directory it may name
         self._locked = False
 
@@ -185,18 +188,28 @@ class SlotFile:
         return unpack_header(self.mm)
 
     def meta(self) -> SnapshotMeta:
-        """The validated description of the complete snapshot (UntrustedInput if malformed)."""
+        """The validated description of the complete snapshot (UntrustedInput if malformed),
+        parsed once per generation of the slot (slotcache.py)."""
         h = self.header()
         if not h.complete:
             raise SnapshotError(f"{self.path}: no complete snapshot (generation {h.gen})")
-        if (
-            h.meta_offset < HEADER_SIZE
-            or h.meta_len > MAX_META_BYTES
-            or h.meta_offset + h.meta_len > len(self.mm)
-        ):
+        if h.meta_len > MAX_META_BYTES:  # refused unread
+            raise UntrustedInput(
+                self.path, f"snapshot description of {h.meta_len} bytes, over {MAX_META_BYTES}"
+            )
+        if h.meta_offset < HEADER_SIZE or h.meta_offset + h.meta_len > len(self.mm):
             raise UntrustedInput(self.path, "snapshot description out of bounds")
-        data = self.mm[h.meta_offset : h.meta_offset + h.meta_len]
-        return parse_meta(data, source=str(self.path), data_end=h.meta_offset)
+        source = str(self.path)
+        return DESCRIPTIONS.parse(
+            SlotIdentity.of(self.device, self.inode, len(self.mm), h),
+            source,
+            lambda: parse_meta(
+                self.mm[h.meta_offset : h.meta_offset + h.meta_len],
+                source=source,
+                data_end=h.meta_offset,
+            ),
+            lambda: self.header() == h,  # not rewritten while it was read
+        )
 
     def view(self, offset: int, length: int) -> memoryview:
         if offset < HEADER_SIZE or offset + length > len(self.mm):
@@ -308,47 +321,6 @@ def _reserve(fd: int, path: Path, size: int, allocated: int | None = None) -> No
             raise
         if size > current:
             os.ftruncate(fd, size)  # a filesystem without fallocate: sparse, as good as it gets
-
-
-def free_bytes(directory: Path) -> int:
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
-
-
-def is_memory_backed(directory: Path) -> bool:
-    """True when `directory` lives on tmpfs (or ramfs)."""
-    try:
-        best, fstype = "", ""
-        target = str(directory.resolve())
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3:
-                    mnt = parts[1].replace("\\040", " ")
-                    inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
-                    if inside and len(mnt) >= len(best):
-                        best, fstype = mnt, parts[2]
-        return fstype in ("tmpfs", "ramfs")
-    except OSError:
-        return False
-
-
-def space_message(directory: Path, needed: int) -> str:
-    free = free_bytes(directory) if directory.exists() else 0
-    return (
-        f"flash checkpoint needs {needed / 2**30:.2f} GiB more in {directory} but only "
-        f"{free / 2**30:.2f} GiB is free. Give the shared-memory directory more room: "
-        f"`docker run --shm-size=...`, or in Kubernetes mount an emptyDir with `medium: Memory` "
-        f"and a `sizeLimit` of at least the slots of all local ranks at the run directory "
-        f"(DIAG_RUN_DIR); remember that tmpfs pages count against the pod's memory limit"
-    )
-
-
-def check_space(directory: Path, needed: int) -> None:
-    """Raises ShmSpaceError, before anything is allocated, when `needed` bytes do not fit."""
-    free = free_bytes(directory)
-    if needed > free:
-        raise ShmSpaceError(space_message(directory, needed))
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from pathlib import Path
 from diag.agent.replica.pace import Pace
 from diag.agent.replica.wire import CHUNK, Manifest, Part, recv_exact
 from diag.formats.journalmeta import safe_job_name
-from diag.formats.slotfile import SlotFile, space_message
+from diag.formats.shmroom import space_message
+from diag.formats.slotfile import SlotFile
 from diag.formats.slotmeta import MAX_META_BYTES, parse_meta
 from diag.formats.snapshot import (
     GEN_OFFSET,

@@ -17,12 +17,12 @@ import contextlib
 import io
 import os
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diag.trainer.flash.unpickler import RestrictedUnpickler
+from diag.trainer.flash.unpickler import RestrictedUnpickler, check_pickle
 
 TORCH_PICKLE_PROTOCOL = 2  # torch.save's default
 
@@ -97,14 +97,20 @@ def unpickle_state(
     data: bytes | memoryview,
     storage_bytes: Callable[[str], memoryview],
     map_location: Any = None,
+    *,
+    storages: Mapping[str, int],
+    budget: int,
 ) -> Any:
     """The inverse of pickle_state: storages are copied out of `storage_bytes(key)` (shared memory
-    may be overwritten by the next save, so nothing may alias it). Only the globals a checkpoint
-    holds are resolved (trainer.unpickler): anything else raises RefusedGlobal."""
+    may be overwritten by the next save, so nothing may alias it). The bytes are copied once and
+    proven before they are loaded (trainer.unpickler.check_pickle: `storages`, key -> bytes the
+    slot holds; `budget`, the slot's size): a refusal raises a RefusedPickle."""
     import numpy as np
     import torch
     from torch.serialization import default_restore_location
 
+    raw = bytes(data)
+    check_pickle(raw, storages=storages, budget=budget)
     loaded: dict[str, Any] = {}
 
     def restore(storage: Any, location: str) -> Any:
@@ -137,7 +143,7 @@ def unpickle_state(
                 raise pickle.UnpicklingError(f"storage {key} is shorter than its tensors")
             return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
-    return _Unpickler(io.BytesIO(bytes(data))).load()
+    return _Unpickler(io.BytesIO(raw)).load()
 
 
 def _checkpoint_engine_base() -> type:

@@ -35,33 +35,18 @@ from diag.formats.rundir import (
 )
 from diag.formats.snapshot import (
     SnapshotMeta,
-    read_latest_step,
     step_tag,
 )
 from diag.trainer.control.client import ClientIdentity, ControlClient, shared_client
 from diag.trainer.control.commands import Agreement, CommandBox, Pending, agree, command_group
 from diag.trainer.control.period import AgreementPeriod, PeriodPolicy
-from diag.trainer.elastic import reshard
 from diag.trainer.flash import slotlayout as layout
 from diag.trainer.flash.capture import CapturedFile, capture_checkpoint
 from diag.trainer.flash.copier import Copier, Copy
-from diag.trainer.flash.restore import (
-    FileIndex,
-    Place,
-    agent_wait_from_env,
-    load_from_memory,
-    memory_index,
-    needed_files,
-    wait_for_writing,
-)
-from diag.trainer.flash.resume import (
-    RankFacts,
-    ResumePlan,
-    Source,
-    WriterFacts,
-    plan_resume,
-    replica_ranks,
-)
+from diag.trainer.flash.restore import FlashCheckpointError as FlashCheckpointError
+from diag.trainer.flash.restore import Place, agent_wait_from_env
+from diag.trainer.flash.resume import Source, WriterFacts, replica_ranks
+from diag.trainer.flash.resuming import resume
 from diag.trainer.flash.slots import RankSlots, SlotOwner
 from diag.trainer.graceful.teardown import quiesce_at_exit
 from diag.trainer.stephooks import StepHook, add_step_hook
@@ -69,10 +54,6 @@ from diag.trainer.stephooks import StepHook, add_step_hook
 log = logging.getLogger(__name__)
 
 CLOSE_DRAIN_TIMEOUT_S = 5.0
-
-
-class FlashCheckpointError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -204,12 +185,12 @@ class FlashCheckpointer:
         with phase("checkpoint"):
             files = self._capture(step, client_state or {})
             entries, data_end = layout.plan_layout(files)
-            meta = SnapshotMeta(
+            meta = layout.description(SnapshotMeta(
                 job=self.job, rank=self.rank, world_size=self.world_size,
                 local_rank=self.local_rank, node=self.node, step=step, tag=step_tag(step),
                 save_dir=self.save_dir, files=tuple(entries), device=_device_of(files),
                 run=self._run,
-            ).to_json()  # fmt: skip
+            ))  # fmt: skip
             got = self._slots.acquire(data_end + len(meta))
             # All ranks save a step or none does: a step one rank skipped alone could never be
             # restored from memory, and it would push out the ranks' common older one.
@@ -290,59 +271,23 @@ class FlashCheckpointer:
 
     def load(self) -> int | None:
         """Restores the newest checkpoint every rank can load: from memory when all ranks hold it
-        complete, else from storage. Collective. Returns the step, or None with nothing to load."""
-        import torch.distributed as dist
-
+        complete (and can read it), else from storage. Collective. Returns the step, or None
+        with nothing to load."""
         self.wait()
-        memory = tuple(self._memory_index())
-        if not memory:  # from storage, unless another rank's memory says otherwise
-            wait_for_writing(self._place())
-        dist.barrier(group=self._group)  # `latest` read once every rank's wait is over
-        facts = RankFacts(self.rank, memory, read_latest_step(self.save_dir))
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, facts, group=self._group)
-        plan = plan_resume(gathered)
-        log.info("diag: resume plan: %s (%s)", plan.source.value, plan.reason)
-        self._load(plan)
+        got = resume(self.engine, self._place(), self._group, self._slots, self._everyone)
+        plan = got.plan
+        if plan.source != Source.NONE and plan.step is not None:
+            self.client_state = got.client_state
+            self.stats.loaded_from = plan.source.value
+            if got.resharded_from is not None:
+                self.stats.resharded_from = got.resharded_from
+                self.stats.last_reshard_seconds = got.reshard_seconds
+            self.stats.memory_step = plan.step if plan.source == Source.MEMORY else None
         return plan.step
-
-    def _load(self, plan: ResumePlan) -> None:
-        stale = self._slots.discard_newer(plan.step)
-        if stale:
-            log.info(
-                "diag: snapshots newer than the resumed step %s discarded from slots %s",
-                plan.step, stale,
-            )  # fmt: skip
-        if plan.source == Source.NONE or plan.step is None:
-            return
-        tag = step_tag(plan.step)
-        if plan.source == Source.STORAGE:
-            # Through a universal checkpoint when the step was saved at another data-parallel
-            # size (snapshots in memory are per partition: at another size there are none).
-            result = reshard.load(self.engine, self.save_dir, tag)
-            path, client_state = result.path, result.client_state
-            if result.verdict.resharded:
-                self.stats.resharded_from = result.verdict.saved_dp
-                self.stats.last_reshard_seconds = result.verdict.seconds
-        else:
-            index = self._memory_index().get(plan.step)
-            if index is None:
-                raise FlashCheckpointError(f"step {plan.step} vanished from memory while loading")
-            path, client_state = load_from_memory(self.engine, self._place(), plan.step, index)
-        if path is None:
-            raise FlashCheckpointError(f"DeepSpeed could not load step {plan.step} ({plan.reason})")
-        self.client_state = client_state
-        self.stats.loaded_from = plan.source.value
-        self.stats.memory_step = plan.step if plan.source == Source.MEMORY else None
 
     def _place(self) -> Place:
         return Place(self.run_dir, self.job, self.node, self.rank, self.world_size, self.save_dir,
                      self.agent_wait)  # fmt: skip
-
-    def _memory_index(self) -> dict[int, FileIndex]:
-        return memory_index(
-            self._place(), lambda tag: needed_files(self.engine, self.save_dir, tag)
-        )
 
     # -- agent commands and acknowledgements -------------------------------------------------------
 

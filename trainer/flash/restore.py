@@ -5,9 +5,11 @@ exist) and reads them through its checkpoint engine. So we lay out empty placeho
 the snapshot's names in a private directory of the run dir, and serve their contents from shared
 memory with a loading engine; everything else is DeepSpeed's unchanged logic, for every ZeRO stage.
 
-Slots are read only when this rank's user (or root) owns them, and their pickles resolve only the
-globals a checkpoint holds (trainer.unpickler): a slot that fails either is left out, with a
-warning naming it, exactly like a torn one, so the ranks resume from storage instead.
+Slots are read only when this rank's user (or root) owns them. The files of the step the ranks
+agreed on are read and unpickled (each pickle proven first: trainer.unpickler) before DeepSpeed's
+load runs any collective, so a slot that fails for any reason is reported with its path and the
+reason, and the ranks agree on another step together (trainer.flash.resuming), instead of one
+rank failing alone in the middle of DeepSpeed's load (and again at every restart).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.rundir import control_socket_candidates
-from diag.formats.slotfile import SlotFile, Snapshot, read_snapshots, warn_once
+from diag.formats.slotfile import SlotFile, Snapshot, read_snapshots
 from diag.formats.snapshot import (
     FileEntry,
     SnapshotError,
@@ -38,7 +40,6 @@ from diag.formats.snapshot import (
 from diag.formats.untrusted import Owners, UntrustedInput, create_new, open_dir, walk_beneath
 from diag.trainer.elastic import reshard
 from diag.trainer.flash.capture import loading_engine, relative, swapped_engine, unpickle_state
-from diag.trainer.flash.unpickler import check_globals
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,11 @@ AGENT_WAIT_ENV = "DIAG_AGENT_WAIT"  # seconds an empty node's rank waits for its
 FileIndex = dict[str, tuple[Path, FileEntry]]
 
 
-class RestoreError(RuntimeError):
+class FlashCheckpointError(RuntimeError):
+    pass
+
+
+class RestoreError(FlashCheckpointError):
     pass
 
 
@@ -183,14 +188,15 @@ def _node_snapshots(place: Place) -> list[Snapshot]:
 
 def memory_index(place: Place, needed: Callable[[str], set[str]]) -> dict[int, FileIndex]:
     """step -> file index, for the snapshots this rank could load: complete, of this job layout,
-    with every file it needs held on this node (its own, or a local rank's)."""
+    with every file it needs held on this node (its own, or a local rank's). Their pickles are
+    proven when the step is read (stage): only the chosen step's, once."""
     if place.agent_wait > 0 and not _node_snapshots(place):
         wait_for_agent(place, place.agent_wait)  # an empty node: its agent may bring a replica
     wait_for_pull(place)
     local = [
         s for s in _node_snapshots(place)
         if s.meta.world_size == place.world_size
-        and s.meta.save_dir == place.save_dir and _loadable(s)
+        and s.meta.save_dir == place.save_dir
     ]  # fmt: skip
     out: dict[int, FileIndex] = {}
     for step in {s.meta.step for s in local if s.meta.rank == place.rank}:
@@ -204,29 +210,6 @@ def memory_index(place: Place, needed: Callable[[str], set[str]]) -> dict[int, F
         if needed(step_tag(step)) <= set(index):
             out[step] = index
     return out
-
-
-def _loadable(snap: Snapshot) -> bool:
-    """Every pickle of the snapshot names allowed globals only (checked without loading)."""
-    try:
-        slot = SlotFile.open(snap.path, owners=Owners.this_process())
-    except (OSError, ValueError):
-        return False  # gone meanwhile, or refused (read_snapshots warned)
-    try:
-        if slot.header().gen != snap.header.gen:
-            return False  # rewritten since it was read
-        for f in snap.meta.files:
-            if f.kind == "torch" and f.pickle is not None:
-                try:
-                    check_globals(slot.view(f.pickle.offset, f.pickle.length))
-                except pickle.UnpicklingError as e:
-                    warn_once(snap.path, f"step {snap.meta.step}, {f.path}: {e}")
-                    return False
-        return True
-    except (SnapshotError, ValueError):
-        return False
-    finally:
-        slot.close()
 
 
 def _remove_shadow(run_dir: Path, name: str) -> None:
@@ -249,45 +232,89 @@ def _fresh_shadow(run_dir: Path, name: str) -> None:
     os.mkdir(run_dir / name, 0o700)
 
 
-def load_from_memory(engine: Any, place: Place, step: int, index: FileIndex) -> tuple[Any, Any]:
-    """engine.load_checkpoint of `step`, with the bytes served from shared memory."""
+@dataclass(frozen=True)
+class LoadFailure:
+    """Why this rank could not read one of its files of a step from shared memory."""
+
+    slot: Path
+    file: str
+    reason: str
+
+
+def stage(
+    place: Place, step: int, index: FileIndex, needed: set[str]
+) -> dict[str, Any] | LoadFailure:
+    """Reads and unpickles the files of `step` this rank's load needs (relative path -> state),
+    on the CPU, where DeepSpeed's own loads map every checkpoint file. Collective-free: a
+    failure of any kind is logged once, naming the slot and the reason, and returned."""
+    objects: dict[str, Any] = {}
+    for rel in sorted(needed & set(index)):
+        path, entry = index[rel]
+        try:
+            objects[rel] = _read(path, entry, step)
+        except Exception as e:  # whatever a slot's bytes make the unpickler or a rebuild raise
+            reason = f"{type(e).__name__}: {e}"
+            log.warning(
+                "diag: step %d cannot be loaded from snapshot slot %s (%s): %s; the ranks "
+                "resume from an older step or from storage", step, path, rel, reason,
+            )  # fmt: skip
+            return LoadFailure(path, rel, reason)
+    return objects
+
+
+def _read(path: Path, entry: FileEntry, step: int, map_location: Any = None) -> Any:
+    """One file of a snapshot, unpickled: its storages copied out of the slot."""
+    slot = _open_for_load(path)
+    try:
+        h = slot.header()
+        if not h.complete or h.step != step or entry.pickle is None:
+            raise RestoreError(f"{path} no longer holds step {step}")
+        spans = {s.key: s for s in entry.storages}
+        return unpickle_state(
+            slot.view(entry.pickle.offset, entry.pickle.length),
+            lambda key: slot.view(spans[key].offset, spans[key].nbytes),
+            _on_cpu if map_location is None else map_location,
+            storages={s.key: s.nbytes for s in entry.storages},
+            budget=slot.capacity,
+        )
+    finally:
+        slot.close()
+
+
+def _on_cpu(storage: Any, location: str) -> Any:
+    return storage
+
+
+def load_from_memory(
+    engine: Any, place: Place, step: int, index: FileIndex, staged: dict[str, Any]
+) -> tuple[Any, Any]:
+    """engine.load_checkpoint of `step`, served from what `stage` read (each file once: DeepSpeed
+    keeps what it loads), and from shared memory for any file it did not."""
     name = f".{safe_job_name(place.job)}-rank{place.rank:05d}.load"
     shadow = place.run_dir / name
-    opened: dict[Path, SlotFile] = {}
     try:
         _fresh_shadow(place.run_dir, name)
         base = open_dir(shadow)
         try:
-            for path, entry in index.values():
+            for _path, entry in index.values():
                 # DeepSpeed globs and checks names; we serve the bytes
                 with walk_beneath(base, entry.parts[:-1], create=True) as d:
                     os.close(create_new(entry.parts[-1], dir_fd=d))
-                if path not in opened:
-                    opened[path] = _open_for_load(path)
         finally:
             os.close(base)
 
         def load(rel: str, map_location: Any) -> Any:
+            if rel in staged:
+                return staged.pop(rel)
             path, entry = index[rel]
-            slot = opened[path]
-            h = slot.header()
-            if not h.complete or h.step != step or entry.pickle is None:
-                raise RestoreError(f"{path} no longer holds step {step}")
-            spans = {s.key: s for s in entry.storages}
             try:
-                return unpickle_state(
-                    slot.view(entry.pickle.offset, entry.pickle.length),
-                    lambda key: slot.view(spans[key].offset, spans[key].nbytes),
-                    map_location,
-                )
-            except (pickle.UnpicklingError, KeyError) as e:
+                return _read(path, entry, step, map_location)
+            except (RestoreError, pickle.UnpicklingError, KeyError) as e:
                 raise RestoreError(f"snapshot slot {path}, {rel}: {e}") from None
 
         with swapped_engine(engine, loading_engine(str(shadow), load)), reshard.direct():
             return engine.load_checkpoint(str(shadow), tag=step_tag(step))
     finally:
-        for slot in opened.values():
-            slot.close()
         _remove_shadow(place.run_dir, name)
 
 

@@ -2,7 +2,7 @@
 
 - where to resume from: the newest step that *every* rank holds complete in memory, unless the
   storage holds a newer one (a rank killed in the middle of a copy has only its previous step, so
-  the ranks agree on that one);
+  the ranks agree on that one), and leaving out the steps a rank failed to load from memory;
 - which ranks keep a node-local copy of the model-states file so that a restart can load from
   memory on nodes where DeepSpeed writes no model file (ZeRO 1 and 2 write it on data-parallel
   rank 0 only).
@@ -35,25 +35,30 @@ class ResumePlan:
     reason: str
 
 
-def plan_resume(facts: Sequence[RankFacts]) -> ResumePlan:
+def plan_resume(facts: Sequence[RankFacts], left_out: frozenset[int] = frozenset()) -> ResumePlan:
+    """Where every rank resumes from, the same on each (they all decide on the same facts).
+    `left_out`: steps some rank could not load from memory (they all left them out together)."""
     if not facts:
         return ResumePlan(Source.NONE, None, "no ranks")
     common = set(facts[0].memory_steps)
     for f in facts[1:]:
         common &= set(f.memory_steps)
+    failed = sorted(common & left_out)
+    common -= left_out
     storage_steps = {f.storage_step for f in facts}
     storage = None if None in storage_steps else min(storage_steps)  # type: ignore[type-var]
     memory = max(common) if common else None
+    lost = f"step {', '.join(map(str, failed))} failed to load from memory; " if failed else ""
     if memory is not None and (storage is None or memory >= storage):
-        return ResumePlan(Source.MEMORY, memory, f"step {memory} is in memory on every rank")
+        return ResumePlan(Source.MEMORY, memory, f"{lost}step {memory} is in memory on every rank")
     if storage is not None:
         why = (
             f"memory holds only step {memory}, older than storage"
             if memory is not None
             else "no step is in memory on every rank"
         )
-        return ResumePlan(Source.STORAGE, storage, f"{why}; storage names step {storage}")
-    return ResumePlan(Source.NONE, None, "no checkpoint in memory or on storage")
+        return ResumePlan(Source.STORAGE, storage, f"{lost}{why}; storage names step {storage}")
+    return ResumePlan(Source.NONE, None, f"{lost}no checkpoint in memory or on storage")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from diag.formats.snapshot import HEADER_SIZE, FileEntry, Span, StorageEntry, align
+from diag.formats.slotmeta import MAX_META_BYTES
+from diag.formats.snapshot import (
+    HEADER_SIZE,
+    FileEntry,
+    SnapshotError,
+    SnapshotMeta,
+    Span,
+    StorageEntry,
+    align,
+)
 from diag.trainer.flash.capture import CapturedFile
 
 
@@ -35,6 +44,20 @@ def plan_layout(files: Sequence[CapturedFile]) -> tuple[list[FileEntry], int]:
             FileEntry(f.path, "torch", f.persist, pickle=pickled, storages=tuple(storages))
         )
     return entries, offset
+
+
+def description(meta: SnapshotMeta) -> bytes:
+    """The JSON description the slot ends with. One over the readers' cap would be refused by
+    the agent and by a restart alike (kept in memory, never persisted nor loaded): the save
+    fails here instead, saying so."""
+    blob = meta.to_json()
+    if len(blob) > MAX_META_BYTES:
+        raise SnapshotError(
+            f"the description of step {meta.step} takes {len(blob)} bytes ({len(meta.files)} "
+            f"files, {sum(len(f.storages) for f in meta.files)} storages), over the "
+            f"{MAX_META_BYTES} a slot's reader accepts: flash checkpoints cannot hold this state"
+        )
+    return blob
 
 
 def copy_storage(dst: Any, storage: Any, nbytes: int) -> None:

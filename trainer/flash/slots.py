@@ -26,7 +26,8 @@ from pathlib import Path
 
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.rundir import make_run_dir
-from diag.formats.slotfile import SlotFile, check_space, is_memory_backed
+from diag.formats.shmroom import check_space, is_memory_backed
+from diag.formats.slotfile import SlotFile
 from diag.formats.snapshot import SlotView, SnapshotError, align, slot_path, write_order
 from diag.formats.untrusted import Owners, UntrustedInput
 
@@ -244,6 +245,11 @@ class RankSlots:
                 if pinned == step:
                     del self.pins[index]
 
+    def discard(self, step: int) -> list[int]:
+        """Makes this rank's complete snapshots of `step` torn: one that failed to load is not
+        offered to the next launch again (nor persisted)."""
+        return self._discard(lambda s: s == step)
+
     def discard_newer(self, step: int | None) -> list[int]:
         """Makes the complete snapshots newer than `step` (the step the job resumed from; None:
         nothing was) torn, so they are written over first: they belong to a timeline the job
@@ -251,12 +257,15 @@ class RankSlots:
         snapshot would count as this rank's newest and pin its slot for good, leaving every
         later save a single slot to go into: a kill in the middle of a copy would then leave
         this rank nothing it can restore. Returns the slots discarded."""
+        return self._discard(lambda s: step is None or s > step)
+
+    def _discard(self, which: Callable[[int], bool]) -> list[int]:
         out = []
         for i, slot in enumerate(self.slots):
             if slot is None:
                 continue
             h = slot.header()
-            if not h.complete or (step is not None and h.step <= step):
+            if not h.complete or not which(h.step):
                 continue
             if not slot.try_lock_exclusive():
                 continue  # the agent is reading it: left for the next save to take

@@ -64,6 +64,8 @@ def test_persisted_files_load_with_torch(run_dir: Path, tmp_path: Path) -> None:
     again = unpickle_state(
         slot.view(entry.pickle.offset, entry.pickle.length),
         lambda k: slot.view(spans[k].offset, spans[k].nbytes),
+        storages={k: s.nbytes for k, s in spans.items()},
+        budget=slot.capacity,
     )
     assert _equal(again, state)
     slot.close()
@@ -209,6 +211,28 @@ def _facts(*ranks: tuple[tuple[int, ...], int | None]) -> list[RankFacts]:
 def test_plan_resume(facts: list[RankFacts], source: Source, step: int | None) -> None:
     plan = plan_resume(facts)
     assert (plan.source, plan.step) == (source, step), plan.reason
+
+
+@pytest.mark.parametrize(
+    ("facts", "left_out", "source", "step"),
+    [
+        # a rank could not load step 5: every rank takes step 4 from memory
+        (_facts(((4, 5), 3), ((4, 5), 3)), {5}, Source.MEMORY, 4),
+        # nor step 4: storage's step 3
+        (_facts(((4, 5), 3), ((4, 5), 3)), {4, 5}, Source.STORAGE, 3),
+        # storage holds the failed step too: it is loaded from there
+        (_facts(((5,), 5), ((5,), 5)), {5}, Source.STORAGE, 5),
+        (_facts(((5,), None), ((5,), None)), {5}, Source.NONE, None),
+        (_facts(((4, 5), None), ((4, 5), None)), {3}, Source.MEMORY, 5),  # not held: no effect
+    ],
+)
+def test_plan_resume_without_steps_that_failed_to_load(
+    facts: list[RankFacts], left_out: set[int], source: Source, step: int | None
+) -> None:
+    plan = plan_resume(facts, frozenset(left_out))
+    assert (plan.source, plan.step) == (source, step), plan.reason
+    failed = sorted(left_out & set(facts[0].memory_steps))
+    assert ("failed to load from memory" in plan.reason) == bool(failed), plan.reason
 
 
 @pytest.mark.parametrize(

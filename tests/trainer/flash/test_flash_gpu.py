@@ -71,6 +71,8 @@ def test_device_storages_land_in_pinned_shared_memory(run_dir: Path, tmp_path: P
         slot.view(entry.pickle.offset, entry.pickle.length),
         lambda k: slot.view(spans[k].offset, spans[k].nbytes),
         "cpu",
+        storages={k: s.nbytes for k, s in spans.items()},
+        budget=slot.capacity,
     )
     for k in ("w", "h", "b"):
         assert torch.equal(back[k], state[k].cpu())

@@ -26,7 +26,7 @@ from diag.agent.checkpoint.persist import persist_slot
 from diag.formats.slotfile import SlotFile, read_snapshots
 from diag.formats.snapshot import find_slots, slot_path
 from diag.trainer.flash.capture import CapturedFile, unpickle_state
-from diag.trainer.flash.restore import Place, memory_index
+from diag.trainer.flash.restore import LoadFailure, Place, memory_index, stage
 from diag.trainer.flash.unpickler import RefusedGlobal
 
 NOBODY = 65534
@@ -236,15 +236,21 @@ def test_trainer_refuses_a_pickle_naming_os_system(run_dir: Path, tmp_path: Path
     assert b"cos\nsystem" in pkl
     files = [CapturedFile(MODEL, "torch", pkl, [])]
     write_snapshot(slot, 5, files, job="j", rank=0, world=1, save_dir=save)
+    place = _place(run_dir, save)
+    index = memory_index(place, _needed)
     with caplog.at_level(logging.WARNING):
-        index = memory_index(_place(run_dir, save), _needed)
-    assert index == {}, "a refused slot is not offered: the ranks resume from storage"
+        failed = stage(place, 5, index[5], _needed("global_step5"))
+    assert isinstance(failed, LoadFailure), "refused when read: the ranks agree on another step"
+    assert failed.slot == slot.path and "os.system" in failed.reason
     assert [r for r in caplog.records if str(slot.path) in r.getMessage()]
     assert "os.system" in caplog.text
     entry = slot.meta().files[0]
     assert entry.pickle is not None
     with pytest.raises(RefusedGlobal, match=r"os\.system"):
-        unpickle_state(slot.view(entry.pickle.offset, entry.pickle.length), lambda k: b"")
+        unpickle_state(
+            slot.view(entry.pickle.offset, entry.pickle.length), lambda k: memoryview(b""),
+            storages={}, budget=slot.capacity,
+        )  # fmt: skip
     slot.close()
     assert not marker.exists(), "the pickle's command ran"
 
