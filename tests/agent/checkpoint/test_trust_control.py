@@ -402,7 +402,7 @@ def test_a_swapped_private_directory_changes_no_other_file(
 def _agent_process(run_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run_dir), "--job", JOB,
-         "--timeline", str(run_dir.parent / f"{run_dir.name}-tl"), "--interval", "0.2",
+         "--timeline", str(run_dir / "timeline"), "--interval", "0.2",
          "--drain", "false", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
