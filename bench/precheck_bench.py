@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "tests" / "support"))
 
 from netlab import Cluster, NetLab, netns_unavailable  # noqa: E402
 
-from diag.agent.precheck.units import fmt_rate, parse_rate  # noqa: E402
+from diag.agent.node.units import fmt_rate, parse_rate  # noqa: E402
 
 PORT = 29500
 BASE_FLAGS = ["--rdzv-timeout", "120", "--straggler-ratio", "0.5"]

@@ -172,7 +172,7 @@ def main() -> int:
         child(args)
         return 0
     if args.ref is None or not (args.ref / "agent" / "replica").is_dir():
-        ap.error("--ref must name a checkout of diag with agent/replica")
+        ap.error("--ref must name a checkout of diag with diag/agent/replica")
     scratch = Path(tempfile.mkdtemp(prefix="diag-pushbench-pkgs-"))
     try:
         return measure(args, scratch)

@@ -431,7 +431,7 @@ def _straggler_named(port: int, rank: int) -> bool:
         return out
 
     score, share = gauge("diag_rank_straggler_score"), gauge("diag_rank_straggler_wait_share")
-    # The agent's own test (agent/detect/straggler.py): most of the waiting, 10 % of the wall time.
+    # The agent's own test (diag/agent/detect/straggler.py): most of the waiting, 10 % of the wall time.
     return score.get(rank, 0.0) >= 0.1 and share.get(rank, 0.0) >= 0.5
 
 

@@ -42,7 +42,7 @@ def _code(text: Any) -> str:
 
 
 def subcommand_parser(name: str) -> argparse.ArgumentParser:
-    """The parser `diag NAME` parses with, built as cli/main.py builds it."""
+    """The parser `diag NAME` parses with, built as diag/cli/main.py builds it."""
     from diag.cli import main
 
     module_name, help_text = main.SUBCOMMANDS[name]
@@ -86,7 +86,7 @@ def cli_page() -> str:
     out = [
         "# CLI reference",
         "",
-        "Generated from the argparse parsers of `diag`'s subcommands (`cli/main.py`'s "
+        "Generated from the argparse parsers of `diag`'s subcommands (`diag/cli/main.py`'s "
         "`SUBCOMMANDS`, each module's `add_arguments`). `diag <command> --help` prints the same.",
         "",
         "| command | what it does |",
@@ -136,7 +136,7 @@ def _table_rows(table: Any) -> Iterator[str]:
 
 
 def agent_options_page() -> str:
-    from diag.agent import options
+    from diag.agent.config import options
     from diag.agent.taint import taintconfig
 
     head = "| flag | environment | config key | default | allowed | meaning |\n|---|---|---|---|---|---|"
@@ -144,8 +144,8 @@ def agent_options_page() -> str:
         [
             "# Agent options",
             "",
-            "Generated from the agent's option tables (`agent/options.py`, "
-            "`agent/taint/taintconfig.py`, read by `agent/optiontable.py`). Each option is a "
+            "Generated from the agent's option tables (`diag/agent/config/options.py`, "
+            "`diag/agent/taint/taintconfig.py`, read by `diag/agent/optiontable/optiontable.py`). Each option is a "
             "flag, an environment variable and a key of the `--config` TOML file. Precedence: "
             "the flag, then the environment variable, then the config file, then the default. A "
             "value that does not parse, is not finite (NaN, infinity) or lies outside its range "
@@ -185,8 +185,8 @@ def metrics_page() -> str:
     out = [
         "# Metric families",
         "",
-        "Generated from their declarations: `agent/metrics/families.py` (the agent's families) "
-        "and `agent/precheck/promfile.py` (the precheck's, which the agent re-exports). "
+        "Generated from their declarations: `diag/agent/metrics/families.py` (the agent's families) "
+        "and `diag/agent/precheck/promfile.py` (the precheck's, which the agent re-exports). "
         "Counters are listed by the name a scrape shows (with `_total`); a histogram shows "
         "`_bucket`, `_sum` and `_count` samples.",
         "",
@@ -231,7 +231,7 @@ def metrics_page() -> str:
 
 
 def exit_codes() -> list[tuple[int, str, str]]:
-    """(code, name, meaning) from formats/exitcodes.py: each constant and its comment (the
+    """(code, name, meaning) from diag/formats/exitcodes.py: each constant and its comment (the
     trailing one, else the comment lines just above it)."""
     from diag.formats import exitcodes
 
@@ -262,7 +262,7 @@ def exit_codes_page() -> str:
     out = [
         "# Exit codes",
         "",
-        "Generated from `formats/exitcodes.py`. Kubeflow's `restartPolicy: ExitCode` treats "
+        "Generated from `diag/formats/exitcodes.py`. Kubeflow's `restartPolicy: ExitCode` treats "
         "1-127 as permanent and 128-255 as retryable, so codes that ask for a restart sit at 128 "
         "and above.",
         "",

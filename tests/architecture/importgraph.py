@@ -41,17 +41,17 @@ class Violation:
 
 
 def repo_modules(repo: Path = REPO) -> list[Module]:
-    """Every module of every room, named as pyproject's package-dir maps it."""
+    """Every module of every room, named as its path under the repository names it."""
     found = []
     for room in layers.ROOMS:
-        for path in sorted((repo / room).rglob("*.py")):
+        for path in sorted((repo / "diag" / room).rglob("*.py")):
             parts = list(path.relative_to(repo).with_suffix("").parts)
             is_package = parts[-1] == "__init__"
             if is_package:
                 parts.pop()
             found.append(
                 Module(
-                    name=".".join(["diag", *parts]),
+                    name=".".join(parts),
                     source=path.read_text(),
                     is_package=is_package,
                     path=str(path.relative_to(repo)),

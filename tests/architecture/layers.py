@@ -13,8 +13,7 @@ it). Relative imports are resolved against the importing module.
 
 from __future__ import annotations
 
-# A room is a top-level package of diag: its folder at the repository root (pyproject's
-# package-dir maps `diag.<room>` to `<room>/`).
+# A room is a top-level package of diag: its folder `diag/<room>/`.
 ROOMS = ("formats", "proto", "collector", "trainer", "viewer", "agent", "cli")
 
 # Which rooms each room may import (its own modules always). Anything not listed is forbidden.
@@ -59,14 +58,15 @@ PURE = (
     "diag.agent.precheck.liveness",
     "diag.agent.precheck.measurements",
     "diag.agent.precheck.rounds",
-    "diag.agent.precheck.units",
+    "diag.agent.node.linkstate",
+    "diag.agent.node.units",
     "diag.agent.privilege.stance",
     "diag.agent.replica.admission",  # whom the replica server keeps waiting, whom it serves
     "diag.agent.replica.auth",  # the proofs of the replica token
     "diag.agent.replica.handover",
     "diag.agent.replica.pace",
     "diag.agent.replica.ring",
-    "diag.agent.retention",  # what the agent keeps of its own output
+    "diag.agent.retention.policy",  # what the agent keeps of its own output
     "diag.agent.taint.model",
     "diag.agent.taint.planner",
     "diag.trainer.elastic.search",
@@ -137,22 +137,19 @@ SUB_ROOMS: dict[str, dict[str, tuple[str, ...]]] = {
         "replica": ("diag.agent.replica.*",),
         "metrics": ("diag.agent.metrics.*",),
         "precheck": ("diag.agent.precheck.*",),
+        # The node's own probes (NIC, NVML device health, units) that precheck, health, taint
+        # and the options stand on.
+        "node": ("diag.agent.node.*",),
         # Who the agent is: the privilege drop, the root dump helper, the agent's own directory.
         "privilege": ("diag.agent.privilege.*",),
         # Option tables: flag > environment > TOML, parsed into typed values.
-        "optiontable": ("diag.agent.optiontable",),
+        "optiontable": ("diag.agent.optiontable.*",),
         # How much of its own output the agent keeps: the decision and the pruning.
-        "retention": ("diag.agent.retention", "diag.agent.prune"),
+        "retention": ("diag.agent.retention.*",),
         # The agent's configuration, gathered from every sub-room's settings.
-        "config": ("diag.agent.config", "diag.agent.options"),
+        "config": ("diag.agent.config.*",),
         # The loop that ties the sub-rooms together, and its executor of the core's actions.
-        "loop": (
-            "diag.agent",
-            "diag.agent.daemon",
-            "diag.agent.actions",
-            "diag.agent.replication",
-            "diag.agent.startup",
-        ),
+        "loop": ("diag.agent", "diag.agent.loop.*"),
     },
     "trainer": {
         "control": ("diag.trainer.control.*",),
@@ -178,9 +175,10 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
     "agent": {
         # The hang core, precheck and the retention decision stand on formats alone.
         "detect": frozenset(),
-        "precheck": frozenset(),
+        "node": frozenset(),
+        "precheck": frozenset({"node"}),
         "retention": frozenset(),
-        "optiontable": frozenset({"precheck"}),  # sizes parse as precheck's units do
+        "optiontable": frozenset({"node"}),  # sizes parse as the node's units do
         "observe": frozenset({"detect"}),
         "evidence": frozenset({"detect", "observe"}),
         "checkpoint": frozenset({"observe"}),
@@ -192,9 +190,11 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
         # job, metrics and taint hear of incidents through evidence's IncidentReport.
         "job": frozenset({"detect", "evidence"}),
         "metrics": frozenset({"detect", "evidence", "precheck"}),
-        "taint": frozenset({"detect", "evidence", "job", "precheck", "optiontable", "retention"}),
+        "taint": frozenset(
+            {"detect", "evidence", "job", "precheck", "node", "optiontable", "retention"}
+        ),
         # Health monitors are evidence sources of taint, read with taint's settings.
-        "health": frozenset({"taint", "precheck"}),
+        "health": frozenset({"taint", "node"}),
         "config": frozenset(
             {
                 "detect",
@@ -206,6 +206,7 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
                 "taint",
                 "health",
                 "precheck",
+                "node",
                 "optiontable",
                 "retention",
             }
@@ -228,6 +229,7 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
                 "retention",
                 "config",
                 "privilege",
+                "node",
             }
         ),
     },

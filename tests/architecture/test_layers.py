@@ -92,13 +92,13 @@ def test_a_forbidden_import_is_caught(modules: list[Module]) -> None:
         "if TYPE_CHECKING:\n"
         "    from diag.viewer.merge import main\n"
         "def later():\n"
-        "    from ...agent import daemon\n"
+        "    from ...agent.loop import daemon\n"
     )
     bad = _check_with(modules, Module("diag.trainer.flash.rogue", source))
     assert bad == [
         "diag.trainer.flash.rogue:3 imports diag.viewer.merge: trainer may import collector, "
         "formats, proto (tests/architecture/layers.py)",
-        "diag.trainer.flash.rogue:5 imports diag.agent.daemon: trainer may import collector, "
+        "diag.trainer.flash.rogue:5 imports diag.agent.loop.daemon: trainer may import collector, "
         "formats, proto (tests/architecture/layers.py)",
     ]
 
@@ -124,9 +124,11 @@ def test_an_impure_import_in_a_pure_core_is_caught(modules: list[Module]) -> Non
 
 
 def test_a_forbidden_sub_room_import_is_caught(modules: list[Module]) -> None:
-    bad = _check_with(modules, Module("diag.agent.detect.rogue", "from ..daemon import Agent\n"))
+    bad = _check_with(
+        modules, Module("diag.agent.detect.rogue", "from ..loop.daemon import Agent\n")
+    )
     assert (
-        "diag.agent.detect.rogue:1 imports diag.agent.daemon: agent.detect may import nothing of "
+        "diag.agent.detect.rogue:1 imports diag.agent.loop.daemon: agent.detect may import nothing of "
         "its room (tests/architecture/layers.py)" in bad
     ), bad
     # The loop imports (through others) every sub-room; an import the other way closes a cycle.

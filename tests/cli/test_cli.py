@@ -16,7 +16,7 @@ import pytest
 from jobrun import free_port
 from polling import catches_sigterm, wait_for
 
-from diag.agent import config as config_mod
+from diag.agent.config import agentconfig as config_mod
 from diag.agent.detect.hang import OnHang
 from diag.agent.observe.procs import stop_tree
 from diag.formats.exitcodes import USAGE, UsageError

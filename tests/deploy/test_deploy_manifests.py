@@ -14,7 +14,7 @@ import yaml
 from kustomizer import render
 from repo import ROOT
 
-from diag.agent import config as agent_config
+from diag.agent.config import agentconfig as agent_config
 from diag.agent.taint.taintconfig import TaintMode
 
 K8S = ROOT / "deploy" / "k8s"

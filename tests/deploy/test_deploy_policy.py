@@ -2,7 +2,7 @@
 (cel-python) the way the API server does (tests/support/celadmission.py).
 
 The objects are what the agent really sends: the node after the JSON merge patch that
-`agent/taint/kube.py` builds from a real plan, and the Event it posts."""
+`diag/agent/taint/kube.py` builds from a real plan, and the Event it posts."""
 
 from __future__ import annotations
 

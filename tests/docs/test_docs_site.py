@@ -18,7 +18,7 @@ from types import ModuleType
 import pytest
 from repo import ROOT
 
-from diag.agent import options
+from diag.agent.config import options
 from diag.agent.metrics import families
 from diag.agent.precheck import promfile
 from diag.agent.taint import taintconfig

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fuzzkit import FuzzTarget
 
-from diag.agent import config
+from diag.agent.config import agentconfig as config
 from diag.agent.taint import taintconfig
 from diag.cli import taintcmd
 from diag.formats.exitcodes import UsageError

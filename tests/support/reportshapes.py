@@ -11,6 +11,7 @@ from typing import Any
 from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.agent.job.decisions import NodeReport, Where
 from diag.agent.job.nodeview import view_document
+from diag.agent.node.linkstate import NicState
 from diag.agent.precheck.classify import Observations, classify
 from diag.agent.precheck.grading import Thresholds
 from diag.agent.precheck.measurements import (
@@ -18,7 +19,6 @@ from diag.agent.precheck.measurements import (
     CopyResult,
     DeviceHealth,
     LocalEvidence,
-    NicState,
     PairResult,
 )
 from diag.agent.precheck.report import PrecheckReport, build_report

@@ -21,10 +21,10 @@ import psutil
 import pytest
 from snapshot_helpers import captured, model_states, write_snapshot
 
-from diag.agent import config
-from diag.agent.daemon import Agent
+from diag.agent.config import agentconfig as config
 from diag.agent.detect.hang import EventKind, VerdictKind
 from diag.agent.detect.observation import Liveness
+from diag.agent.loop.daemon import Agent
 from diag.formats.slotfile import SlotFile
 from diag.formats.snapshot import read_latest_step, slot_path
 

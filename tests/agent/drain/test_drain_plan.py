@@ -1,4 +1,4 @@
-"""Table tests of the agent's drain decisions (agent/drain/plan.py): plain numbers for time."""
+"""Table tests of the agent's drain decisions (diag/agent/drain/plan.py): plain numbers for time."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The early reclaim notice (agent/drain/notice.py): the parsers on the documented answers, and the
+"""The early reclaim notice (diag/agent/drain/notice.py): the parsers on the documented answers, and the
 watcher polling a local HTTP server that answers as AWS's (IMDSv2 with a session token, and
 IMDSv1) and GCE's metadata servers do. The agent draining on a notice, end to end, is in
 tests/system/test_pod_delete.py."""
@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from metadata_server import ACTION, Metadata
 
-from diag.agent import config as config_mod
+from diag.agent.config import agentconfig as config_mod
 from diag.agent.drain.notice import (
     GCE_NOTICE_S,
     Notice,

@@ -25,7 +25,8 @@ from diag.agent.health.monitors import (
     carrier_evidence,
 )
 from diag.agent.health.watch import HealthWatch, needs_plan, signature
-from diag.agent.precheck.measurements import DeviceHealth, NicState, Severity
+from diag.agent.node.linkstate import NicState
+from diag.agent.precheck.measurements import DeviceHealth, Severity
 from diag.agent.precheck.report import NodeReport, Outcome, PrecheckReport
 from diag.agent.taint.gpuhealth import (
     XID_CRITICAL_EVENT,
@@ -312,7 +313,7 @@ def test_health_watch_plans_when_something_is_new(tmp_path: Path) -> None:
 def test_health_options_flags_over_env_over_file(tmp_path: Path) -> None:
     import argparse
 
-    from diag.agent import config as agent_config
+    from diag.agent.config import agentconfig as agent_config
     from diag.formats.exitcodes import UsageError
 
     conf = tmp_path / "agent.toml"

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from diag.agent import config as config_mod
+from diag.agent.config import agentconfig as config_mod
 from diag.agent.detect.hang import Policy, Verdict, VerdictKind, WatchState, decide
 from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
 from diag.agent.detect.timeouts import TimeoutPolicy

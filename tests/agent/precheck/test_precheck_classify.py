@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from diag.agent.node.linkstate import NicState
+from diag.agent.node.units import fmt_flops, fmt_rate, parse_rate, parse_size
 from diag.agent.precheck.classify import Observations, classify
 from diag.agent.precheck.grading import Thresholds
 from diag.agent.precheck.liveness import BeatTracker, pair_limit_s, round_limit_s
@@ -15,14 +17,12 @@ from diag.agent.precheck.measurements import (
     CopyResult,
     DeviceHealth,
     LocalEvidence,
-    NicState,
     PairResult,
     PairSide,
     Severity,
     merge_sides,
 )
 from diag.agent.precheck.precheckconfig import DevicePairs
-from diag.agent.precheck.units import fmt_flops, fmt_rate, parse_rate, parse_size
 
 TH = Thresholds()
 

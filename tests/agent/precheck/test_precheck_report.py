@@ -10,15 +10,10 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from diag.agent.node.linkstate import NicState
 from diag.agent.precheck.classify import Observations, classify
 from diag.agent.precheck.grading import Thresholds
-from diag.agent.precheck.measurements import (
-    ComputeResult,
-    LocalEvidence,
-    NicState,
-    PairResult,
-    Severity,
-)
+from diag.agent.precheck.measurements import ComputeResult, LocalEvidence, PairResult, Severity
 from diag.agent.precheck.promfile import FAMILIES, registry_for, write_textfile
 from diag.agent.precheck.report import Outcome, PrecheckReport, build_report, error_report
 from diag.agent.precheck.table import render

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
+from diag.agent.node.linkstate import NicState
 from diag.agent.precheck.classify import Observations, classify
 from diag.agent.precheck.grading import Thresholds
-from diag.agent.precheck.measurements import LocalEvidence, NicState, PairResult, Severity
+from diag.agent.precheck.measurements import LocalEvidence, PairResult, Severity
 from diag.agent.precheck.rounds import base_pairs, plan_round, required_partners
 
 FAST = 800e6

@@ -19,8 +19,8 @@ from replica_helpers import JOB, OWNERS, fill
 from diag.agent.checkpoint.manager import CheckpointManager, CheckpointOptions
 from diag.agent.checkpoint.persist import persist_slot
 from diag.agent.checkpoint.storage import marker_runs
+from diag.agent.loop.replication import Handoff
 from diag.agent.replica.replicator import NodeAddress, ReplicaSettings, Replicator
-from diag.agent.replication import Handoff
 from diag.formats.snapshot import read_latest_step, slot_path, writing_marker_path
 
 
@@ -96,7 +96,7 @@ def test_a_lost_peer_s_replica_is_written_and_the_step_commits(ring, tmp_path):
 
 def test_a_peer_whose_agent_answers_persists_its_own(ring, caplog):
     _, b, manager, handoff, save = ring
-    caplog.set_level(logging.INFO, logger="diag.agent.replication")
+    caplog.set_level(logging.INFO, logger="diag.agent.loop.replication")
     manager.persist_all_jobs({JOB})
     assert wait_for(lambda: "replica of b (step 4): alive" in caplog.text, 60)
     assert set(marker_runs(save, 4)) == {0, 1}  # a's own parts only
@@ -115,7 +115,7 @@ def test_a_peer_whose_agent_answers_persists_its_own(ring, caplog):
 
 def test_a_peer_that_answered_then_goes_silent_is_written(ring, caplog):
     _, b, manager, handoff, save = ring
-    caplog.set_level(logging.INFO, logger="diag.agent.replication")
+    caplog.set_level(logging.INFO, logger="diag.agent.loop.replication")
     manager.persist_all_jobs({JOB})
     assert wait_for(lambda: "replica of b (step 4): alive" in caplog.text, 60)
     b.close()

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from diag.agent import config
+from diag.agent.config import agentconfig as config
 from diag.agent.replica.settings import NodeAddress, parse_nodes
 from diag.formats.exitcodes import UsageError
 

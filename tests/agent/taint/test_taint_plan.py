@@ -1,4 +1,4 @@
-"""Table tests of the taint planner (agent/taint/planner.py): plain numbers for time."""
+"""Table tests of the taint planner (diag/agent/taint/planner.py): plain numbers for time."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ from culpritincident import write_incident
 from jobrun import free_port
 from kubecluster import cluster
 
-from diag.agent.precheck.measurements import NicState, Severity
+from diag.agent.node.linkstate import NicState
+from diag.agent.precheck.measurements import Severity
 from diag.agent.precheck.report import NodeReport, Outcome, PrecheckReport
 from diag.agent.taint.flow import taint
 from diag.agent.taint.kube import apply_plan, connect

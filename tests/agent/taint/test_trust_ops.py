@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 from children import terminate
 
-from diag.agent import config
+from diag.agent.config import agentconfig as config
 from diag.agent.metrics.server import MetricsServer
-from diag.agent.prune import prune_incidents, prune_job_verdicts
-from diag.agent.retention import Entry, Retention, to_remove
+from diag.agent.retention.policy import Entry, Retention, to_remove
+from diag.agent.retention.prune import prune_incidents, prune_job_verdicts
 from diag.agent.taint.ledger import HISTORY, TaintLedger
 from diag.agent.taint.model import Action, Reason, TaintPlan, TaintRecord
 from diag.cli.main import configure_logging
@@ -472,7 +472,9 @@ def test_agent_log_lines_lose_terminal_escapes_and_forged_lines() -> None:
         configure_logging(0, out)
         frame = "all_reduce\x1b[2J\x1b]0;owned\x07\x1b[31m (train.py:12)\nFAKE WARNING agent: ok"
         # the daemon's verdict line: "<event kind>: <message>"
-        logging.getLogger("diag.agent.daemon").warning("%s: %s", "incident", f"stuck in {frame}")
+        logging.getLogger("diag.agent.loop.daemon").warning(
+            "%s: %s", "incident", f"stuck in {frame}"
+        )
     finally:
         for h in root.handlers:
             h.close()

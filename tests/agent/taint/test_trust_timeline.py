@@ -26,8 +26,8 @@ import pytest
 from children import terminate
 from polling import catches_sigterm, wait_for
 
-from diag.agent.prune import prune_incidents
-from diag.agent.retention import Entry, Retention, to_remove
+from diag.agent.retention.policy import Entry, Retention, to_remove
+from diag.agent.retention.prune import prune_incidents
 from diag.agent.taint.ledger import HISTORY, LedgerBusy, TaintLedger
 from diag.agent.taint.model import Action, JobBudget, Reason, TaintPlan, TaintRecord
 from diag.formats.incidentdir import probe_timeline
@@ -357,7 +357,7 @@ def test_fakes_dated_2030_never_displace_this_nodes_incidents(
     fakes = [incident(tl, f"2030010{i}-000000", "n1", at=Y2030 + i) for i in range(1, 6)]
     foreign = [incident(tl, f"2030010{i}-000000", f"x{i}", at=Y2030) for i in range(1, 6)]
 
-    with caplog.at_level(logging.WARNING, logger="diag.agent.prune"):
+    with caplog.at_level(logging.WARNING, logger="diag.agent.retention.prune"):
         removed = prune_incidents(tl, Retention(count=5), now, node="n1")
         again = prune_incidents(tl, Retention(count=5), now, node="n1")
 

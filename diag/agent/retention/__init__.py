@@ -1,0 +1,3 @@
+"""How much of its own output the agent keeps: the decision (pure) and the pruning.
+May import: formats.
+"""
