@@ -2,7 +2,7 @@
 
 The entry point for `diag merge` and for anything else (the demo) that wants the picture of an
 incident. Reading and writing files happens here; the merging itself lives in analysis.py (on
-tree.py, classes.py, layout.py and flame.py), which does no I/O.
+tree.py, classes.py, flamelayout.py and flame.py), which does no I/O.
 """
 
 from __future__ import annotations

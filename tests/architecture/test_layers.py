@@ -158,7 +158,7 @@ def test_the_page_draws_the_rooms_as_they_are() -> None:
 
 
 def test_no_two_modules_share_a_name(modules: list[Module]) -> None:
-    """A name says what a module is: two `drain.py` for different things is what the rooms
+    """A name says what a module is: two modules named `drain` for different things is what the rooms
     replaced. Generated protobuf stubs aside."""
     seen: dict[str, list[str]] = {}
     for m in modules:

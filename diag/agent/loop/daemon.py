@@ -195,7 +195,7 @@ class Agent:
 
     def file_job_report(self, report: IncidentReport) -> None:
         """Files this node's report for the job verdict when it is first-hand, or later when no
-        first-hand report comes (joblink.py); the node that claims the incident first assembles
+        first-hand report comes (job/link.py); the node that claims the incident first assembles
         the verdict (in a thread)."""
         view = self._views.pop(report.verdict.incident_id, None)
         self.job_link.on_disk(report, view)
