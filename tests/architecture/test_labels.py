@@ -103,7 +103,7 @@ def module_names(dotted: str) -> frozenset[str] | None:
 
 
 def dotted_problem(name: str) -> str | None:
-    """Why `diag.x.y.Name.attr` names nothing (None: it names something)."""
+    """Why a dotted name (a module of diag, then names in it) names nothing (None: it does)."""
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
         names = module_names(".".join(parts[:cut]))
