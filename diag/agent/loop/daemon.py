@@ -14,7 +14,7 @@ from typing import Any
 
 from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.service import ControlServer
-from diag.agent.config.agentconfig import AgentConfig
+from diag.agent.config.agentconfig import AgentSettings
 from diag.agent.config.options import Until
 from diag.agent.detect.hang import (
     EventKind,
@@ -51,7 +51,7 @@ CHECKPOINT_METRICS_EVERY = 5.0  # seconds
 class Agent:
     def __init__(
         self,
-        cfg: AgentConfig,
+        cfg: AgentSettings,
         owners: Owners | None = None,
         *,
         launcher: Launcher | None = None,
@@ -335,7 +335,7 @@ class Agent:
         return server.start()
 
 
-def _ends_sooner(a: DrainRequest, b: DrainRequest, cfg: AgentConfig) -> bool:
+def _ends_sooner(a: DrainRequest, b: DrainRequest, cfg: AgentSettings) -> bool:
     grace = cfg.drain.grace if cfg.drain is not None else 0.0
 
     def end(r: DrainRequest) -> float:
