@@ -110,7 +110,7 @@ def test_alerts_cover_the_failures_and_name_real_families() -> None:
 
 
 def test_podmonitor_honors_labels_and_names_the_job_the_down_alert_matches() -> None:
-    pm = yaml.safe_load((PROM / "diag-podmonitor.yaml").read_text())
+    pm = yaml.safe_load((ROOT / "deploy/k8s/base/podmonitor.yaml").read_text())
     assert pm["kind"] == "PodMonitor"
     (endpoint,) = pm["spec"]["podMetricsEndpoints"]
     assert endpoint["honorLabels"] is True
