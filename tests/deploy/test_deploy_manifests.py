@@ -20,7 +20,7 @@ from diag.agent.taint.taintconfig import TaintMode
 
 K8S = ROOT / "deploy" / "k8s"
 WORKLOADS = ["elasticjob", "pytorchjob", "torchrun-job"]
-KUSTOMIZATIONS = ["base", "namespace", "policy", *WORKLOADS, "expiry"]
+KUSTOMIZATIONS = ["base", "namespace", "policy", *WORKLOADS, "expiry", "monitoring"]
 # The oldest release with everything used here (ValidatingAdmissionPolicy v1, native sidecars,
 # the node name in service account tokens) and the newest the schemas know.
 VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]

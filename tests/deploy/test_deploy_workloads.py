@@ -148,3 +148,14 @@ def test_two_namespaces_apply_and_delete_apart(tmp_path, kubectl):
         # Its own namespace only (the default), so two namespaces never scrape a pod twice.
         assert "namespaceSelector" not in monitor["spec"]
         assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_the_monitoring_objects_carry_the_selector_labels():
+    """The release label a default kube-prometheus-stack selects rules by, on the rules; the
+    label Grafana's dashboard sidecar watches, on the dashboard."""
+    docs = {d["kind"]: d for d in render(K8S / "monitoring")}
+    assert set(docs) == {"PrometheusRule", "ConfigMap"}
+    for d in docs.values():
+        assert d["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        assert d["metadata"]["namespace"] == "monitoring"
+    assert docs["ConfigMap"]["metadata"]["labels"]["grafana_dashboard"] == "1"
