@@ -12,14 +12,13 @@ import subprocess
 import kubernetes_validate
 import pytest
 import yaml
-from kustomizer import render
+from kustomizer import WORKLOADS, pod_templates, render
 from repo import ROOT
 
 from diag.agent.config import agentconfig as agent_config
 from diag.agent.taint.taintconfig import TaintMode
 
 K8S = ROOT / "deploy" / "k8s"
-WORKLOADS = ["elasticjob", "pytorchjob", "torchrun-job"]
 KUSTOMIZATIONS = ["base", "namespace", "policy", *WORKLOADS, "expiry", "monitoring"]
 # The oldest release with everything used here (ValidatingAdmissionPolicy v1, native sidecars,
 # the node name in service account tokens) and the newest the schemas know.
@@ -28,17 +27,6 @@ VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
 
 def by_kind(docs, kind):
     return [d for d in docs if d["kind"] == kind]
-
-
-def pod_templates(doc):
-    """(replica, PodTemplateSpec) of a workload: a custom resource's replicas, a Job's template."""
-    if doc["kind"] == "ElasticJob":
-        return [(name, spec["template"]) for name, spec in doc["spec"]["replicaSpecs"].items()]
-    if doc["kind"] == "PyTorchJob":
-        return [(k, v["template"]) for k, v in doc["spec"]["pytorchReplicaSpecs"].items()]
-    if doc["kind"] in ("Job", "Deployment", "StatefulSet"):
-        return [("", doc["spec"]["template"])]
-    return []
 
 
 def workload_pods(rendered):

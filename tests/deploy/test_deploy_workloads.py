@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kustomizer import CLUSTER_SCOPED, render
+from kustomizer import CLUSTER_SCOPED, WORKLOADS, pod_templates, render
 from repo import ROOT
-from test_deploy_manifests import WORKLOADS, pod_templates
 
 K8S = ROOT / "deploy" / "k8s"
 

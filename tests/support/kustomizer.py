@@ -87,6 +87,21 @@ def render(directory: Path) -> list[dict[str, Any]]:
     return docs
 
 
+# The example workloads of deploy/k8s, each a directory with the sidecar component.
+WORKLOADS = ["elasticjob", "pytorchjob", "torchrun-job"]
+
+
+def pod_templates(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(replica, PodTemplateSpec) of a workload: a custom resource's replicas, a Job's template."""
+    if doc["kind"] == "ElasticJob":
+        return [(name, spec["template"]) for name, spec in doc["spec"]["replicaSpecs"].items()]
+    if doc["kind"] == "PyTorchJob":
+        return [(k, v["template"]) for k, v in doc["spec"]["pytorchReplicaSpecs"].items()]
+    if doc["kind"] in ("Job", "Deployment", "StatefulSet"):
+        return [("", doc["spec"]["template"])]
+    return []
+
+
 def _patch(docs: list[dict[str, Any]], directory: Path, spec: dict[str, Any] | None = None) -> None:
     """The `patches` of a kustomization (a component's when spec is None) applied to docs."""
     if spec is None:
