@@ -64,7 +64,7 @@ def test_renderer_matches_kubectl_kustomize(name, rendered):
 def test_manifests_validate_against_the_schemas(name, version, rendered):
     checked = 0
     for doc in rendered[name]:
-        if doc["kind"] in ("ElasticJob", "PyTorchJob"):
+        if doc["kind"] in ("ElasticJob", "PyTorchJob", "JobSet"):
             # A custom resource: each replica's pod template is a core PodTemplateSpec.
             for _, spec in pod_templates(doc):
                 template = {
@@ -116,7 +116,8 @@ def test_rbac_is_least_privilege(rendered):
 
 def test_the_pods(rendered):
     pods = workload_pods(rendered)
-    assert len(pods) == 4  # the ElasticJob's workers, the PyTorchJob's master and workers, the Job
+    # The ElasticJob's workers, the PyTorchJob's master and workers, the Job, the JobSet's workers.
+    assert len(pods) == 5
     for _, _, pod in pods:
         check_pod(pod, rendered)
 

@@ -48,9 +48,10 @@ def test_every_example_has_the_same_sidecar():
                 env = sidecar.pop("env")
                 label = next(e for e in env if e["name"] == "DIAG_JOB")
                 # The job's name, from the label its operator sets on every pod.
-                assert "job-name" in str(label) or "elasticjob.dlrover/name" in str(label)
+                path = label["valueFrom"]["fieldRef"]["fieldPath"]
+                assert path.endswith(("job-name']", "jobset-name']", "elasticjob.dlrover/name']"))
                 sidecars[(example, replica)] = sidecar
-    assert len(sidecars) == 4 and all(s == next(iter(sidecars.values())) for s in sidecars.values())
+    assert len(sidecars) == 5 and all(s == next(iter(sidecars.values())) for s in sidecars.values())
 
 
 def test_the_dlrover_example_plans_within_the_30_s_dlrover_gives():

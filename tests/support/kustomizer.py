@@ -88,7 +88,7 @@ def render(directory: Path) -> list[dict[str, Any]]:
 
 
 # The example workloads of deploy/k8s, each a directory with the sidecar component.
-WORKLOADS = ["elasticjob", "pytorchjob", "torchrun-job"]
+WORKLOADS = ["elasticjob", "pytorchjob", "torchrun-job", "jobset"]
 
 
 def pod_templates(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -97,6 +97,10 @@ def pod_templates(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         return [(name, spec["template"]) for name, spec in doc["spec"]["replicaSpecs"].items()]
     if doc["kind"] == "PyTorchJob":
         return [(k, v["template"]) for k, v in doc["spec"]["pytorchReplicaSpecs"].items()]
+    if doc["kind"] == "JobSet":
+        return [
+            (r["name"], r["template"]["spec"]["template"]) for r in doc["spec"]["replicatedJobs"]
+        ]
     if doc["kind"] in ("Job", "Deployment", "StatefulSet"):
         return [("", doc["spec"]["template"])]
     return []

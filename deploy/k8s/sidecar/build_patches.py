@@ -4,7 +4,8 @@ kustomization.yaml, from sidecar.yaml, for each kind of workload in TARGETS.
     python deploy/k8s/sidecar/build_patches.py     # rewrites them next to it
 
 The outputs are committed; tests/deploy/test_deploy_workloads.py checks they match this script.
-One definition, one patch per pod template: a PyTorchJob has two (Master, Worker).
+One definition, one patch per pod template: a PyTorchJob has two (Master, Worker); a JobSet's
+first replicated job gets it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ TARGETS = (
     Target("pytorchjob-worker", "PyTorchJob", "/spec/pytorchReplicaSpecs/Worker/template",
            "training.kubeflow.org/job-name"),
     Target("job", "Job", "/spec/template", "batch.kubernetes.io/job-name"),
+    # A JobSet's first replicated job (the examples have one).
+    Target("jobset", "JobSet", "/spec/replicatedJobs/0/template/spec/template",
+           "jobset.sigs.k8s.io/jobset-name"),
 )  # fmt: skip
 
 
