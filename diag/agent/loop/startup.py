@@ -20,7 +20,7 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
-from diag.agent.config.agentconfig import AgentConfig
+from diag.agent.config.agentconfig import AgentSettings
 from diag.agent.evidence.pyspy import Launcher
 from diag.agent.metrics.server import bind_listener
 from diag.agent.observe.rundircheck import prepare as prepare_run_dir
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class AgentStart:
     """What the agent holds from start-up to exit: entered before the Agent is built."""
 
-    def __init__(self, cfg: AgentConfig) -> None:
+    def __init__(self, cfg: AgentSettings) -> None:
         self.cfg = cfg
         self.started_as_root = os.geteuid() == 0
         uid = cfg.trainer.uid
@@ -123,7 +123,7 @@ class AgentStart:
             self._state = None
 
 
-def _check_dirs(cfg: AgentConfig, started_as_root: bool) -> Owners:
+def _check_dirs(cfg: AgentSettings, started_as_root: bool) -> Owners:
     """The run directory made (private) or judged: whose files in it the agent believes."""
     owners = prepare_run_dir(cfg.run_dir, cfg.trainer, started_as_root=started_as_root)
     try:
