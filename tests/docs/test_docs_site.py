@@ -208,9 +208,7 @@ def test_every_page_renders_in_a_browser(site: Path, served: str) -> None:
             url = served if name == "." else f"{served}{name}/"
             browser.open(url)
             seen[name] = browser.evaluate(check)
-            outside = [
-                u for u in browser.requests if not u.startswith((served, "data:", "blob:"))
-            ]
+            outside = [u for u in browser.requests if not u.startswith((served, "data:", "blob:"))]
             found = _page_problems(seen[name], outside)
             if found:
                 problems[name] = found
@@ -220,3 +218,18 @@ def test_every_page_renders_in_a_browser(site: Path, served: str) -> None:
     for name in ("user/merge", "user/demo"):
         flames = [i for i in seen[name]["images"] if "flame" in i["src"]]
         assert flames and all(i["width"] > 300 for i in flames), (name, seen[name]["images"])
+
+
+def test_python_examples_are_valid_python() -> None:
+    """Every ```python block of the README and the guides compiles as it is, so a reader can
+    paste it (`...` stands for code of their own only where Python allows it)."""
+    broken = []
+    for md in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = md.read_text()
+        for found in re.finditer(r"^```python\n(.*?)^```", text, flags=re.M | re.S):
+            line = text[: found.start()].count("\n") + 2
+            try:
+                compile(found.group(1), f"{md.relative_to(ROOT)}:{line}", "exec")
+            except SyntaxError as e:
+                broken.append(f"{md.relative_to(ROOT)}:{line + (e.lineno or 1) - 1}: {e.msg}")
+    assert not broken, broken
