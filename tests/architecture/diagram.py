@@ -64,9 +64,7 @@ def mermaid_sub_rooms(edges: set[tuple[str, str]]) -> str:
         lines = [f"**{room}**", "", "```mermaid", *SPACING, "flowchart LR"]
         lines += [f"    {_node(f'{room}.{sub}')}[{sub}]" for sub in subs]
         lines += [
-            f"    {_node(a)} --> {_node(b)}"
-            for a, b in sorted(edges)
-            if a.split(".")[0] == room
+            f"    {_node(a)} --> {_node(b)}" for a, b in sorted(edges) if a.split(".")[0] == room
         ]
         lines.append("```")
         out.append("\n".join(lines))
