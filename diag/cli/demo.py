@@ -269,7 +269,7 @@ def report(opts: DemoSettings, result: DemoResult, out=sys.stdout) -> int:
         classes = merged.classes.get(View.PY, ())
         p(f"merged stacks: {len(classes)} classes of identical Python stacks")
         for c in classes:
-            flag = f"  SUSPECT (score {c.score:.2f})" if c.suspect else ""
+            flag = "  SUSPECT" if c.suspect else ""
             p(f"  {c.size} rank(s) [{c.ranks}] at {c.leaf}{flag}")
         p(f"  open in a browser: {merged.py_svg}")
         p(f"  native stacks:     {merged.cpp_svg}")
