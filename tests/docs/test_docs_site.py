@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import http.server
 import importlib.util
 import re
@@ -233,3 +234,16 @@ def test_python_examples_are_valid_python() -> None:
             except SyntaxError as e:
                 broken.append(f"{md.relative_to(ROOT)}:{line + (e.lineno or 1) - 1}: {e.msg}")
     assert not broken, broken
+
+
+def test_vendored_mermaid_is_the_recorded_release() -> None:
+    """The script the site serves is the npm release docsite/mermaid.py names (refresh both with
+    scripts/vendor-mermaid.sh), with its licence beside it."""
+    hook = importlib.util.spec_from_file_location("docsite_mermaid", ROOT / "docsite/mermaid.py")
+    assert hook is not None and hook.loader is not None
+    mermaid = importlib.util.module_from_spec(hook)
+    hook.loader.exec_module(mermaid)
+    script = ROOT / "docs" / mermaid.MERMAID_JS
+    assert hashlib.sha256(script.read_bytes()).hexdigest() == mermaid.MERMAID_SHA256
+    assert f'version:"{mermaid.MERMAID_VERSION}"' in script.read_text()
+    assert "MIT" in (script.parent / "LICENSE").read_text()
