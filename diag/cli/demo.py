@@ -225,9 +225,11 @@ def _job_rc_meaning(opts: DemoSettings, result: DemoResult) -> str:
 def report(opts: DemoSettings, result: DemoResult, out=sys.stdout) -> int:
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p("")
+    handled = result.agent_rc == exitcodes.HANG_DETECTED
     p(
         f"job exit code {result.job_rc}{_job_rc_meaning(opts, result)}, "
-        f"agent exit code {result.agent_rc}, {result.wall_s:.1f} s wall"
+        f"agent exit code {result.agent_rc}{' (an incident detected and handled)' if handled else ''}"
+        f", {result.wall_s:.1f} s wall"
     )
     top = [s for s in result.stragglers if s.is_straggler]
     shown = result.stragglers[:3] if opts.fault == "straggler" else top

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,8 @@ from pathlib import Path
 from repo import ROOT
 
 from diag.cli import demosettings
-from diag.cli.demo import DemoResult, _job_rc_meaning
+from diag.cli.demo import DemoResult, _job_rc_meaning, report
+from diag.formats.exitcodes import HANG_DETECTED
 from diag.trainer import demo_job
 
 
@@ -41,6 +43,8 @@ def test_demo_help_needs_nothing_installed(tmp_path: Path) -> None:
 
 
 def test_the_report_says_why_a_faulted_job_exits_1(tmp_path: Path) -> None:
+    """After a hang or a killed rank torchrun's 1 is the expected end: the report says so beside
+    the number, and what the agent's 3 means."""
     incident = [tmp_path / "incident"]
     stopped = DemoResult(workdir=tmp_path, agent_rc=0, job_rc=1, incidents=incident)
     hang, killed = (
@@ -53,3 +57,15 @@ def test_the_report_says_why_a_faulted_job_exits_1(tmp_path: Path) -> None:
     assert _job_rc_meaning(demosettings.DemoSettings(fault="none"), clean) == ""
     unexplained = DemoResult(workdir=tmp_path, agent_rc=0, job_rc=1)  # failed with no incident
     assert _job_rc_meaning(hang, unexplained) == ""
+    out = io.StringIO()
+    report(hang, stopped, out)
+    first = out.getvalue().strip().splitlines()[0]
+    assert first.startswith("job exit code 1 (expected: the agent stopped the ranks"), first
+    assert "agent exit code 0," in first, first
+    out = io.StringIO()
+    report(
+        hang,
+        DemoResult(workdir=tmp_path, agent_rc=HANG_DETECTED, job_rc=1, incidents=incident),
+        out,
+    )
+    assert "agent exit code 3 (an incident detected and handled)" in out.getvalue()
