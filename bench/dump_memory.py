@@ -16,7 +16,7 @@ rank sleeps before a collective, the others wait in it. Against that same stuck 
    pass as it ran before (py-spy --native of every rank at once: `dump_all(parallel=N)`, the
    reference), then the agent, whose parallelism now follows the limit. OOM kills, failed dumps,
    native stacks written;
-4. the agent under --manifest-mib (the limit deploy/k8s/elasticjob/elasticjob-sidecar.yaml ships now).
+4. the agent under --manifest-mib (the limit deploy/k8s/sidecar/sidecar.yaml ships now).
 
 The agents run with `--dump-parallel N`: on this small VM one dump per usable CPU would be the
 bound; N stands for a node with a core per rank, where memory is what bounds it.

@@ -1,6 +1,7 @@
-"""Writes diag-dashboard.json, the Grafana dashboard of the diag agent's metrics.
+"""Writes diag-dashboard.json, the Grafana dashboard of the diag agent's metrics, and the same
+dashboard as a ConfigMap for the Grafana sidecar (deploy/k8s/monitoring/grafana-dashboard.yaml).
 
-    python deploy/grafana/build_dashboard.py      # rewrites diag-dashboard.json next to it
+    python deploy/grafana/build_dashboard.py      # rewrites both
 
 The JSON is committed; tests check it matches this script, that every family the agent declares
 has a panel, and that every query runs against a live Prometheus.
@@ -15,6 +16,7 @@ from pathlib import Path
 from diag_panels import ANNOTATIONS, ROWS, P  # next to this script
 
 OUT = Path(__file__).with_name("diag-dashboard.json")
+CONFIGMAP = Path(__file__).parents[1] / "k8s" / "monitoring" / "grafana-dashboard.yaml"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 WIDTH = 24
 
@@ -150,6 +152,25 @@ def render() -> str:
     return json.dumps(dashboard(), indent=2) + "\n"
 
 
+def configmap(text: str) -> str:
+    """The dashboard as a ConfigMap that Grafana's dashboard sidecar (kube-prometheus-stack's
+    grafana.sidecar.dashboards) loads: it watches ConfigMaps labelled grafana_dashboard."""
+    body = "".join(f"    {line}\n" for line in text.splitlines())
+    return (
+        "# Written by deploy/grafana/build_dashboard.py: edit that, not this file.\n"
+        "apiVersion: v1\n"
+        "kind: ConfigMap\n"
+        "metadata:\n"
+        "  name: diag-dashboard\n"
+        "  labels:\n"
+        '    grafana_dashboard: "1"\n'
+        "data:\n"
+        "  diag-dashboard.json: |\n" + body
+    )
+
+
 if __name__ == "__main__":
-    OUT.write_text(render())
-    print(f"wrote {OUT}", file=sys.stderr)
+    text = render()
+    OUT.write_text(text)
+    CONFIGMAP.write_text(configmap(text))
+    print(f"wrote {OUT} and {CONFIGMAP}", file=sys.stderr)

@@ -78,8 +78,19 @@ def _top_help() -> str:
         "Fault-tolerance and diagnostics agent for distributed PyTorch/DeepSpeed training.\n\n"
         "commands:\n"
         + "\n".join(lines)
-        + "\n\nRun `diag <command> --help` for a command's options."
+        + "\n\nRun `diag <command> --help` for a command's options, `diag --version` for the "
+        "version."
     )
+
+
+def _version() -> str:
+    """The installed distribution's version; a source tree run without installing has none."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("diag")
+    except PackageNotFoundError:
+        return "(not installed: pip install . in the repository gives it a version)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -87,10 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_top_help())
         return exitcodes.OK if argv else exitcodes.USAGE
-    if argv[0] == "--version":
-        from importlib.metadata import version
-
-        print(f"diag {version('diag')}")
+    if argv[0] in ("--version", "-V"):
+        print(f"diag {_version()}")
         return exitcodes.OK
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:

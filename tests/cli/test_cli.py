@@ -158,3 +158,15 @@ def test_dump_captures_every_journaled_rank_of_a_stuck_job(tmp_path: Path) -> No
     finally:
         stop_tree(job.pid, grace=5)
         job.wait(timeout=30)
+
+
+def test_version_is_the_project_s(capsys) -> None:
+    import tomllib
+
+    from repo import ROOT
+
+    from diag.cli import main as cli
+
+    want = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"diag {want['project']['version']}"

@@ -1,6 +1,7 @@
 """The Kubernetes manifests in deploy/k8s render (kustomize) and validate against the Kubernetes
-schemas (kubernetes-validate, strict: unknown fields are errors), and say what the docs say (operator/deployment.md, operator/rbac.md):
-least-privilege RBAC, SYS_PTRACE on the sidecar only, a native sidecar, the agent's flags valid."""
+schemas (kubernetes-validate, strict: unknown fields are errors), and say what the docs say
+(operator/deployment.md, operator/rbac.md): least-privilege RBAC, SYS_PTRACE on the sidecar only,
+a native sidecar, the agent's flags valid, in the pods of every example workload."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ import subprocess
 import kubernetes_validate
 import pytest
 import yaml
-from kustomizer import render
+from kustomizer import WORKLOADS, pod_templates, render
 from repo import ROOT
 
 from diag.agent.config import agentconfig as agent_config
 from diag.agent.taint.taintconfig import TaintMode
 
 K8S = ROOT / "deploy" / "k8s"
-KUSTOMIZATIONS = ["base", "policy", "elasticjob", "expiry"]
+KUSTOMIZATIONS = ["base", "namespace", "policy", *WORKLOADS, "expiry", "monitoring"]
 # The oldest release with everything used here (ValidatingAdmissionPolicy v1, native sidecars,
 # the node name in service account tokens) and the newest the schemas know.
 VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
@@ -26,6 +27,16 @@ VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
 
 def by_kind(docs, kind):
     return [d for d in docs if d["kind"] == kind]
+
+
+def workload_pods(rendered):
+    """(example, replica, pod template) of every example workload."""
+    return [
+        (name, replica, template)
+        for name in WORKLOADS
+        for doc in rendered[name]
+        for replica, template in pod_templates(doc)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +64,14 @@ def test_renderer_matches_kubectl_kustomize(name, rendered):
 def test_manifests_validate_against_the_schemas(name, version, rendered):
     checked = 0
     for doc in rendered[name]:
-        if doc["kind"] == "ElasticJob":
-            # A custom resource: its worker's pod template is a core PodTemplateSpec.
-            for spec in doc["spec"]["replicaSpecs"].values():
+        if doc["kind"] in ("ElasticJob", "PyTorchJob", "JobSet"):
+            # A custom resource: each replica's pod template is a core PodTemplateSpec.
+            for _, spec in pod_templates(doc):
                 template = {
                     "apiVersion": "v1",
                     "kind": "PodTemplate",
                     "metadata": {"name": doc["metadata"]["name"]},
-                    "template": spec["template"],
+                    "template": spec,
                 }
                 kubernetes_validate.validate(template, version, strict=True)
                 checked += 1
@@ -80,7 +91,7 @@ def test_a_broken_manifest_is_caught():
 
 
 def test_rbac_is_least_privilege(rendered):
-    (role,) = by_kind(rendered["base"], "ClusterRole")
+    (role,) = by_kind(rendered["policy"], "ClusterRole")
     rules = sorted(
         (tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"])))
         for r in role["rules"]
@@ -90,8 +101,11 @@ def test_rbac_is_least_privilege(rendered):
         (("",), ("nodes",), ("get", "patch")),
         (("",), ("nodes/status",), ("patch",)),
     ]
-    (binding,) = by_kind(rendered["elasticjob"], "ClusterRoleBinding")
-    (account,) = by_kind(rendered["elasticjob"], "ServiceAccount")
+    assert not by_kind(rendered["base"], "ClusterRole")  # cluster-wide, once: ../policy
+    (binding,) = by_kind(rendered["namespace"], "ClusterRoleBinding")
+    (account,) = by_kind(rendered["namespace"], "ServiceAccount")
+    assert binding["metadata"]["name"] == "diag-agent-training"  # one per namespace
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "diag-agent", "namespace": "training"}
     ]
@@ -100,9 +114,15 @@ def test_rbac_is_least_privilege(rendered):
         assert "namespace" not in d["metadata"]  # cluster-scoped
 
 
-def test_the_pod(rendered):
-    (job,) = by_kind(rendered["elasticjob"], "ElasticJob")
-    pod = job["spec"]["replicaSpecs"]["worker"]["template"]
+def test_the_pods(rendered):
+    pods = workload_pods(rendered)
+    # The ElasticJob's workers, the PyTorchJob's master and workers, the Job, the JobSet's workers.
+    assert len(pods) == 5
+    for _, _, pod in pods:
+        check_pod(pod, rendered)
+
+
+def check_pod(pod, rendered):
     spec = pod["spec"]
     assert spec["serviceAccountName"] == "diag-agent" and spec["shareProcessNamespace"]
     assert spec["securityContext"]["runAsNonRoot"]
@@ -117,7 +137,7 @@ def test_the_pod(rendered):
     env = {e["name"]: e for e in sidecar["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     # The PodMonitor finds the pod and its port.
-    (monitor,) = by_kind(rendered["elasticjob"], "PodMonitor")
+    (monitor,) = by_kind(rendered["namespace"], "PodMonitor")
     labels = monitor["spec"]["selector"]["matchLabels"]
     assert labels.items() <= pod["metadata"]["labels"].items()
     ports = {p["name"] for p in sidecar["ports"]}
@@ -138,11 +158,14 @@ TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 def test_only_the_sidecar_holds_the_token(rendered):
     """No service account token in the trainer's container: the pod mounts none automatically,
     the agent mounts a projected one where the kubernetes client's in-cluster config reads it."""
-    (job,) = by_kind(rendered["elasticjob"], "ElasticJob")
-    spec = job["spec"]["replicaSpecs"]["worker"]["template"]["spec"]
-    assert spec["automountServiceAccountToken"] is False
-    (account,) = by_kind(rendered["elasticjob"], "ServiceAccount")
+    (account,) = by_kind(rendered["namespace"], "ServiceAccount")
     assert account["automountServiceAccountToken"] is False
+    for _, _, pod in workload_pods(rendered):
+        check_token(pod["spec"])
+
+
+def check_token(spec):
+    assert spec["automountServiceAccountToken"] is False
     volumes = {v["name"]: v for v in spec["volumes"]}
 
     def token_sources(c):
@@ -207,10 +230,17 @@ def test_the_in_cluster_client_reads_the_projected_token(rendered, tmp_path):
     assert cfg.ssl_ca_cert == str(root / "ca.crt")
 
 
-def test_the_sidecar_flags_are_the_agent_s(rendered, tmp_path):
-    """The sidecar's args and env parse with the real `diag agent` parser."""
-    (job,) = by_kind(rendered["elasticjob"], "ElasticJob")
-    (sidecar,) = job["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["initContainers"]
+@pytest.mark.parametrize("example", WORKLOADS)
+def test_the_sidecar_flags_are_the_agent_s(rendered, example):
+    """The sidecar's args and env parse with the real `diag agent` parser; the drain plans within
+    the grace period the pod will really have."""
+    for doc in rendered[example]:
+        for _, pod in pod_templates(doc):
+            check_flags(pod["spec"])
+
+
+def check_flags(spec):
+    (sidecar,) = spec["initContainers"]
     args = sidecar["args"]
     assert args[0] == "agent"
     parser = argparse.ArgumentParser()
@@ -221,14 +251,7 @@ def test_the_sidecar_flags_are_the_agent_s(rendered, tmp_path):
     assert cfg.taint.mode == TaintMode.ON and cfg.taint.event_namespace == "training"
     assert cfg.metrics_port == 9400 and cfg.node == "node-a"
     # The drain plans within the pod's grace period, not the 30 s default.
-    grace = job["spec"]["replicaSpecs"]["worker"]["template"]["spec"]
-    assert cfg.drain is not None and cfg.drain.grace == grace["terminationGracePeriodSeconds"]
-
-
-def test_podmonitor_in_the_base_is_the_shipped_one():
-    shipped = yaml.safe_load((ROOT / "deploy/prometheus/diag-podmonitor.yaml").read_text())
-    base = yaml.safe_load((K8S / "base/podmonitor.yaml").read_text())
-    assert base == shipped
+    assert cfg.drain is not None and cfg.drain.grace == spec["terminationGracePeriodSeconds"]
 
 
 def test_the_expiry_cronjob(rendered):

@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from dockerfile import DOCKERFILE, Stage, instructions, stages
 from repo import ROOT
-
-DOCKERFILE = ROOT / "deploy" / "image" / "Dockerfile"
 
 
 def hadolint() -> str:
@@ -44,46 +43,23 @@ def test_hadolint_does_catch_mistakes(tmp_path):
         assert rule in r.stdout
 
 
-def instructions() -> list[tuple[str, str]]:
-    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            word, _, rest = line.partition(" ")
-            out.append((word.upper(), rest))
-    return out
-
-
-def stages() -> list[tuple[str, str, list[tuple[str, str]]]]:
-    """(name, FROM image, instructions) per stage, in order; unnamed stages get ''."""
-    out: list[tuple[str, str, list[tuple[str, str]]]] = []
-    for word, rest in instructions():
-        if word == "FROM":
-            image, _, name = rest.partition(" AS ")
-            out.append((name.strip(), image.strip(), []))
-        elif out:
-            out[-1][2].append((word, rest))
-    return out
-
-
-def runs(ins: list[tuple[str, str]]) -> str:
-    return " ".join(rest for word, rest in ins if word == "RUN")
+def runs(stage: Stage) -> str:
+    return " ".join(stage.runs())
 
 
 def test_what_the_image_is():
     ins = instructions()
-    by_name = {name: (image, body) for name, image, body in stages()}
-    assert list(by_name) == ["build", "agent", "demo", ""]  # multi-stage
+    by_name = stages()
+    assert list(by_name) == ["build", "agent", "demo", "trainer", ""]  # multi-stage
     # A build without --target makes the agent: the last stage is the agent stage, unchanged.
-    assert by_name[""] == ("agent", [])
-    _, agent = by_name["agent"]
-    users = [rest for word, rest in agent if word == "USER"]
+    assert (by_name[""].image, by_name[""].instructions) == ("agent", [])
+    agent = by_name["agent"]
+    users = [rest for word, rest in agent.instructions if word == "USER"]
     assert users and not users[-1].startswith(("root", "0"))
     assert "setcap cap_sys_ptrace+ep" in runs(agent)
-    assert ("COPY", "--from=build /opt/diag /opt/diag") in agent
+    assert ("COPY", "--from=build /opt/diag /opt/diag") in agent.instructions
     for stage in ("build", "agent"):
-        text = re.sub(r'"import torch"|torch in the agent image', "", runs(by_name[stage][1]))
+        text = re.sub(r'"import torch"|torch in the agent image', "", runs(by_name[stage]))
         assert "torch" not in text, stage
     assert ("ENTRYPOINT", '["diag"]') in ins
     for word, rest in ins:
@@ -93,15 +69,28 @@ def test_what_the_image_is():
 
 
 def test_the_demo_stage_adds_cpu_torch_and_deepspeed_to_the_agent():
-    image, demo = {name: (image, body) for name, image, body in stages()}["demo"]
-    assert image == "agent"
+    demo = stages()["demo"]
+    assert demo.image == "agent"
     text = runs(demo)
     # torch pinned and first, as scripts/bootstrap.sh installs it: otherwise the CUDA build.
     assert '"torch==2.13.0"' in text and '"deepspeed==0.19.8"' in text
     assert text.index("torch==2.13.0") < text.index("deepspeed==")
     assert "torch.version.cuda is None" in text
-    users = [rest for word, rest in demo if word == "USER"]
+    users = [rest for word, rest in demo.instructions if word == "USER"]
     assert users and not users[-1].startswith(("root", "0"))
+
+
+def test_the_trainer_stage_adds_the_wheel_to_the_user_s_image():
+    """FROM the user's training image, the wheel of the build stage into its Python, left to
+    the ranks' user; no torch or DeepSpeed of ours (the image has its own)."""
+    trainer = stages()["trainer"]
+    assert trainer.image == "${TRAINER_BASE}"
+    text = runs(trainer)
+    assert "/tmp/diag-dist/diag-*.whl" in text and "==" not in text
+    users = [rest for word, rest in trainer.instructions if word == "USER"]
+    assert users[0] == "0" and users[-1] == "${TRAINER_USER}"
+    args = dict(rest.split("=", 1) for word, rest in trainer.instructions if word == "ARG")
+    assert args["TRAINER_USER"] == "1000"  # the pods' runAsUser and the agent's --trainer-uid
 
 
 def test_dockerignore_keeps_the_context_small():

@@ -19,7 +19,7 @@ from diag.agent.metrics import families as f
 
 PROM = ROOT / "deploy" / "prometheus"
 RULES = PROM / "diag-alerts.yaml"
-OPERATOR_RULES = PROM / "diag-prometheusrule.yaml"
+OPERATOR_RULES = ROOT / "deploy" / "k8s" / "monitoring" / "prometheusrule.yaml"
 GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "diag-dashboard.json"
 
@@ -110,7 +110,7 @@ def test_alerts_cover_the_failures_and_name_real_families() -> None:
 
 
 def test_podmonitor_honors_labels_and_names_the_job_the_down_alert_matches() -> None:
-    pm = yaml.safe_load((PROM / "diag-podmonitor.yaml").read_text())
+    pm = yaml.safe_load((ROOT / "deploy/k8s/base/podmonitor.yaml").read_text())
     assert pm["kind"] == "PodMonitor"
     (endpoint,) = pm["spec"]["podMetricsEndpoints"]
     assert endpoint["honorLabels"] is True
@@ -143,10 +143,17 @@ def dashboard_queries(d: dict) -> list[str]:
 
 
 def test_dashboard_json_matches_its_builder() -> None:
-    assert DASHBOARD.read_text() == dashboard_builder().render(), (
+    builder = dashboard_builder()
+    assert DASHBOARD.read_text() == builder.render(), (
         "deploy/grafana/diag-dashboard.json is out of date: run "
         "python deploy/grafana/build_dashboard.py"
     )
+    # The Grafana sidecar's ConfigMap carries the same dashboard, byte for byte.
+    configmap = builder.CONFIGMAP.read_text()
+    assert configmap == builder.configmap(DASHBOARD.read_text())
+    doc = yaml.safe_load(configmap)
+    assert doc["data"] == {"diag-dashboard.json": DASHBOARD.read_text()}
+    assert doc["metadata"]["labels"]["grafana_dashboard"] == "1"
 
 
 def test_dashboard_has_a_panel_for_every_family() -> None:
