@@ -63,29 +63,19 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("MASTER_PORT", "29500")
-    import deepspeed
-    import deepspeed.ops
     import psutil
     import torch
     import torch.distributed as dist
+    from dsengine import no_jit_ops, tiny_config, tiny_engine
 
     from diag.formats.slotfile import SlotFile
     from diag.formats.snapshot import find_slots
     from diag.trainer import FlashCheckpointer
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    no_jit_ops()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": 2},
-        "steps_per_print": 10**9,
-    }
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
-    )
+    engine = tiny_engine(16, tiny_config(2, micro_batch=2))
 
     def train() -> None:
         x = torch.randn(2, 16)

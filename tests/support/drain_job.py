@@ -48,14 +48,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    import deepspeed
-    import deepspeed.ops
     import torch
     import torch.distributed as dist
+    from dsengine import no_jit_ops, tiny_config, tiny_engine
 
     import diag.trainer
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build in tests
+    no_jit_ops()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -63,19 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     h = args.hidden
-    model = torch.nn.Sequential(
-        torch.nn.Linear(h, 2 * h), torch.nn.GELU(), torch.nn.Linear(2 * h, h)
-    )
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": args.zero},
-        "steps_per_print": 10**9,
-    }
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
-    )
+    engine = tiny_engine(h, tiny_config(args.zero))
     (out / f"pid-r{rank}").write_text(str(os.getpid()))
     ckpt = diag.trainer.FlashCheckpointer(engine, args.save_dir) if args.flash else None
     if args.linger_at_exit == "before":

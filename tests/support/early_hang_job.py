@@ -54,14 +54,13 @@ def _stop(out: Path, attempt: int, rank: int, step: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    import deepspeed
-    import deepspeed.ops
     import torch
     import torch.distributed as dist
+    from dsengine import no_jit_ops, tiny_config, tiny_engine
 
     import diag.trainer
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    no_jit_ops()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     hang_attempts = {int(a) for a in args.hang_attempts.split(",") if a}
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
@@ -69,17 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(7)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": 2},
-        "steps_per_print": 10**9,
-    }
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
-    )
+    engine = tiny_engine(32, tiny_config(2))
     diag.trainer.attach(engine, job=args.job)
     ckpt = diag.trainer.FlashCheckpointer(engine, args.save_dir, job=args.job)
     start = ckpt.load() or 0

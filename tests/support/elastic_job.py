@@ -60,12 +60,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    import deepspeed.ops
     import torch.distributed as dist
+    from dsengine import no_jit_ops
 
     from diag.trainer.graceful.teardown import quiesce_at_exit
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build in tests
+    no_jit_ops()
     # Its runs without a checkpointer or a drain (the uninterrupted baselines) use nothing of
     # diag that would register this, and would then abort at exit now and then (docs: operator/troubleshooting.md).
     quiesce_at_exit()
@@ -77,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_stage(args: argparse.Namespace, zero: int) -> None:
-    import deepspeed
     import torch
     import torch.distributed as dist
 
@@ -89,22 +88,15 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
     save_dir = Path(args.save_dir) / f"z{zero}"
     out = Path(args.out) / f"z{zero}"
     out.mkdir(parents=True, exist_ok=True)
-    config, plan = apply_elastic(
-        {
-            "elasticity": ELASTIC,
-            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-            "zero_optimization": {"stage": zero},
-            "steps_per_print": 10**9,
-        }
-    )
+    from dsengine import tiny_config, tiny_engine
+
+    base = tiny_config(zero, elasticity=ELASTIC)
+    # The batch sizes are elasticity's to choose.
+    del base["train_micro_batch_size_per_gpu"], base["gradient_accumulation_steps"]
+    config, plan = apply_elastic(base)
     assert plan is not None
     torch.manual_seed(args.seed)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(HIDDEN, 2 * HIDDEN), torch.nn.GELU(), torch.nn.Linear(2 * HIDDEN, HIDDEN)
-    )
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
-    )
+    engine = tiny_engine(HIDDEN, config)
     no_flash = args.no_flash or args.drain
     ckpt = None if no_flash else diag.trainer.FlashCheckpointer(engine, save_dir, job=job)
     start = (ckpt.load() or 0) if ckpt is not None else 0

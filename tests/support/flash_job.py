@@ -67,10 +67,10 @@ def kill_mid_copy() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    import deepspeed.ops
     import torch.distributed as dist
+    from dsengine import no_jit_ops
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    no_jit_ops()
     if args.cuda:
         import torch
 
@@ -83,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_stage(args: argparse.Namespace, zero: int) -> None:
-    import deepspeed
     import torch
     import torch.distributed as dist
 
@@ -96,24 +95,15 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     h = args.hidden
-    model = torch.nn.Sequential(
-        torch.nn.Linear(h, 2 * h), torch.nn.GELU(), torch.nn.Linear(2 * h, h)
-    )
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": zero},
-        "steps_per_print": 10**9,
-    }
+    from dsengine import tiny_config, tiny_engine
+
+    config = tiny_config(zero)
     bf16 = args.bf16 or str(zero) in args.bf16_stages.split(",")
     if bf16:
         config["bf16"] = {"enabled": True}
     if args.fp16:
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
-    )
+    engine = tiny_engine(h, config)
     if args.attach:
         diag.trainer.attach(engine, job=job)
     ckpt = None

@@ -162,13 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     node = os.environ.get("DIAG_NODE", "")
     pre = Events(out, pid=os.getpid(), node=node)
     pre("start", t=T_START)
-    import deepspeed
-    import deepspeed.ops
     import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+    from dsengine import no_jit_ops, tiny_config, tiny_engine
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build
+    no_jit_ops()
     timeout = datetime.timedelta(seconds=args.pg_timeout)
     c10d.default_pg_timeout = timeout  # DeepSpeed's own groups take the module's default
     dist.init_process_group("gloo", timeout=timeout)
@@ -177,19 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     faults = json.loads(Path(args.faults).read_text()) if args.faults else []
     torch.manual_seed(args.seed)
     h = args.hidden
-    model = torch.nn.Sequential(
-        torch.nn.Linear(h, 2 * h), torch.nn.GELU(), torch.nn.Linear(2 * h, h)
-    )
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": 2},
-        "steps_per_print": 10**9,
-    }
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
-    )
+    engine = tiny_engine(h, tiny_config(2, lr=1e-3))
     saver = Saver(args, engine)
     ev("ready")
     start, source = saver.load()

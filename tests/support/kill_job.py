@@ -41,16 +41,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     ctl = Path(args.ctl)
-    import deepspeed
-    import deepspeed.ops
     import torch
     import torch.distributed as dist
+    from dsengine import no_jit_ops, tiny_config, tiny_engine
     from faults import Injector, install_trainer, write_json_atomic
 
     import diag.trainer
 
     install_trainer(Injector(ctl, f"rank{os.environ['RANK']}"))
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    no_jit_ops()
     go = ctl / f"go-{args.gen}"
     while not go.exists():
         if (ctl / "stop").exists():
@@ -65,19 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
     h = args.hidden
-    model = torch.nn.Sequential(
-        torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h)
-    )
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": args.zero},
-        "steps_per_print": 10**9,
-    }
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
-    )
+    engine = tiny_engine(h, tiny_config(args.zero, lr=1e-3), widen=4)
     ckpt = diag.trainer.FlashCheckpointer(engine, args.save_dir, job=args.job)
     loading_at, t0 = time.time(), time.monotonic()
     start = ckpt.load() or 0

@@ -50,33 +50,20 @@ def digest(engine) -> str:  # type: ignore[no-untyped-def]
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    import deepspeed
-    import deepspeed.ops
     import torch
     import torch.distributed as dist
+    from dsengine import no_jit_ops, tiny_config, tiny_engine
 
     import diag.trainer
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build in tests
+    no_jit_ops()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     h = args.hidden
-    model = torch.nn.Sequential(
-        torch.nn.Linear(h, 2 * h), torch.nn.GELU(), torch.nn.Linear(2 * h, h)
-    )
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": 2},
-        "steps_per_print": 10**9,
-    }
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
-    )
+    engine = tiny_engine(h, tiny_config(2))
     ckpt = None if args.no_flash else diag.trainer.FlashCheckpointer(engine, args.save_dir)
     if args.drain:
         diag.trainer.graceful_exit(engine, args.save_dir, checkpointer=ckpt)
