@@ -17,8 +17,8 @@ from types import FrameType
 from typing import Any
 
 from diag.agent.checkpoint.manager import CheckpointManager
+from diag.agent.checkpoint.ranknotes import RankNotes
 from diag.agent.checkpoint.service import ControlServer
-from diag.agent.checkpoint.sessions import CommandKind
 from diag.agent.config import agentconfig as config_mod
 from diag.agent.config.agentconfig import AgentConfig
 from diag.agent.config.options import Until
@@ -33,8 +33,8 @@ from diag.agent.detect.hang import (
 )
 from diag.agent.detect.observation import Observation
 from diag.agent.drain.executor import Drainer
-from diag.agent.drain.notice import Notice, NoticeWatcher, deadline_of
-from diag.agent.drain.plan import DrainRequest, DrainState
+from diag.agent.drain.notice import NoticeWatcher
+from diag.agent.drain.plan import DrainRequest
 from diag.agent.evidence.collection import IncidentReport
 from diag.agent.evidence.pyspy import Launcher, can_trace
 from diag.agent.health.monitors import monitors_for
@@ -44,8 +44,15 @@ from diag.agent.job.link import JobLink, ranks_since_wall
 from diag.agent.job.nodeview import view_document
 from diag.agent.job.verdict import JobVerdictStore
 from diag.agent.loop.actions import Executor
-from diag.agent.loop.replication import Handoff, replica_facts, start_replication
-from diag.agent.loop.startup import AgentStart
+from diag.agent.loop.draining import Drains
+from diag.agent.loop.incidenthooks import ask_own_dumps, persist_before_acting
+from diag.agent.loop.replication import (
+    Handoff,
+    connect_ranks,
+    replica_facts,
+    start_replication,
+)
+from diag.agent.loop.startup import AgentStart, serve_metrics
 from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.server import MetricsServer
 from diag.agent.observe.observer import Observer
@@ -149,6 +156,7 @@ class Agent:
         )
         self.executor.listeners.append(self.tainter.on_incident)
         self.control: ControlServer | None = None
+        self.notes = RankNotes(cfg.node, self.checkpoints.sessions)
         self.replicator: Replicator | None = None
         self.handoff: Handoff | None = None
         self._checkpoint_fed = float("-inf")
@@ -157,41 +165,13 @@ class Agent:
             if cfg.drain is not None
             else None
         )
-        self.drained: DrainState | None = None
-        self._drain_lock = threading.Lock()
-        self._drain_request: DrainRequest | None = None
-        self._exit_after_drain = False
-        self._draining = False
+        self.drains = Drains(self.drainer, cfg, self._stop)
 
     def persist_on_incident(self, verdict: Verdict) -> None:
-        """Before anything is killed: the newest complete in-memory checkpoints of the jobs whose
-        ranks are involved go to storage (a no-op for jobs without flash checkpoints)."""
-        jobs = {safe_job_name(t.meta.job) for t in self.observer.current()}
-        t0 = time.monotonic()
-        results = self.checkpoints.persist_all_jobs(jobs)
-        if results:
-            done = sorted({(r.job, r.step) for r in results if r.ok})
-            log.warning(
-                "persisted %d in-memory checkpoint part(s) in %.2f s before acting: %s",
-                sum(r.ok for r in results),
-                time.monotonic() - t0,
-                ", ".join(f"{j} step {s}" for j, s in done) or "none usable",
-            )
+        persist_before_acting(self.checkpoints, self.observer)
 
     def dump_fallback(self, report: IncidentReport) -> None:
-        """Ranks py-spy could not dump write their own Python stacks into the incident."""
-        if report.evidence is None:
-            return
-        failed = [d.rank for d in report.evidence.dumps if d.error]
-        job = safe_job_name(report.job) if report.job else ""
-        if not failed or not job:
-            return
-        sent = self.checkpoints.send_command(
-            job, CommandKind.DUMP, failed, reason=report.verdict.summary,
-            dump_dir=str(report.evidence.path),
-        )  # fmt: skip
-        if sent:
-            log.warning("asked ranks %s to dump their own stacks", sorted(sent))
+        ask_own_dumps(self.checkpoints, report)
 
     def file_job_report(self, report: IncidentReport) -> None:
         """Files this node's report for the job verdict when it is first-hand, or later when no
@@ -214,41 +194,7 @@ class Agent:
         self._stop.set()
 
     def request_drain(self, request: DrainRequest) -> None:
-        """Asks the main loop to drain (from a signal handler or the notice watcher: it only
-        records the request). A SIGTERM during an early notice's drain makes the agent exit
-        once that drain is done, and brings its deadline forward to the grace period's."""
-        with self._drain_lock:
-            if request.exit_after:
-                self._exit_after_drain = True
-            if self._draining:
-                if self.drainer is not None:
-                    self.drainer.tighten(request)
-                return
-            if self._drain_request is not None:
-                if _ends_sooner(request, self._drain_request, self.cfg):
-                    self._drain_request = request
-                return
-            self._drain_request = request
-
-    def on_notice(self, notice: Notice) -> None:
-        deadline = deadline_of(notice, time.time(), time.monotonic())
-        self.request_drain(
-            DrainRequest(notice.describe(), time.monotonic(), deadline=deadline, exit_after=False)
-        )
-
-    def _drain(self, request: DrainRequest) -> bool:
-        """Runs a drain on the main loop; True when the agent should exit afterwards."""
-        assert self.drainer is not None
-        with self._drain_lock:
-            self._draining = True
-        try:
-            self.drained = self.drainer.run(request, abort=self._stop)
-        finally:
-            with self._drain_lock:
-                self._draining = False
-                self._drain_request = None
-                exit_after = self._exit_after_drain
-        return exit_after or self._stop.is_set()
+        self.drains.request(request)
 
     def step(self, now: float) -> list[EventKind]:
         t0 = time.perf_counter()
@@ -325,8 +271,7 @@ class Agent:
                 persist_seconds=r.last_persist_seconds or None,
                 persist_bytes=r.last_persist_bytes or None,
             )
-        if self.replicator is not None:
-            self.metrics.replica.update(replica_facts(self.replicator, self.handoff))
+        self.metrics.replica.update(replica_facts(self.replicator, self.handoff, self.notes))
 
     def run(self) -> int:
         cfg = self.cfg
@@ -349,19 +294,20 @@ class Agent:
         if cfg.control:
             path = cfg.control_socket or control_socket_path(cfg.run_dir, cfg.job)
             self.control = ControlServer(
-                path, self.checkpoints, owners=self.owners, exclusive=self._exclusive
-            ).start()
+                path, self.checkpoints, owners=self.owners, exclusive=self._exclusive,
+                notes=self.notes,
+            ).start()  # fmt: skip
         ended = False
         notices = (
-            NoticeWatcher(cfg.notice, self.on_notice).start()
+            NoticeWatcher(cfg.notice, self.drains.on_notice).start()
             if cfg.notice is not None and self.drainer is not None
             else None
         )
         try:
             while not self._stop.is_set():
-                request = self._drain_request
+                request = self.drains.pending
                 if request is not None:
-                    if self._drain(request):
+                    if self.drains.run(request):
                         break
                     continue
                 kinds = self.step(time.monotonic())
@@ -397,7 +343,8 @@ class Agent:
                 server.close()
             if self.metrics is not None:
                 self.metrics.close()
-        if self.drained is not None and self.drained.outcome.startswith("deadline reached:"):
+        drained = self.drains.drained
+        if drained is not None and drained.outcome.startswith("deadline reached:"):
             return exitcodes.DRAIN_INCOMPLETE
         return exitcodes.HANG_DETECTED if self.incidents and cfg.until != Until.FOREVER else 0
 
@@ -406,43 +353,15 @@ class Agent:
         if self.replicator is not None:
             self.handoff = Handoff(self.replicator, self.checkpoints)
             self.checkpoints.stopped_hooks.append(self.handoff.ranks_stopped)
+            connect_ranks(self.replicator, self.notes)
 
     def _time_left(self) -> float:
-        d = self.drained
-        if d is None:
-            return float("inf")
-        return max(
-            0.5,
-            d.deadline + (self.cfg.drain.margin if self.cfg.drain else 0) - 1.0 - time.monotonic(),
-        )
+        return self.drains.time_left()
 
     def _serve_metrics(self) -> MetricsServer | None:
-        cfg = self.cfg
-        if self.metrics is None or cfg.metrics_port is None:
+        if self.metrics is None:
             return None
-        try:
-            server = MetricsServer(
-                self.metrics.render,
-                cfg.metrics_host,
-                cfg.metrics_port,
-                listener=self._metrics_listener,
-            )
-        except OSError as e:
-            raise exitcodes.UsageError(
-                f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e.strerror}; "
-                "choose another --metrics-port (0 picks a free one)"
-            ) from e
-        log.info("serving metrics on http://%s:%d/metrics", cfg.metrics_host, server.port)
-        return server.start()
-
-
-def _ends_sooner(a: DrainRequest, b: DrainRequest, cfg: AgentConfig) -> bool:
-    grace = cfg.drain.grace if cfg.drain is not None else 0.0
-
-    def end(r: DrainRequest) -> float:
-        return r.deadline if r.deadline is not None else r.at + grace
-
-    return end(a) < end(b)
+        return serve_metrics(self.cfg, self.metrics, self._metrics_listener)
 
 
 def _under(decision: Decision, verdict: Verdict | None) -> Decision:

@@ -22,7 +22,8 @@ from typing import Any
 
 from diag.agent.config.agentconfig import AgentConfig
 from diag.agent.evidence.pyspy import Launcher
-from diag.agent.metrics.server import bind_listener
+from diag.agent.metrics.exporter import AgentMetrics
+from diag.agent.metrics.server import MetricsServer, bind_listener
 from diag.agent.observe.rundircheck import prepare as prepare_run_dir
 from diag.agent.privilege import drop, statedir
 from diag.agent.privilege.helperspy import DumpHelper, HelperLauncher
@@ -134,3 +135,22 @@ def _check_dirs(cfg: AgentConfig, started_as_root: bool) -> Owners:
             "--timeline or DIAG_TIMELINE to a directory this user can write"
         ) from e
     return owners
+
+
+def serve_metrics(
+    cfg: AgentConfig, metrics: AgentMetrics, listener: socket.socket | None
+) -> MetricsServer | None:
+    """The metrics endpoint, when --metrics-port asks for one."""
+    if cfg.metrics_port is None:
+        return None
+    try:
+        server = MetricsServer(
+            metrics.render, cfg.metrics_host, cfg.metrics_port, listener=listener
+        )
+    except OSError as e:
+        raise exitcodes.UsageError(
+            f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e.strerror}; "
+            "choose another --metrics-port (0 picks a free one)"
+        ) from e
+    log.info("serving metrics on http://%s:%d/metrics", cfg.metrics_host, server.port)
+    return server.start()
