@@ -25,7 +25,7 @@ from pathlib import Path
 
 from scratch import private_tmpdir
 
-from diag.cli.demo import DemoOptions, run_demo
+from diag.cli.demo import DemoSettings, run_demo
 
 PG_TIMEOUT = 60.0
 
@@ -39,7 +39,7 @@ def _fault_time(log: Path) -> float:
 
 def ours(nproc: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="diag-bench-") as d:
-        opts = DemoOptions(
+        opts = DemoSettings(
             nproc=nproc,
             fault="hang",
             fault_rank=nproc - 1,

@@ -366,14 +366,14 @@ def _free_port() -> int:
 
 def persist_with_agent(run_dir: Path, save_dir: Path) -> tuple[float, int]:
     """The agent's request path: every rank's newest snapshot, its worker threads, fsync."""
-    from diag.agent.checkpoint.manager import CheckpointManager, CheckpointOptions
+    from diag.agent.checkpoint.manager import CheckpointManager, CheckpointSettings
     from diag.formats.slotfile import read_snapshots
     from diag.formats.snapshot import find_slots
 
     snaps = read_snapshots(find_slots(run_dir, JOB))
     newest = max(s.meta.step for s in snaps)
     ranks = sorted({s.meta.rank for s in snaps if s.meta.step == newest})
-    manager = CheckpointManager(run_dir, JOB, CheckpointOptions(save_dir=save_dir, keep_last=1))
+    manager = CheckpointManager(run_dir, JOB, CheckpointSettings(save_dir=save_dir, keep_last=1))
     t0 = time.perf_counter()
     for r in ranks:
         manager.request_persist(JOB, r, newest, str(save_dir))

@@ -120,11 +120,11 @@ def measure(args: argparse.Namespace) -> int:
 def persist(args: argparse.Namespace) -> int:
     """In a process running the code under test (no torch): one persist of the newest step."""
     import diag.agent.checkpoint.manager as manager_module
-    from diag.agent.checkpoint.manager import CheckpointManager, CheckpointOptions
+    from diag.agent.checkpoint.manager import CheckpointManager, CheckpointSettings
 
     target = args.work / f"persisted-{os.getpid()}"
     os.sync()  # no writeback pending from the previous one
-    manager = CheckpointManager(args.run_dir, JOB, CheckpointOptions(save_dir=target))
+    manager = CheckpointManager(args.run_dir, JOB, CheckpointSettings(save_dir=target))
     t0 = time.perf_counter()
     manager.request_persist(JOB, 0, 2, str(target))
     while not manager.results:

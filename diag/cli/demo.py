@@ -36,7 +36,7 @@ JOB = "demo"
 
 
 @dataclass(frozen=True)
-class DemoOptions:
+class DemoSettings:
     nproc: int = 4
     fault: str = "hang"
     fault_rank: int = 1
@@ -95,7 +95,7 @@ def _progress(run_dir: Path) -> str:
     return " ".join(parts) or "starting"
 
 
-def run_demo(opts: DemoOptions, out=sys.stdout, stop: threading.Event | None = None) -> DemoResult:
+def run_demo(opts: DemoSettings, out=sys.stdout, stop: threading.Event | None = None) -> DemoResult:
     """Runs the job and the agent until the job ends, `opts.timeout` passes or `stop` is set."""
     if opts.fault not in FAULTS:
         raise exitcodes.UsageError(f"--fault must be one of {', '.join(FAULTS)}")
@@ -235,7 +235,7 @@ def _merge(incident: Path, out) -> MergeResult | None:
         return None
 
 
-def report(opts: DemoOptions, result: DemoResult, out=sys.stdout) -> int:
+def report(opts: DemoSettings, result: DemoResult, out=sys.stdout) -> int:
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p("")
     p(
@@ -307,7 +307,7 @@ def _report_flash(save_dir: Path, p) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = DemoOptions()
+    d = DemoSettings()
     parser.add_argument("--nproc", type=int, default=d.nproc, help="ranks to start")
     parser.add_argument("--fault", choices=FAULTS, default=d.fault, help="what to inject")
     parser.add_argument("--fault-rank", type=int, default=d.fault_rank)
@@ -345,7 +345,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    opts = DemoOptions(
+    opts = DemoSettings(
         nproc=args.nproc, fault=args.fault, fault_rank=args.fault_rank,
         fault_step=args.fault_step, steps=args.steps, zero=args.zero,
         hang_timeout=args.hang_timeout, hang_floor=args.hang_floor, straggle=args.straggle,

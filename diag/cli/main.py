@@ -35,7 +35,7 @@ def configure_logging(verbose: int, stream: TextIO | None = None) -> None:
 # name -> (module, one-line help). A module provides `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agent": (
-        "diag.agent.loop.daemon",
+        "diag.cli.agentcmd",
         "run the per-node sidecar: watch local ranks, detect hangs, act",
     ),
     "dump": ("diag.cli.dumpcmd", "capture stacks and journals of ranks now, as an incident"),

@@ -9,7 +9,7 @@ from pathlib import Path
 from diag.formats import exitcodes
 from diag.formats.inputcaps import clean
 from diag.viewer import ranksets
-from diag.viewer.flame import FlameOptions
+from diag.viewer.flame import FlameSettings
 from diag.viewer.incidents import IncidentError, find_incidents
 from diag.viewer.merge import merge_incident
 from diag.viewer.summary import to_text
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             path,
             incident=args.incident,
             out_dir=args.out,
-            flame=FlameOptions(width=args.width, min_width=args.minwidth),
+            flame=FlameSettings(width=args.width, min_width=args.minwidth),
             workers=args.jobs,
             local_world_size=args.local_world_size,
         )

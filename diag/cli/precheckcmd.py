@@ -17,7 +17,7 @@ from diag.agent.precheck.precheckconfig import (
     DevicePairs,
     LocalCheck,
     Measure,
-    PrecheckConfig,
+    PrecheckSettings,
     Rendezvous,
     Timeouts,
 )
@@ -157,7 +157,7 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
 
 
-def build_config(args: argparse.Namespace) -> PrecheckConfig:
+def build_config(args: argparse.Namespace) -> PrecheckSettings:
     addr = _from_env(args.master_addr, "MASTER_ADDR", "master-addr")
     port = _int(_from_env(args.master_port, "MASTER_PORT", "master-port"), "master-port", "")
     nnodes_text = _from_env(args.nnodes, "NNODES", "nnodes")
@@ -211,7 +211,7 @@ def build_config(args: argparse.Namespace) -> PrecheckConfig:
         raise UsageError("--msg-size must be at least 8 bytes")
     if args.matmul_size is not None and args.matmul_size < 16:
         raise UsageError("--matmul-size must be at least 16")
-    return PrecheckConfig(
+    return PrecheckSettings(
         rdzv=Rendezvous(addr, port, nnodes, rank, args.iface),
         job=args.job or os.environ.get("DIAG_JOB") or "default",
         timeouts=Timeouts(

@@ -43,6 +43,12 @@ MAX_STEP = (1 << 63) - 1
 RESERVED_TOP = frozenset({".diag", LATEST_FILE, TRACKER_FILE})
 
 
+def description_from_json(data: bytes, *, source: str = "snapshot description") -> SnapshotMeta:
+    """A description alone (not read from a slot: no span is checked against the slot's end);
+    UntrustedInput if bad."""
+    return parse_meta(data, source=source, data_end=len(data) + (1 << 62))
+
+
 def parse_meta(data: bytes, *, source: str, data_end: int) -> SnapshotMeta:
     """The description in `data`, read from slot `source` whose data area ends at `data_end`;
     anything out of shape is an UntrustedInput naming the slot."""

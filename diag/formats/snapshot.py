@@ -258,13 +258,6 @@ class SnapshotMeta:
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
-    @classmethod
-    def from_json(cls, data: bytes, *, source: str = "snapshot description") -> SnapshotMeta:
-        """The description in `data`, validated (collector.slotmeta); UntrustedInput if bad."""
-        from diag.formats.slotmeta import parse_meta
-
-        return parse_meta(data, source=source, data_end=len(data) + (1 << 62))
-
 
 # -- which slot to write ---------------------------------------------------------------------------
 

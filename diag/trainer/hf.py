@@ -37,11 +37,11 @@ from diag.formats.rundir import default_run_dir
 from diag.trainer.control.commands import Agreement, agree, command_group
 from diag.trainer.control.period import AgreementPeriod
 from diag.trainer.elastic import reshard
-from diag.trainer.elastic.batchsize import ElasticConfigError, ElasticPlan, apply_elastic
+from diag.trainer.elastic.batchsize import ElasticPlan, ElasticSettingsError, apply_elastic
 from diag.trainer.graceful.stopflag import (
     DRAIN_SIGNALS,
-    DrainConfig,
     StopFlag,
+    StopFlagSettings,
     StopRequest,
     consume_stop_file,
     stop_file_present,
@@ -68,7 +68,7 @@ class GracefulExitCallback(TrainerCallback):
     ) -> None:
         quiesce_at_exit()
         self.flag = flag or stop_flag()
-        self.config = DrainConfig.resolve(
+        self.config = StopFlagSettings.resolve(
             stop_file=stop_file, every=every, max_latency_s=max_latency_s,
             exit_code=exit_code, run_dir=default_run_dir(),
         )  # fmt: skip
@@ -152,12 +152,12 @@ def apply_to_arguments(args: Any) -> ElasticPlan | None:
     """Writes the elastic plan for this world size into the TrainingArguments and the DeepSpeed
     config the Trainer will hand to deepspeed.initialize (the same dict accelerate holds)."""
     if not getattr(args, "deepspeed", None):
-        raise ElasticConfigError(
+        raise ElasticSettingsError(
             "deepspeed_elastic needs a DeepSpeed config: TrainingArguments(deepspeed=...)"
         )
     hf_config = getattr(args, "hf_deepspeed_config", None)
     if hf_config is None:
-        raise ElasticConfigError("the TrainingArguments hold no processed DeepSpeed config")
+        raise ElasticSettingsError("the TrainingArguments hold no processed DeepSpeed config")
     # Whether the user set batch keys is judged on their config as written ("auto" is unset):
     # the processed one has them all filled in.
     written = args.deepspeed

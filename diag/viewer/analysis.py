@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from diag.viewer import ranksets
 from diag.viewer.absent import Absent, find_absent, stand_in_stacks
 from diag.viewer.classes import Suspect, ViewClasses, equivalence_classes, suspects
-from diag.viewer.flame import FlameHeader, FlameOptions, render_svg
+from diag.viewer.flame import FlameHeader, FlameSettings, render_svg
 from diag.viewer.gather import Gathered
 from diag.viewer.summary import VIEW_TITLES
 from diag.viewer.tree import NO_NATIVE, StackTree, View, merged_tree, only_marked
@@ -120,6 +120,6 @@ def header(view: View, about: About, a: Analysis) -> FlameHeader:
     return FlameHeader(title=title, lines=tuple(lines), warnings=tuple(warnings))
 
 
-def draw(view: View, about: About, a: Analysis, flame: FlameOptions | None = None) -> str:
+def draw(view: View, about: About, a: Analysis, flame: FlameSettings | None = None) -> str:
     """The flame SVG of a view, as `diag merge` writes it."""
     return render_svg(a.trees[view], a.suspect_bits, header(view, about, a), flame, a.highlight)

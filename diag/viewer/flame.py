@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 
 from diag.viewer import ranksets
-from diag.viewer.flamelayout import OTHER, Cell, LayoutOptions, layout
+from diag.viewer.flamelayout import OTHER, Cell, LayoutSettings, layout
 from diag.viewer.labels import FrameKind
 from diag.viewer.tree import StackTree
 
@@ -57,7 +57,7 @@ _XML_BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")
 
 
 @dataclass(frozen=True)
-class FlameOptions:
+class FlameSettings:
     """How a flame SVG is drawn."""
 
     width: int = 1200
@@ -198,17 +198,17 @@ def render_svg(
     tree: StackTree,
     suspects: int,
     header: FlameHeader,
-    opts: FlameOptions | None = None,
+    opts: FlameSettings | None = None,
     highlight: int | None = None,
 ) -> str:
     """The flame graph of one view. `suspects`: bitset of the suspect ranks, whose own frames
     are drawn red; `highlight`: those kept visible at any scale (default: all suspects)."""
-    opts = opts or FlameOptions()
+    opts = opts or FlameSettings()
     inner = opts.width - 2 * PAD
     cells = layout(
         tree,
         suspects,
-        LayoutOptions(
+        LayoutSettings(
             width=inner, min_width=opts.min_width, suspect_min_width=opts.suspect_min_width
         ),
         highlight,

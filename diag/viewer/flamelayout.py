@@ -36,7 +36,7 @@ TRAINING_ROLE = f"Role@{Role.TRAINING.value}"
 
 
 @dataclass(frozen=True)
-class LayoutOptions:
+class LayoutSettings:
     """Sizes and limits of a flame graph's layout."""
 
     width: float = 1180.0  # pixels for the whole tree
@@ -73,7 +73,7 @@ def is_marker(tree: StackTree, node: int) -> bool:
     return tree.parent[node] == 0 and tree.info[node].kind is FrameKind.STATE
 
 
-def _natural(tree: StackTree, node: int, kids: list[int], w: float, opts: LayoutOptions):
+def _natural(tree: StackTree, node: int, kids: list[int], w: float, opts: LayoutSettings):
     count = tree.count
     if node != 0:
         scale = w / count[node]
@@ -96,7 +96,7 @@ def _natural(tree: StackTree, node: int, kids: list[int], w: float, opts: Layout
 
 
 def _widths(
-    tree: StackTree, node: int, kids: list[int], w: float, highlight: int, opts: LayoutOptions
+    tree: StackTree, node: int, kids: list[int], w: float, highlight: int, opts: LayoutSettings
 ) -> list[float]:
     natural = _natural(tree, node, kids, w, opts)
     bits = tree.bits
@@ -135,11 +135,11 @@ def _run(tree: StackTree, node: int) -> list[int]:
 
 
 def layout(
-    tree: StackTree, suspects: int, opts: LayoutOptions | None = None, highlight: int | None = None
+    tree: StackTree, suspects: int, opts: LayoutSettings | None = None, highlight: int | None = None
 ) -> list[Cell]:
     """Cells root first; a parent always comes before its children. Cells that only `suspects`
     reach are marked; those carrying `highlight` ranks (default: all suspects) stay visible."""
-    opts = opts or LayoutOptions()
+    opts = opts or LayoutSettings()
     cells = _layout(tree, suspects, opts, highlight)
     if opts.fold_min > 2 and max((c.depth for c in cells), default=0) >= opts.max_rows:
         cells = _layout(tree, suspects, replace(opts, fold_min=2), highlight)
@@ -147,7 +147,7 @@ def layout(
 
 
 def _layout(
-    tree: StackTree, suspects: int, opts: LayoutOptions, highlight: int | None
+    tree: StackTree, suspects: int, opts: LayoutSettings, highlight: int | None
 ) -> list[Cell]:
     highlight = suspects if highlight is None else highlight
     count, bits, children, info = tree.count, tree.bits, tree.children, tree.info

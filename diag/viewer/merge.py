@@ -2,7 +2,7 @@
 
 The entry point for `diag merge` and for anything else (the demo) that wants the picture of an
 incident. Reading and writing files happens here; the merging itself lives in analysis.py (on
-tree.py, classes.py, layout.py and flame.py), which does no I/O.
+tree.py, classes.py, flamelayout.py and flame.py), which does no I/O.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from diag.viewer import ranksets
 from diag.viewer.absent import Absent, local_world_size
 from diag.viewer.analysis import About, analyse, draw
 from diag.viewer.classes import RankClass, Suspect
-from diag.viewer.flame import FlameOptions
+from diag.viewer.flame import FlameSettings
 from diag.viewer.folded import write_folded
 from diag.viewer.gather import Gathered, gather
 from diag.viewer.incidents import Incident, IncidentError, find_incidents, pick_incident
@@ -156,7 +156,7 @@ def merge_incident(
     *,
     incident: str | None = None,
     out_dir: Path | None = None,
-    flame: FlameOptions | None = None,
+    flame: FlameSettings | None = None,
     workers: int | None = None,
     local_world_size: int | None = None,
 ) -> MergeResult:
@@ -192,7 +192,7 @@ def _analyse_and_write(
     world: int,
     world_note: str,
     out: OutputDir,
-    flame: FlameOptions | None,
+    flame: FlameSettings | None,
     local_world_size: int | None,
     t0: float,
     t1: float,

@@ -1,14 +1,14 @@
 """Finds and reads the per-rank dump files of one directory, in the three formats we accept.
 
 All are named xpu_timer's way, `{rank}-{world}` and a suffix:
-- `00003-00008.stack.json`: ours (`diag.stack/1`, see stacks.py);
+- `00003-00008.stack.json`: ours (`diag.stack/1`, see formats/stackdump.py);
 - `00003-00008.stacktrace`: xpu_timer's protobuf (see xpu_stacktrace.py);
 - `00003-00008.json`, `00003-00008.pyspy.json`, ...: raw `py-spy dump --json [--native]` output.
 `*.journal.json` (journal tails) and any JSON that is not a py-spy thread list are left alone.
 When one rank has files in several formats, ours wins, then xpu_timer's.
 
 Only regular files count: a symlink named like a dump is not followed (it is named in a
-warning), a FIFO or device is passed over, and a file is read under its cap (inputs.py). A name
+warning), a FIFO or device is passed over, and a file is read under its cap (formats/inputcaps.py). A name
 whose rank or world size is out of bounds (above MAX_WORLD, or a rank not below the world size)
 is a bad name, reported and not read.
 """

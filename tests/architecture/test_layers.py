@@ -158,7 +158,7 @@ def test_the_page_draws_the_rooms_as_they_are() -> None:
 
 
 def test_no_two_modules_share_a_name(modules: list[Module]) -> None:
-    """A name says what a module is: two `drain.py` for different things is what the rooms
+    """A name says what a module is: two modules named `drain` for different things is what the rooms
     replaced. Generated protobuf stubs aside."""
     seen: dict[str, list[str]] = {}
     for m in modules:
@@ -166,3 +166,17 @@ def test_no_two_modules_share_a_name(modules: list[Module]) -> None:
             seen.setdefault(m.name.rsplit(".", 1)[-1], []).append(m.name)
     shared = {leaf: names for leaf, names in seen.items() if len(names) > 1}
     assert not shared, f"modules sharing a name: {shared}"
+
+
+def test_no_two_modules_import_each_other(modules: list[Module]) -> None:
+    """A pair that imports each other (lazily or for types alone too) is one concept split in
+    two, or two tangled: either way a reader goes back and forth between them."""
+    known = {m.name for m in modules}
+    edges = {
+        (m.name, i.target)
+        for m in modules
+        for i in importgraph.imports_of(m, known)
+        if i.target in known and i.target != m.name
+    }
+    pairs = sorted({tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges})
+    assert not pairs, f"modules importing each other: {pairs}"

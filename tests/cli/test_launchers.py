@@ -10,7 +10,7 @@ import pytest
 from jobrun import free_port
 from repo import SUPPORT
 
-from diag.cli.demo import DemoOptions, run_demo
+from diag.cli.demo import DemoSettings, run_demo
 from diag.formats.journalmeta import read_meta
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
@@ -50,7 +50,7 @@ LAUNCHERS = ["torchrun", pytest.param("deepspeed", marks=pytest.mark.long), "dlr
 def test_hang_is_named_under_each_launcher(name: str, tmp_path: Path) -> None:
     if name == "dlrover-run":
         pytest.importorskip("dlrover", reason="dlrover is installed by scripts/bootstrap.sh")
-    opts = DemoOptions(
+    opts = DemoSettings(
         nproc=2,
         fault="hang",
         fault_rank=1,

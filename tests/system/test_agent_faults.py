@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from diag.cli.demo import DemoOptions, DemoResult, run_demo
+from diag.cli.demo import DemoResult, DemoSettings, run_demo
 from diag.formats.stackdump import RankDump
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -21,7 +21,7 @@ NPROC = 3
 
 
 def _run(tmp_path: Path, fault: str, rank: int = 1, **kw) -> DemoResult:
-    opts = DemoOptions(
+    opts = DemoSettings(
         nproc=NPROC,
         fault=fault,
         fault_rank=rank,
@@ -58,7 +58,7 @@ def test_hung_rank_is_named_with_stacks_of_every_rank(tmp_path: Path) -> None:
     dumps = _dumps(incident)
     assert sorted(dumps) == [0, 1, 2]
     assert "inject" in _funcs(dumps[2]) and "time_sleep" in _funcs(dumps[2])
-    assert all(d.native and not d.error for d in dumps.values())
+    assert all(d.native and not d.error for d in dumps.values()), v.get("evidence")
     # The victims wait inside DeepSpeed's collective, seen in their Python stacks.
     assert any("backward" in f or "step" in f or "reduce" in f for f in _funcs(dumps[0]))
     tails = sorted(p.name for p in incident.glob("*.journal.json"))

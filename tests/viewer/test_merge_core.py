@@ -12,7 +12,7 @@ from mergekit import C10D, common, native, odd_one_out, py, rank_dump, thread
 from diag.viewer import ranksets
 from diag.viewer.classes import equivalence_classes, suspects
 from diag.viewer.flame import FlameHeader, render_svg
-from diag.viewer.flamelayout import OTHER, LayoutOptions, layout
+from diag.viewer.flamelayout import OTHER, LayoutSettings, layout
 from diag.viewer.tree import View, build_tree
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -195,7 +195,7 @@ def big_tree(world: int, odd: int):
 def test_layout_keeps_an_odd_rank_visible_at_scale_and_merges_thin_frames():
     world, odd = 16384, 9000
     tree = big_tree(world, odd)
-    opts = LayoutOptions(width=1180, min_width=0.1, suspect_min_width=4)
+    opts = LayoutSettings(width=1180, min_width=0.1, suspect_min_width=4)
     cells = layout(tree, suspects=1 << odd, opts=opts)
     odd_cells = [c for c in cells if c.node != OTHER and c.bits == 1 << odd]
     assert [tree.info[c.node].text.split("@")[0] for c in odd_cells] == [
@@ -218,7 +218,7 @@ def test_layout_keeps_an_odd_rank_visible_at_scale_and_merges_thin_frames():
 
 def test_layout_without_suspects_is_proportional():
     tree = build_tree(odd_one_out(8, 5), View.PY, 8)
-    cells = layout(tree, suspects=0, opts=LayoutOptions(width=800))
+    cells = layout(tree, suspects=0, opts=LayoutSettings(width=800))
     for c in cells:
         assert c.w == pytest.approx(c.count * 800 / tree.count[0])
         assert not c.suspect

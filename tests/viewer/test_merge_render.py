@@ -18,7 +18,7 @@ from test_merge_browser import dom
 from diag.formats.stackdump import FrameInterner, RankDump, pyspy_threads
 from diag.viewer import ranksets
 from diag.viewer.analysis import About, analyse, draw
-from diag.viewer.flamelayout import LayoutOptions, is_helper, layout
+from diag.viewer.flamelayout import LayoutSettings, is_helper, layout
 from diag.viewer.gather import gather_dumps
 from diag.viewer.labels import FrameKind
 from diag.viewer.merge import merge_incident
@@ -76,7 +76,7 @@ def test_helper_threads_keep_to_their_band(small):
     truth, dumps = small
     for view in View:
         tree = build_tree(dumps, view, truth.world_size)
-        cells = layout(tree, 0, LayoutOptions(width=1000.0))
+        cells = layout(tree, 0, LayoutSettings(width=1000.0))
         helpers = sum(c.w for c in cells if c.depth == 1 and is_helper(tree, c.node))
         training = sum(c.w for c in cells if c.depth == 1 and not is_helper(tree, c.node))
         assert helpers <= 200.0 + 1e-6 and training >= 800.0 - 1e-6, (view, helpers, training)

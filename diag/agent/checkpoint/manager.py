@@ -47,7 +47,7 @@ SCAN_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True)
-class CheckpointOptions:
+class CheckpointSettings:
     save_dir: Path | None = None  # overrides the save dir snapshots name (a different mount)
     keep_last: int = 3
     linger: float = 300.0
@@ -70,12 +70,12 @@ class CheckpointManager:
         self,
         run_dir: Path,
         job: str | None = None,
-        options: CheckpointOptions | None = None,
+        options: CheckpointSettings | None = None,
         owners: Owners | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.job = job
-        self.options = options or CheckpointOptions()
+        self.options = options or CheckpointSettings()
         # Who may write slots: root, the agent's user and the run directory's owner unless the
         # caller knows better (the trainer's user on a bare node).
         self.owners = owners if owners is not None else run_dir_owners(run_dir)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diag.agent.checkpoint.manager import CheckpointOptions
+from diag.agent.checkpoint.manager import CheckpointSettings
 from diag.agent.config.options import OPTIONS, REMOVED, Until, check_removed, parse_port
 from diag.agent.config.options import add_arguments as add_arguments
 from diag.agent.detect.hang import OnHang, Policy
@@ -36,7 +36,7 @@ from diag.formats.rundir import default_run_dir, node_name
 
 
 @dataclass(frozen=True)
-class AgentConfig:
+class AgentSettings:
     run_dir: Path
     timeline: Path
     node: str
@@ -54,7 +54,7 @@ class AgentConfig:
     precheck_metrics: Path | None = None  # textfile of `diag precheck --metrics-file`
     control: bool = True
     control_socket: Path | None = None  # None: derived from the run dir and job
-    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     taint: TaintSettings = field(default_factory=TaintSettings)
     drain: DrainSettings | None = field(default_factory=DrainSettings)  # None: stop on SIGTERM
     notice: NoticeSettings | None = None  # the early preemption notice watcher; None: off
@@ -64,7 +64,7 @@ class AgentConfig:
     state_dir: Path | None = None  # the agent's own directory; None: privilege.statedir's default
 
 
-def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> AgentConfig:
+def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> AgentSettings:
     file_values: dict[str, Any] = {}
     config: Path | None = getattr(args, "config", None)
     if config:
@@ -95,7 +95,7 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         if metrics_port is None:
             metrics_port = _xpu_timer_port(env)
     node = values["node"] or node_name(env)
-    return AgentConfig(
+    return AgentSettings(
         run_dir=run_dir,
         timeline=values["timeline"],
         node=node,
@@ -117,7 +117,7 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
         precheck_metrics=values["precheck_metrics"] or run_dir / PRECHECK_FILE,
         control=values["control"],
         control_socket=values["control_socket"],
-        checkpoint=CheckpointOptions(
+        checkpoint=CheckpointSettings(
             save_dir=values["save_dir"],
             keep_last=values["keep_last"],
             linger=values["snapshot_linger"],

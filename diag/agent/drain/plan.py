@@ -18,7 +18,7 @@ Both Kubernetes orders come out of the same rules: a classic sidecar gets SIGTER
 (ranks still running: steps 1-3), a native sidecar only after the trainer container has exited
 (no rank left: step 3 at once).
 
-Pure: job views and `now` in, the new state, actions and events out. `drainer.py` executes.
+Pure: job views and `now` in, the new state, actions and events out. `executor.py` executes.
 """
 
 from __future__ import annotations

@@ -324,7 +324,7 @@ def capture(
 
 
 def _flight_recorders(targets: list[EvidenceTarget], directory: Path) -> dict[str, Any]:
-    """torch's flight recorder of every rank, under flight-recorder/ (see flightrec.py)."""
+    """torch's flight recorder of every rank, under flight-recorder/ (see frcapture.py)."""
     fr = [
         FlightTarget(t.dump.rank, t.dump.world_size, t.dump.pid, t.journal)
         for t in targets

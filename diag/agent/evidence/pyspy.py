@@ -140,6 +140,7 @@ class _Running:
     started: float
     state: str
     native: bool
+    deadline: float  # its own: `timeout` from when it started, not from when the pass began
     error: str = ""
 
 
@@ -165,16 +166,15 @@ def dump_all(
         except FileNotFoundError as e:
             return [_failed(t, proc_state_word(t.pid), native, str(e), 0.0) for t in targets]
     width = max(1, parallel or len(os.sched_getaffinity(0)))
-    deadline = time.monotonic() + timeout
     queue = list(targets)
     running: list[_Running] = []
     done: dict[int, RankDump] = {}
     peak = 0
     while queue or running:
         while queue and len(running) < width:
-            running.append(_start(launcher, queue.pop(0), native, deadline))
+            running.append(_start(launcher, queue.pop(0), native, timeout))
         r = running.pop(0)
-        dump, rss = _finish(r, deadline, timeout)
+        dump, rss = _finish(r, timeout)
         done[r.target.rank] = dump
         if widen is not None and rss > peak:
             peak = rss
@@ -184,7 +184,10 @@ def dump_all(
     return [done[t.rank] for t in targets]
 
 
-def _start(launcher: Launcher, t: DumpTarget, native: bool, deadline: float) -> _Running:
+def _start(launcher: Launcher, t: DumpTarget, native: bool, timeout: float) -> _Running:
+    # Each dump has `timeout` of its own: with one deadline for the pass, the ranks queued behind
+    # a busy node's first native dumps were given up as "did not finish" before they started.
+    deadline = time.monotonic() + timeout
     state = proc_state(t.pid)
     word = proc_state_word(t.pid)
     if state in ("", "Z", "X"):
@@ -194,15 +197,16 @@ def _start(launcher: Launcher, t: DumpTarget, native: bool, deadline: float) -> 
             time.monotonic(),
             word or "gone",
             native,
+            deadline,
             "process exited before its stack could be taken",
         )
     # A rank in uninterruptible sleep would block a ptrace-based dump.
     nonblocking = state == "D"
     try:
-        spy = launcher.start(t, native, nonblocking, max(0.1, deadline - time.monotonic()))
+        spy = launcher.start(t, native, nonblocking, timeout)
     except SpyRefused as e:
-        return _Running(t, None, time.monotonic(), word, native, str(e))
-    return _Running(t, spy, time.monotonic(), word, native and not nonblocking)
+        return _Running(t, None, time.monotonic(), word, native, deadline, str(e))
+    return _Running(t, spy, time.monotonic(), word, native and not nonblocking, deadline)
 
 
 def _start_error(binary: str, e: OSError) -> str:
@@ -230,12 +234,12 @@ def reap(proc: subprocess.Popen, deadline: float) -> int | None:
     return usage.ru_maxrss * 1024  # KiB on Linux
 
 
-def _finish(r: _Running, deadline: float, timeout: float) -> tuple[RankDump, int]:
+def _finish(r: _Running, timeout: float) -> tuple[RankDump, int]:
     """The rank's dump, and the peak resident size of its py-spy (0 when unknown)."""
     if r.spy is None:
         return _failed(r.target, r.state, r.native, r.error, 0.0), 0
     try:
-        ended = r.spy.finish(deadline)
+        ended = r.spy.finish(r.deadline)
     except SpyRefused as e:
         return _failed(r.target, r.state, r.native, str(e), time.monotonic() - r.started), 0
     if ended.returncode is None:

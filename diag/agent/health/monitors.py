@@ -1,6 +1,6 @@
 """The node's own health, watched by the agent as node-problem-detector watches a node: each
-monitor turns one source into typed `Evidence`, the pure planner (`taints.py`) decides, and the
-Kubernetes adapter (`kube.py`) applies. `healthwatch.py` polls the monitors and plans when the
+monitor turns one source into typed `Evidence`, the pure planner (`planner.py`) decides, and the
+Kubernetes adapter (`kube.py`) applies. `watch.py` polls the monitors and plans when the
 evidence says something new.
 
 Monitors:

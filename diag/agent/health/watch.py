@@ -1,4 +1,4 @@
-"""The agent's node-health loop: every `interval` seconds it asks each monitor (`nodehealth.py`,
+"""The agent's node-health loop: every `interval` seconds it asks each monitor (`monitors.py`,
 `gpuhealth.py`) for its evidence, and when the evidence says something the last plan did not
 (a new fault, a clean precheck), it asks the tainter to plan the node's taint again. Looking is
 local and cheap; the API server is only asked when there is something new to say.

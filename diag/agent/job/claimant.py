@@ -15,7 +15,8 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 from diag.agent.job.decisions import (
     DEATH,
@@ -31,10 +32,43 @@ from diag.agent.job.decisions import (
 from diag.agent.job.fallback import Progress, Step, Views, first_hand_in, from_views, step, wake_in
 from diag.formats.untrusted import UntrustedInput
 
-if TYPE_CHECKING:
-    from diag.agent.job.verdict import JobVerdictStore
-
 log = logging.getLogger(__name__)
+
+
+class JobVerdictStore(Protocol):
+    """What the claimant works through: the job verdict's files (verdict.py's store, which
+    imports this module to run the claimant)."""
+
+    settle: float
+    poll: float
+    cascade: float
+    quiet: float
+    covered_wall: float | None
+
+    @property
+    def timeline(self) -> Path: ...
+
+    def incident_dir(self, job: str, incident_id: str) -> Path: ...
+
+    def names(
+        self, job: str, incident_id: str, parsed: dict[str, ReportName | None] | None = None
+    ) -> list[ReportName]: ...
+
+    def read_reports(
+        self, job: str, incident_id: str, names: list[ReportName]
+    ) -> dict[str, NodeReport]: ...
+
+    def evidence_glob(self, job: str, incident_id: str) -> str: ...
+
+    def publish(self, d: Path, verdict: JobVerdict) -> bool: ...
+
+    def load(self, job: str, incident_id: str) -> JobVerdict | None: ...
+
+    def claimed_first_hand(self, job: str, incident_id: str) -> bool: ...
+
+    def first_hand_marked(self, job: str, incident_id: str) -> bool: ...
+
+    def replace_verdict(self, job: str, incident_id: str, verdict: JobVerdict) -> None: ...
 
 
 def conclude(

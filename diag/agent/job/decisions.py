@@ -1,7 +1,7 @@
 """The job verdict's decisions, pure: which incident of the job a node's incident belongs to,
 whether the node files a report for it, and the culprit from the reports filed.
 
-The file adapter (`jobverdict.py`) lists and reads; the node's side (`joblink.py`) runs the
+The file adapter (`verdict.py`) lists and reads; the node's side (`link.py`) runs the
 steps at their times. Nothing here touches a file or a clock: times come in as arguments.
 
 Incident ids are the decision core's (`hang.py`): `a<attempt>-<kind>-...`. A death has one id

@@ -1,5 +1,5 @@
 """A node's view of its ranks at an incident, as it travels in the node's report for the job
-verdict (`jobverdict.py`): enough of every local rank (liveness, step, pending and last ops per
+verdict (`verdict.py`): enough of every local rank (liveness, step, pending and last ops per
 group) for whoever assembles the job verdict to run the culprit analysis over all nodes' ranks
 at once. Nothing is written in steady state: a view is taken once, when the node's own verdict
 is reached.

@@ -17,7 +17,7 @@ reads the views as they come and runs the culprit analysis over them (`nodeview.
 hold every rank of the job; while a view is missing it waits for a first-hand report until the
 settle time since it filed its view has run out (`fallback.py`; the claimant's loop is
 `claimant.py`). Which incident a node's incident
-belongs to, and whether it files, is decided in `jobincident.py`; this module is the file
+belongs to, and whether it files, is decided in `decisions.py`; this module is the file
 adapter. The filesystem's exclusive create is the only arbitration: no home-made consensus.
 """
 

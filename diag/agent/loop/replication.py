@@ -27,7 +27,7 @@ from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.persist import PersistResult, persist_slot
 from diag.agent.checkpoint.ranknotes import RankNotes, ReplicaState
 from diag.agent.checkpoint.savedir import SaveDirRule, rule_for
-from diag.agent.config.agentconfig import AgentConfig
+from diag.agent.config.agentconfig import AgentSettings
 from diag.agent.metrics.replicastats import ReplicaFacts
 from diag.agent.replica.handover import (
     Handover,
@@ -58,7 +58,7 @@ GIVE_UP_S = 300.0  # past `lost_after`: how long a peer that answers is watched 
 
 
 def start_replication(
-    cfg: AgentConfig, owners: Owners, checkpoints: CheckpointManager
+    cfg: AgentSettings, owners: Owners, checkpoints: CheckpointManager
 ) -> Replicator | None:
     """An empty node takes its ranks' newest replica from a peer (before the control channel
     opens); then replication runs in the background. None without --replica-nodes."""

@@ -20,10 +20,9 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
-from diag.agent.config.agentconfig import AgentConfig
+from diag.agent.config.agentconfig import AgentSettings
 from diag.agent.evidence.pyspy import Launcher
-from diag.agent.metrics.exporter import AgentMetrics
-from diag.agent.metrics.server import MetricsServer, bind_listener
+from diag.agent.metrics.server import bind_listener
 from diag.agent.observe.rundircheck import prepare as prepare_run_dir
 from diag.agent.privilege import drop, statedir
 from diag.agent.privilege.helperspy import DumpHelper, HelperLauncher
@@ -40,7 +39,7 @@ log = logging.getLogger(__name__)
 class AgentStart:
     """What the agent holds from start-up to exit: entered before the Agent is built."""
 
-    def __init__(self, cfg: AgentConfig) -> None:
+    def __init__(self, cfg: AgentSettings) -> None:
         self.cfg = cfg
         self.started_as_root = os.geteuid() == 0
         uid = cfg.trainer.uid
@@ -124,7 +123,7 @@ class AgentStart:
             self._state = None
 
 
-def _check_dirs(cfg: AgentConfig, started_as_root: bool) -> Owners:
+def _check_dirs(cfg: AgentSettings, started_as_root: bool) -> Owners:
     """The run directory made (private) or judged: whose files in it the agent believes."""
     owners = prepare_run_dir(cfg.run_dir, cfg.trainer, started_as_root=started_as_root)
     try:
@@ -135,22 +134,3 @@ def _check_dirs(cfg: AgentConfig, started_as_root: bool) -> Owners:
             "--timeline or DIAG_TIMELINE to a directory this user can write"
         ) from e
     return owners
-
-
-def serve_metrics(
-    cfg: AgentConfig, metrics: AgentMetrics, listener: socket.socket | None
-) -> MetricsServer | None:
-    """The metrics endpoint, when --metrics-port asks for one."""
-    if cfg.metrics_port is None:
-        return None
-    try:
-        server = MetricsServer(
-            metrics.render, cfg.metrics_host, cfg.metrics_port, listener=listener
-        )
-    except OSError as e:
-        raise exitcodes.UsageError(
-            f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e.strerror}; "
-            "choose another --metrics-port (0 picks a free one)"
-        ) from e
-    log.info("serving metrics on http://%s:%d/metrics", cfg.metrics_host, server.port)
-    return server.start()

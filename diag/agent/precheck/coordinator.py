@@ -20,7 +20,7 @@ from diag.agent.precheck import keys
 from diag.agent.precheck.classify import Observations, classify
 from diag.agent.precheck.liveness import BeatTracker, PhaseDeadline, round_limit_s
 from diag.agent.precheck.measurements import LocalEvidence, PairResult, PairSide, merge_sides
-from diag.agent.precheck.precheckconfig import LocalCheck, PrecheckConfig
+from diag.agent.precheck.precheckconfig import LocalCheck, PrecheckSettings
 from diag.agent.precheck.report import PrecheckReport, build_report
 from diag.agent.precheck.rounds import plan_round
 from diag.formats.checkedjson import Fields
@@ -36,7 +36,7 @@ class Coordinator:
     def __init__(
         self,
         store: Any,
-        cfg: PrecheckConfig,
+        cfg: PrecheckSettings,
         started_at: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

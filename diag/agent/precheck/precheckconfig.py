@@ -96,7 +96,7 @@ class Measure:
 
 
 @dataclass(frozen=True)
-class PrecheckConfig:
+class PrecheckSettings:
     rdzv: Rendezvous
     job: str = "default"
     timeouts: Timeouts = field(default_factory=Timeouts)

@@ -29,7 +29,7 @@ from diag.agent.precheck.coordinator import Coordinator
 from diag.agent.precheck.liveness import round_limit_s
 from diag.agent.precheck.localchecks import run_local_checks
 from diag.agent.precheck.measurements import MAX_NODES, LocalEvidence
-from diag.agent.precheck.precheckconfig import PrecheckConfig
+from diag.agent.precheck.precheckconfig import PrecheckSettings
 from diag.agent.precheck.report import PrecheckReport, error_report
 from diag.agent.precheck.storeclient import BoundedStore, LostRendezvous
 from diag.formats.checkedjson import TEXT, Fields
@@ -42,7 +42,7 @@ IMPORT_SLACK_S = 60.0  # on top of --rdzv-timeout: importing torch on a busy nod
 
 
 class NodeSession:
-    def __init__(self, cfg: PrecheckConfig) -> None:
+    def __init__(self, cfg: PrecheckSettings) -> None:
         self.cfg = cfg
         self.rank = cfg.rdzv.node_rank
         self.started_at = time.time()

@@ -7,7 +7,7 @@
 - the job verdicts under `<timeline>/.jobs/` that name this node as the culprit's: the job
   verdict names a rank its own node did not blame (that node's agent saw a deadlock in which no
   rank stood out, or only ranks waiting for other nodes);
-- the link state of named interfaces (`nodehealth.py` watches them in the agent) and the GPUs
+- the link state of named interfaces (`health/monitors.py` watches them in the agent) and the GPUs
   (`gpuhealth.py`).
 """
 

@@ -3,7 +3,7 @@ not one per node. It plans (and, with `--taint-mode on`, applies) when
 - an incident it took part in names a rank of this node: its own verdict blames one of its ranks,
   or, when it did not (a deadlock in which none of its ranks stood out, or its ranks only waited
   for other nodes), the job verdict of that incident names this node as the culprit's;
-- its node-health monitors say something new (`healthwatch.py`).
+- its node-health monitors say something new (`health/watch.py`).
 
 Every plan weighs all of the node's evidence: the incidents naming it within the culprit window
 (its own incident directories and the job verdicts), and what the health monitors see now.

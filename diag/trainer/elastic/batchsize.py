@@ -9,7 +9,7 @@ the three plain batch keys before `deepspeed.initialize`:
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, ...)
     # plan.train_batch_size == plan.micro_batch_size * plan.gradient_accumulation_steps * ranks
 
-`solve` is the pure core (an `ElasticConfig` and a world size in, an `ElasticPlan` out); the
+`solve` is the pure core (an `ElasticSettings` and a world size in, an `ElasticPlan` out); the
 batch search lives in `diag.trainer.elastic.search`. `python -m diag.trainer.elastic.batchsize CONFIG`
 prints the global batch and the valid world sizes (what a scheduler needs to pick node counts).
 """
@@ -41,7 +41,7 @@ class ElasticError(ValueError):
     """Base of the errors of this module."""
 
 
-class ElasticConfigError(ElasticError):
+class ElasticSettingsError(ElasticError):
     """The `elasticity` block is malformed or cannot work."""
 
 
@@ -64,7 +64,7 @@ class IncompatibleWorldSize(ElasticError):
 
 
 @dataclass(frozen=True)
-class ElasticConfig:
+class ElasticSettings:
     """The `elasticity` block (DeepSpeed's keys and defaults)."""
 
     max_train_batch_size: int
@@ -79,25 +79,27 @@ class ElasticConfig:
     version: float = 0.2
 
     @classmethod
-    def from_dict(cls, block: Mapping[str, Any]) -> ElasticConfig:
+    def from_dict(cls, block: Mapping[str, Any]) -> ElasticSettings:
         if not isinstance(block, Mapping):
-            raise ElasticConfigError(f"'{BLOCK}' must be a JSON object, not {type(block).__name__}")
+            raise ElasticSettingsError(
+                f"'{BLOCK}' must be a JSON object, not {type(block).__name__}"
+            )
         known = {f for f in cls.__dataclass_fields__} | {"enabled"}
         unknown = sorted(set(block) - known)
         if unknown:
-            raise ElasticConfigError(
+            raise ElasticSettingsError(
                 f"unknown key(s) in '{BLOCK}': {', '.join(unknown)} (known: {', '.join(sorted(known))})"
             )
         for key in ("max_train_batch_size", "micro_batch_sizes"):
             if key not in block:
-                raise ElasticConfigError(f"'{BLOCK}' needs '{key}'")
+                raise ElasticSettingsError(f"'{BLOCK}' needs '{key}'")
         micro = block["micro_batch_sizes"]
         if not isinstance(micro, list | tuple) or not micro:
-            raise ElasticConfigError(
+            raise ElasticSettingsError(
                 f"'{BLOCK}.micro_batch_sizes' must be a non-empty list of positive integers, got {micro!r}"
             )
         if not all(_is_int(m) and m > 0 for m in micro):
-            raise ElasticConfigError(
+            raise ElasticSettingsError(
                 f"'{BLOCK}.micro_batch_sizes' must hold positive integers only, got {list(micro)!r}"
             )
         cfg = cls(
@@ -115,21 +117,21 @@ class ElasticConfig:
             version=_version(block.get("version", cls.version)),
         )
         if cfg.max_gpus < cfg.min_gpus:
-            raise ElasticConfigError(
+            raise ElasticSettingsError(
                 f"'{BLOCK}.min_gpus' ({cfg.min_gpus}) is larger than max_gpus ({cfg.max_gpus})"
             )
         if cfg.model_parallel_size > 1 and cfg.version != 0.2:
-            raise ElasticConfigError(
+            raise ElasticSettingsError(
                 f"elastic config version {cfg.version} does not support model parallelism "
                 f"(model_parallel_size {cfg.model_parallel_size}); use version 0.2"
             )
         if cfg.version == 0.2 and cfg.num_gpus_per_node % cfg.model_parallel_size:
-            raise ElasticConfigError(
+            raise ElasticSettingsError(
                 f"num_gpus_per_node ({cfg.num_gpus_per_node}) must be divisible by "
                 f"model_parallel_size ({cfg.model_parallel_size}) in version 0.2"
             )
         if max(cfg.micro_batch_sizes) > cfg.max_train_batch_size:
-            raise ElasticConfigError(
+            raise ElasticSettingsError(
                 f"every micro batch size must be at most max_train_batch_size "
                 f"({cfg.max_train_batch_size}); got {list(cfg.micro_batch_sizes)}"
             )
@@ -166,7 +168,7 @@ class ElasticPlan:
         }
 
 
-def elastic_batch(cfg: ElasticConfig, world_size: int | None = None) -> ElasticBatch:
+def elastic_batch(cfg: ElasticSettings, world_size: int | None = None) -> ElasticBatch:
     """The global batch and the valid world sizes. Version 0.2 depends on the world size (it
     works at node granularity and adapts to a size outside its list); 0.1 does not."""
     if cfg.version == 0.1:
@@ -176,15 +178,15 @@ def elastic_batch(cfg: ElasticConfig, world_size: int | None = None) -> ElasticB
                 cfg.prefer_larger_batch,
             )  # fmt: skip
         except SearchError as e:
-            raise ElasticConfigError(str(e)) from e
+            raise ElasticSettingsError(str(e)) from e
         return ElasticBatch(batch, sizes or ())
     if world_size is None or world_size <= 0:
-        raise ElasticConfigError("elastic config version 0.2 needs the world size")
+        raise ElasticSettingsError("elastic config version 0.2 needs the world size")
     batch, sizes, _ = _search_v02(cfg, world_size)
     return ElasticBatch(batch, sizes)
 
 
-def _search_v02(cfg: ElasticConfig, world_size: int) -> tuple[int, tuple[int, ...], bool]:
+def _search_v02(cfg: ElasticSettings, world_size: int) -> tuple[int, tuple[int, ...], bool]:
     try:
         return best_batch_v02(
             cfg.micro_batch_sizes, cfg.max_train_batch_size, world_size, cfg.min_gpus,
@@ -192,10 +194,10 @@ def _search_v02(cfg: ElasticConfig, world_size: int) -> tuple[int, tuple[int, ..
             cfg.model_parallel_size,
         )  # fmt: skip
     except SearchError as e:
-        raise ElasticConfigError(str(e)) from e
+        raise ElasticSettingsError(str(e)) from e
 
 
-def solve(cfg: ElasticConfig, world_size: int) -> ElasticPlan:
+def solve(cfg: ElasticSettings, world_size: int) -> ElasticPlan:
     """The plan for `world_size` data-parallel ranks, or IncompatibleWorldSize."""
     if world_size <= 0:
         raise ElasticError(f"world size must be positive, got {world_size}")
@@ -209,13 +211,13 @@ def solve(cfg: ElasticConfig, world_size: int) -> ElasticPlan:
         raise IncompatibleWorldSize(world_size, found.valid_world_sizes, found.train_batch_size)
     micro = micro_batch_for(found.train_batch_size, world_size, cfg.micro_batch_sizes)
     if micro is None or found.train_batch_size <= 0:
-        raise ElasticConfigError(
+        raise ElasticSettingsError(
             f"no micro batch size in {list(cfg.micro_batch_sizes)} divides the per-rank share of "
             f"the global batch {found.train_batch_size} at world size {world_size}"
         )
     gas = found.train_batch_size // (micro * world_size)
     if gas < 1 or micro * gas * world_size != found.train_batch_size:
-        raise ElasticConfigError(
+        raise ElasticSettingsError(
             f"the global batch {found.train_batch_size} cannot be split into micro batches of "
             f"{micro} over {world_size} ranks"
         )
@@ -241,7 +243,7 @@ def apply_elastic(
     number of ranks over the model-parallel size); by default torch.distributed's world size, else
     WORLD_SIZE from the launcher. The caller's dict is never modified."""
     if not isinstance(ds_config, Mapping):
-        raise ElasticConfigError(
+        raise ElasticSettingsError(
             f"the DeepSpeed config must be a dict, not {type(ds_config).__name__}"
         )
     out = copy.deepcopy(dict(ds_config))
@@ -249,15 +251,15 @@ def apply_elastic(
     if block is None:
         return out, None
     if not isinstance(block, Mapping):
-        raise ElasticConfigError(f"'{BLOCK}' must be a JSON object, not {type(block).__name__}")
+        raise ElasticSettingsError(f"'{BLOCK}' must be a JSON object, not {type(block).__name__}")
     if not _bool(block, "enabled", False):
         return out, None
-    cfg = ElasticConfig.from_dict(block)
+    cfg = ElasticSettings.from_dict(block)
     check_scheduler_view(cfg, os.environ)
     if not cfg.ignore_non_elastic_batch_info:
         given = [k for k in BATCH_KEYS if k in out and out[k] != "auto"]
         if given:
-            raise ElasticConfigError(
+            raise ElasticSettingsError(
                 f"the config sets {', '.join(given)} next to an enabled '{BLOCK}' block, which "
                 "decides them: remove them, or set 'ignore_non_elastic_batch_info': true in the "
                 "block to have them overridden"
@@ -275,21 +277,21 @@ def apply_elastic(
     return out, plan
 
 
-def check_scheduler_view(cfg: ElasticConfig, env: Mapping[str, str]) -> None:
+def check_scheduler_view(cfg: ElasticSettings, env: Mapping[str, str]) -> None:
     """The scheduler chose the world size from the config it was given (DEEPSPEED_ELASTICITY_CONFIG):
     the one the trainer runs with must agree on what decides the batch."""
     raw = env.get(SCHEDULER_ENV)
     if not raw:
         return
     try:
-        seen = ElasticConfig.from_dict(json.loads(raw))
+        seen = ElasticSettings.from_dict(json.loads(raw))
     except (json.JSONDecodeError, ElasticError) as e:
-        raise ElasticConfigError(
+        raise ElasticSettingsError(
             f"{SCHEDULER_ENV} does not hold a valid elastic config: {e}"
         ) from e
     for name in ("max_train_batch_size", "micro_batch_sizes", "version"):
         if getattr(seen, name) != getattr(cfg, name):
-            raise ElasticConfigError(
+            raise ElasticSettingsError(
                 f"the scheduler's elastic config ({SCHEDULER_ENV}) has {name}="
                 f"{getattr(seen, name)!r}, the trainer's has {getattr(cfg, name)!r}: they must agree"
             )
@@ -319,14 +321,14 @@ def _is_int(v: Any) -> bool:
 def _int(block: Mapping[str, Any], key: str, least: int, default: int | None = None) -> int:
     value = block.get(key, default)
     if not _is_int(value) or value < least:
-        raise ElasticConfigError(f"'{BLOCK}.{key}' must be an integer >= {least}, got {value!r}")
+        raise ElasticSettingsError(f"'{BLOCK}.{key}' must be an integer >= {least}, got {value!r}")
     return value
 
 
 def _bool(block: Mapping[str, Any], key: str, default: bool) -> bool:
     value = block.get(key, default)
     if not isinstance(value, bool):
-        raise ElasticConfigError(f"'{BLOCK}.{key}' must be true or false, got {value!r}")
+        raise ElasticSettingsError(f"'{BLOCK}.{key}' must be true or false, got {value!r}")
     return value
 
 
@@ -336,7 +338,7 @@ def _version(value: Any) -> float:
     except (TypeError, ValueError):
         v = -1.0
     if v not in VERSIONS or isinstance(value, bool):
-        raise ElasticConfigError(
+        raise ElasticSettingsError(
             f"'{BLOCK}.version' must be one of {', '.join(map(str, VERSIONS))}, got {value!r}"
         )
     return v
@@ -355,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             ds_config = json.load(f)
         block = ds_config.get(BLOCK) if isinstance(ds_config, dict) else None
         if not isinstance(block, dict):
-            raise ElasticConfigError(f"{args.config} has no '{BLOCK}' block")
-        cfg = ElasticConfig.from_dict(block)
+            raise ElasticSettingsError(f"{args.config} has no '{BLOCK}' block")
+        cfg = ElasticSettings.from_dict(block)
         if args.world_size is None:
             found = elastic_batch(cfg)
             print(json.dumps({"train_batch_size": found.train_batch_size,

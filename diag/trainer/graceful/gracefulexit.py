@@ -39,8 +39,8 @@ from diag.trainer.control.period import AgreementPeriod
 from diag.trainer.graceful.abandon import Phase
 from diag.trainer.graceful.stopflag import (
     DRAIN_SIGNALS,
-    DrainConfig,
     StopFlag,
+    StopFlagSettings,
     consume_stop_file,
     stop_file_present,
     stop_flag,
@@ -81,7 +81,7 @@ class GracefulExit:
         client_state: Any = None,
         exit: bool = True,
         flag: StopFlag | None = None,
-        config: DrainConfig | None = None,
+        config: StopFlagSettings | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -91,7 +91,7 @@ class GracefulExit:
         self.engine = engine
         self.checkpointer = checkpointer
         self.save_dir = os.path.abspath(os.fspath(save_dir or checkpointer.save_dir))
-        self.config = config or DrainConfig.resolve(
+        self.config = config or StopFlagSettings.resolve(
             stop_file=stop_file, max_latency_s=max_latency_s, max_overhead=max_overhead,
             every=every, exit_code=exit_code, run_dir=default_run_dir(),
         )  # fmt: skip

@@ -110,12 +110,12 @@ def stop_flag() -> StopFlag:
     return _flag
 
 
-class DrainConfigError(ValueError):
+class StopFlagSettingsError(ValueError):
     pass
 
 
 @dataclass(frozen=True)
-class DrainConfig:
+class StopFlagSettings:
     stop_file: Path | None  # None: no stop file
     period: PeriodPolicy
     exit_code: int = DRAIN_EXIT_CODE
@@ -131,7 +131,7 @@ class DrainConfig:
         exit_code: int | None = None,
         run_dir: Path | None = None,
         env: Mapping[str, str] = os.environ,
-    ) -> DrainConfig:
+    ) -> StopFlagSettings:
         """Arguments first, then the environment, then the defaults (the stop file defaults to
         `<run dir>/stop`; an empty DIAG_STOP_FILE turns it off)."""
         if stop_file is None:
@@ -144,14 +144,14 @@ class DrainConfig:
         fixed = _pick(every, env, EVERY_ENV, int, None)
         code = _pick(exit_code, env, EXIT_CODE_ENV, int, DRAIN_EXIT_CODE)
         if not 1 <= code <= 255:
-            raise DrainConfigError(
+            raise StopFlagSettingsError(
                 f"the drain exit code must be in 1..255 (0 would read as success and stop the "
                 f"launcher from restarting the workers), not {code}"
             )
         try:
             period = PeriodPolicy(max_latency_s=latency, max_overhead=overhead, every=fixed)
         except ValueError as e:
-            raise DrainConfigError(
+            raise StopFlagSettingsError(
                 f"{e} (set by argument or {MAX_LATENCY_ENV}/{OVERHEAD_ENV}/{EVERY_ENV})"
             ) from None
         return cls(Path(stop_file) if stop_file else None, period, code)
@@ -166,7 +166,7 @@ def _pick(value: Any, env: Mapping[str, str], name: str, kind: type, default: An
     try:
         return kind(raw)
     except ValueError:
-        raise DrainConfigError(
+        raise StopFlagSettingsError(
             f"{name}={raw!r} is not a valid {kind.__name__}: fix or unset it"
         ) from None
 

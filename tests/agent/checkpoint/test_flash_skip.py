@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from flash_launch import Workspace
 
-from diag.agent.checkpoint.manager import CheckpointManager, CheckpointOptions
+from diag.agent.checkpoint.manager import CheckpointManager, CheckpointSettings
 from diag.agent.checkpoint.service import ControlServer
 from diag.agent.checkpoint.sessions import RankKey
 from diag.formats.rundir import control_socket_path
@@ -34,7 +34,7 @@ def ws():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_save_skipped_on_one_rank_is_skipped_on_all(ws: Workspace) -> None:
-    manager = CheckpointManager(ws.run_dir, None, CheckpointOptions(workers=8))
+    manager = CheckpointManager(ws.run_dir, None, CheckpointSettings(workers=8))
     server = ControlServer(control_socket_path(ws.run_dir, None), manager).start()
     held = manager._rank_locks[RankKey("skip-z2", 1)]
     held.acquire()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from snapshot_helpers import new_slot, write_raw_snapshot
 
-from diag.agent.checkpoint.manager import CheckpointManager, CheckpointOptions
+from diag.agent.checkpoint.manager import CheckpointManager, CheckpointSettings
 from diag.agent.checkpoint.pulled import refusal
 from diag.agent.checkpoint.sessions import RankKey
 from diag.formats.slotfile import SlotFile
@@ -34,7 +34,7 @@ def manager(tmp_path):
     run_dir.mkdir()
 
     def make(save_dir: Path | None = None) -> CheckpointManager:
-        m = CheckpointManager(run_dir, JOB, CheckpointOptions(save_dir=save_dir),
+        m = CheckpointManager(run_dir, JOB, CheckpointSettings(save_dir=save_dir),
                               owners=Owners.this_process())  # fmt: skip
         made.append(m)
         return m

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from replica_helpers import JOB, OWNERS, fill
 
-from diag.agent.checkpoint.manager import CheckpointManager, CheckpointOptions
+from diag.agent.checkpoint.manager import CheckpointManager, CheckpointSettings
 from diag.agent.checkpoint.writingmark import WritingMarks
 from diag.formats.snapshot import read_latest_step, writing_marker_path
 
@@ -36,7 +36,7 @@ def test_a_planted_link_is_not_followed(tmp_path):
 
 def test_a_killed_agent_s_mark_is_removed_at_the_next_start(tmp_path):
     writing_marker_path(tmp_path, JOB).touch()
-    CheckpointManager(tmp_path, JOB, CheckpointOptions(), owners=OWNERS).close(5)
+    CheckpointManager(tmp_path, JOB, CheckpointSettings(), owners=OWNERS).close(5)
     assert not writing_marker_path(tmp_path, JOB).exists()
 
 
@@ -44,7 +44,7 @@ def test_the_persist_after_a_stop_holds_the_mark_through_its_hooks(tmp_path):
     run_dir, save = tmp_path / "run", tmp_path / "save"
     run_dir.mkdir()
     fill(run_dir, save, {0: [3], 1: [3]}, world=2)
-    manager = CheckpointManager(run_dir, JOB, CheckpointOptions(), owners=OWNERS)
+    manager = CheckpointManager(run_dir, JOB, CheckpointSettings(), owners=OWNERS)
     seen = []
     manager.stopped_hooks.append(
         lambda jobs: seen.append(writing_marker_path(run_dir, JOB).exists())

@@ -25,7 +25,7 @@ import yaml
 from children import terminate
 from repo import ROOT
 
-from diag.cli.demo import DemoOptions, DemoResult, run_demo
+from diag.cli.demo import DemoResult, DemoSettings, run_demo
 from diag.formats.rundir import node_name
 
 RULES = ROOT / "deploy" / "prometheus" / "diag-alerts.yaml"
@@ -160,7 +160,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp / "demo"
     (workdir / "run").mkdir(parents=True)
     (workdir / "run" / "precheck.prom").write_text(PRECHECK_TEXT)
-    opts = DemoOptions(
+    opts = DemoSettings(
         nproc=4,
         fault="hang",
         fault_rank=1,

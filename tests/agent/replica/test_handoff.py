@@ -16,7 +16,7 @@ from jobrun import free_port
 from polling import wait_for
 from replica_helpers import JOB, OWNERS, fill
 
-from diag.agent.checkpoint.manager import CheckpointManager, CheckpointOptions
+from diag.agent.checkpoint.manager import CheckpointManager, CheckpointSettings
 from diag.agent.checkpoint.persist import persist_slot
 from diag.agent.checkpoint.storage import marker_runs
 from diag.agent.loop.replication import Handoff
@@ -43,7 +43,7 @@ def ring(tmp_path):
         reps[node].start()
     a, b = reps["a"], reps["b"]
     assert wait_for(lambda: a.stats().held.get("b") == 4 and b.stats().held.get("a") == 4, 60)
-    manager = CheckpointManager(a.run_dir, JOB, CheckpointOptions(), owners=OWNERS)
+    manager = CheckpointManager(a.run_dir, JOB, CheckpointSettings(), owners=OWNERS)
     handoff = Handoff(a, manager)
     manager.stopped_hooks.append(handoff.ranks_stopped)
     try:

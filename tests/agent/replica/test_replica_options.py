@@ -15,7 +15,7 @@ NODES = "w0=10.0.0.1:7070,w1=[fd00::2]:7070,w2=w2.svc.cluster.local:7071"
 SECRET = "s3cret-of-the-job-0123"
 
 
-def load(argv: list[str], env: dict[str, str] | None = None) -> config.AgentConfig:
+def load(argv: list[str], env: dict[str, str] | None = None) -> config.AgentSettings:
     p = argparse.ArgumentParser()
     config.add_arguments(p)
     return config.load(

@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def load(argv: list[str], env: dict[str, str] | None = None) -> config.AgentConfig:
+def load(argv: list[str], env: dict[str, str] | None = None) -> config.AgentSettings:
     return config.load(parser().parse_args(argv), env=env or {})
 
 

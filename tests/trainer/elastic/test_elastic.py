@@ -15,9 +15,9 @@ import pytest
 from repo import SUPPORT
 
 from diag.trainer.elastic.batchsize import (
-    ElasticConfig,
-    ElasticConfigError,
     ElasticError,
+    ElasticSettings,
+    ElasticSettingsError,
     IncompatibleWorldSize,
     apply_elastic,
     elastic_batch,
@@ -32,8 +32,8 @@ DOC = {"max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6], "min_gpus":
        "max_gpus": 10000}  # fmt: skip
 
 
-def cfg(**kw: object) -> ElasticConfig:
-    return ElasticConfig.from_dict({"enabled": True, **kw})
+def cfg(**kw: object) -> ElasticSettings:
+    return ElasticSettings.from_dict({"enabled": True, **kw})
 
 
 def test_known_answers_of_deepspeed() -> None:
@@ -121,7 +121,7 @@ def test_apply_without_an_enabled_block() -> None:
 def test_apply_refuses_batch_keys_next_to_the_block_unless_told() -> None:
     block = {"enabled": True, "max_train_batch_size": 12, "micro_batch_sizes": [2, 3],
              "version": 0.1}  # fmt: skip
-    with pytest.raises(ElasticConfigError, match="gradient_accumulation_steps"):
+    with pytest.raises(ElasticSettingsError, match="gradient_accumulation_steps"):
         apply_elastic({"elasticity": block, "gradient_accumulation_steps": 4}, world_size=2)
     config, _ = apply_elastic(
         {"elasticity": {**block, "ignore_non_elastic_batch_info": True},
@@ -153,7 +153,7 @@ def test_the_scheduler_and_the_trainer_must_agree(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(
         "DEEPSPEED_ELASTICITY_CONFIG", json.dumps({**block, "micro_batch_sizes": [4]})
     )
-    with pytest.raises(ElasticConfigError, match="micro_batch_sizes"):
+    with pytest.raises(ElasticSettingsError, match="micro_batch_sizes"):
         apply_elastic({"elasticity": block}, world_size=2)
 
 
@@ -198,7 +198,7 @@ def test_the_scheduler_and_the_trainer_must_agree(monkeypatch: pytest.MonkeyPatc
     ],
 )
 def test_bad_configs_are_named(block: dict, message: str) -> None:
-    with pytest.raises(ElasticConfigError, match=message):
+    with pytest.raises(ElasticSettingsError, match=message):
         apply_elastic({"elasticity": {"enabled": True, **block}}, world_size=2)
 
 
@@ -264,7 +264,7 @@ def sweep(seed: int, count: int) -> list[tuple[dict, list[int]]]:
 def ours(block: dict, world_size: int) -> dict:
     """Our answer in the reference's terms."""
     try:
-        c = ElasticConfig.from_dict({"enabled": True, **block})
+        c = ElasticSettings.from_dict({"enabled": True, **block})
         if world_size == 0:
             found = elastic_batch(c)
             return {"batch": found.train_batch_size, "valid": list(found.valid_world_sizes)}

@@ -13,7 +13,7 @@ import torch
 from flash_launch import Workspace, assert_same, wait_for
 from snapshot_helpers import captured, new_slot
 
-from diag.agent.checkpoint.manager import CheckpointManager, CheckpointOptions
+from diag.agent.checkpoint.manager import CheckpointManager, CheckpointSettings
 from diag.agent.checkpoint.persist import persist_slot
 from diag.agent.checkpoint.service import ControlServer
 from diag.formats.rundir import control_socket_path
@@ -93,7 +93,7 @@ def test_gpu_job_resumes_bit_for_bit(precision: str, tmp_path: Path) -> None:
     # No persist at the rank's death: storage keeps the job's own step 2, so step 3 can only
     # come back from memory (with one GPU, the agent would otherwise persist step 3, complete on
     # every rank there is).
-    manager = CheckpointManager(run, None, CheckpointOptions(persist_on_death=False))
+    manager = CheckpointManager(run, None, CheckpointSettings(persist_on_death=False))
     server = ControlServer(control_socket_path(run, None), manager).start()
     try:
         common = ("--cuda", precision, "--zero", "2")

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from snapshot_helpers import captured, model_states, new_slot, write_snapshot
 
+import diag.formats.slotmeta as slotmeta
 from diag.formats.slotfile import SlotFile, read_snapshots
 from diag.formats.snapshot import (
     ShmSpaceError,
     SlotView,
-    SnapshotMeta,
     find_slots,
     parse_slot_name,
     slot_path,
@@ -55,7 +55,7 @@ def test_complete_snapshot_round_trip(run_dir: Path) -> None:
     h = slot.header()
     assert h.complete and h.step == 3 and h.gen == 2
     (snap,) = read_snapshots(find_slots(run_dir, "j"))
-    assert snap.meta == meta and SnapshotMeta.from_json(meta.to_json()) == meta
+    assert snap.meta == meta and slotmeta.description_from_json(meta.to_json()) == meta
     raw = snap.meta.file("s.py")
     assert raw is not None and raw.data is not None
     assert bytes(slot.view(raw.data.offset, raw.data.length)) == b"#"

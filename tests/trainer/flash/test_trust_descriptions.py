@@ -130,7 +130,7 @@ def test_the_description_cache_is_bounded_in_entries_and_bytes() -> None:
     def _key(n: int, meta_len: int) -> SlotIdentity:
         return SlotIdentity(1, n, 1 << 20, 2, 5, 4096, meta_len, 0.0, 1, 0.0)
 
-    meta = SnapshotMeta.from_json(
+    meta = slotmeta.description_from_json(
         SnapshotMeta("j", 0, 1, 0, "n", 5, "global_step5", "/ckpt", ()).to_json()
     )
     cache = DescriptionCache(max_entries=4, max_bytes=10_000)

@@ -16,8 +16,8 @@ from diag.trainer.control.commands import Agreement
 from diag.trainer.control.period import AgreementPeriod, PeriodPolicy, propose
 from diag.trainer.graceful.stopflag import (
     DRAIN_EXIT_CODE,
-    DrainConfig,
-    DrainConfigError,
+    StopFlagSettings,
+    StopFlagSettingsError,
     consume_stop_file,
     stop_file_present,
 )
@@ -139,7 +139,7 @@ def test_bad_policy(kwargs: dict, message: str) -> None:
 
 
 def test_config_arguments_then_environment_then_defaults(tmp_path: Path) -> None:
-    c = DrainConfig.resolve(run_dir=tmp_path, env={})
+    c = StopFlagSettings.resolve(run_dir=tmp_path, env={})
     assert c.stop_file == tmp_path / "stop"
     assert c.exit_code == DRAIN_EXIT_CODE == 143
     assert c.period == PeriodPolicy()
@@ -147,12 +147,12 @@ def test_config_arguments_then_environment_then_defaults(tmp_path: Path) -> None
         "DIAG_STOP_FILE": "/x/stop", "DIAG_STOP_MAX_LATENCY": "4", "DIAG_STOP_EVERY": "3",
         "DIAG_DRAIN_EXIT_CODE": "75", "DIAG_STOP_MAX_OVERHEAD": "0.05",
     }  # fmt: skip
-    c = DrainConfig.resolve(run_dir=tmp_path, env=env)
+    c = StopFlagSettings.resolve(run_dir=tmp_path, env=env)
     assert (c.stop_file, c.exit_code) == (Path("/x/stop"), 75)
     assert c.period == PeriodPolicy(max_latency_s=4.0, max_overhead=0.05, every=3)
-    c = DrainConfig.resolve(stop_file="/y", max_latency_s=2.0, exit_code=99, env=env)
+    c = StopFlagSettings.resolve(stop_file="/y", max_latency_s=2.0, exit_code=99, env=env)
     assert (c.stop_file, c.exit_code, c.period.max_latency_s) == (Path("/y"), 99, 2.0)
-    assert DrainConfig.resolve(run_dir=tmp_path, env={"DIAG_STOP_FILE": ""}).stop_file is None
+    assert StopFlagSettings.resolve(run_dir=tmp_path, env={"DIAG_STOP_FILE": ""}).stop_file is None
 
 
 @pytest.mark.parametrize(
@@ -170,8 +170,8 @@ def test_config_arguments_then_environment_then_defaults(tmp_path: Path) -> None
     ],
 )
 def test_bad_config_names_the_problem(kwargs: dict, env: dict, message: str) -> None:
-    with pytest.raises(DrainConfigError) as e:
-        DrainConfig.resolve(env=env, **kwargs)
+    with pytest.raises(StopFlagSettingsError) as e:
+        StopFlagSettings.resolve(env=env, **kwargs)
     assert message in str(e.value)
 
 

@@ -1,9 +1,16 @@
-"""Carries out the core's actions: capture evidence, persist checkpoints, stop ranks.
+"""One watch cycle, from the journals to the actions: the hang path of the agent.
 
-Other parts of the agent (checkpoint persistence, node taints, metrics) subscribe through
-`IncidentListener`s, called in order after the evidence is on disk and before ranks are stopped.
-`on_disk` listeners are called earlier, as soon as the incident directory holds the Python
-stacks (before the slower native ones): the job verdict should not wait for those.
+    journals --Observer.observe (observe/observer.py)--> Observation
+             --decide (detect/hang.py, pure)--> Decision: verdict, events, actions
+             --Executor.execute (here)--> evidence on disk, checkpoints, ranks stopped
+             --sinks (sinks.py)--> job verdict, metrics, self-dumps, taint, retention
+
+`Cycle.step` runs it once: before any evidence is written, a verdict is named after the job
+incident it belongs to (job/link.py); with no verdict of its own, the node follows another
+node's incident that broke the job (job/jobstop.py). The `Executor` carries out the core's
+actions (capture evidence, persist checkpoints, stop ranks) and delivers the incident to the
+sinks at its three moments: before the evidence, once the Python stacks are on disk, and once
+the evidence is complete (before the ranks are stopped).
 """
 
 from __future__ import annotations
@@ -13,12 +20,27 @@ import datetime as dt
 import logging
 import signal
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 
-from diag.agent.detect.hang import Action, ActionKind, Verdict
+from diag.agent.detect.hang import (
+    Action,
+    ActionKind,
+    Decision,
+    EventKind,
+    OnHang,
+    Policy,
+    Verdict,
+    WatchState,
+    decide,
+    open_incident,
+)
+from diag.agent.detect.observation import Observation
 from diag.agent.evidence.collection import (
     EvidenceResult,
     EvidenceTarget,
@@ -27,15 +49,112 @@ from diag.agent.evidence.collection import (
     verdict_document,
 )
 from diag.agent.evidence.pyspy import DumpTarget, Launcher
+from diag.agent.job.jobstop import Local, StopState, closed, follow, verdict_for, wants_look
+from diag.agent.job.link import JobLink, ranks_since_wall
+from diag.agent.job.nodeview import view_document
+from diag.agent.loop.sinks import Sink, Stage, deliver
+from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.observe.observer import Observer
 from diag.agent.observe.rankproof import RankProof
 from diag.formats.incidentdir import incident_id_of
 
 log = logging.getLogger(__name__)
 
+_WARNINGS = frozenset({EventKind.INCIDENT, EventKind.NO_STEPS})
 
-IncidentListener = Callable[[IncidentReport], None]
-PersistHook = Callable[[Verdict], None]
+
+class Cycle:
+    """The watch cycle's state and its step: observe, decide, name, act."""
+
+    def __init__(
+        self,
+        observer: Observer,
+        executor: Executor,
+        job_link: JobLink,
+        policy: Policy,
+        node: str,
+        job: str | None,
+        views: dict[str, dict[str, Any]],
+        metrics: AgentMetrics | None = None,
+    ) -> None:
+        self.observer = observer
+        self.executor = executor
+        self.job_link = job_link
+        self.policy = policy
+        self.node = node
+        self.job = job
+        self.views = views  # incident id -> our ranks at its verdict, for the job report
+        self.metrics = metrics
+        self.state = WatchState()
+        self.job_stop = StopState()
+        self.incidents = 0
+        self.observations = 0
+
+    def step(self, now: float) -> list[EventKind]:
+        obs = self.observer.observe(now)
+        self.observations += 1
+        decision = decide(self.state, obs, self.policy)
+        if decision.verdict is not None:
+            wall = time.time()
+            # Before any evidence is written: the job incident this one belongs to names it.
+            verdict = self.job_link.resolve(decision.verdict, obs, obs.job or self.job or "", wall)
+            decision = _under(decision, verdict)
+            # Our ranks as they are now travel with our report for the job verdict, if we file
+            # one: whoever assembles it can weigh them against the other nodes'.
+            self.views[verdict.incident_id] = view_document(obs, self.node, wall)
+        else:
+            decision = self._follow_job(obs, decision, now)
+        self.state = decision.state
+        if self.metrics is not None:
+            self.metrics.update(obs, self.state, decision.verdict)
+        for e in decision.events:
+            level = logging.WARNING if e.kind in _WARNINGS else logging.INFO
+            log.log(level, "%s: %s", e.kind.value, e.message)
+        for action in decision.actions:
+            self.executor.execute(action)
+        if decision.verdict is not None:
+            self.incidents += 1
+        return [e.kind for e in decision.events]
+
+    def _follow_job(self, obs: Observation, decision: Decision, now: float) -> Decision:
+        """With no incident of its own, the ranks stop with the rest of the job when another
+        node's incident breaks it (jobstop.py): the same actions as a verdict of this node's."""
+        job = obs.job or self.job or ""
+        wall = time.time()
+        incident = decision.state.incident
+        local = Local(
+            node=self.node,
+            attempt=obs.attempt,
+            live_ranks=sum(r.alive for r in obs.ranks),
+            since_wall=ranks_since_wall(obs, wall),
+            open_incident=incident.incident_id if incident is not None else None,
+            stop=self.policy.on_hang == OnHang.STOP and bool(job),
+        )
+        self.job_stop = closed(self.job_stop, local)
+        if not wants_look(self.job_stop, local, now):
+            return decision  # nothing listed: most checks of most nodes end here
+        f = follow(
+            self.job_stop, local, self.job_link.incidents(job, obs.attempt, local.since_wall), now
+        )
+        self.job_stop = f.state
+        verdict = verdict_for(f, obs)
+        if verdict is None or f.trigger is None:
+            return decision
+        if self.metrics is not None:
+            self.metrics.job_stop(f.trigger.value)
+        return open_incident(decision.state, obs, self.policy, verdict, decision.events)
+
+
+def _under(decision: Decision, verdict: Verdict | None) -> Decision:
+    """The decision with its verdict replaced in its state and actions too."""
+    if verdict is None or verdict is decision.verdict:
+        return decision
+    return replace(
+        decision,
+        state=replace(decision.state, incident=verdict),
+        verdict=verdict,
+        actions=tuple(replace(a, verdict=verdict) for a in decision.actions),
+    )
 
 
 class Executor:
@@ -50,18 +169,17 @@ class Executor:
         pyspy_timeout: float = 10.0,
         dump_parallel: int = 0,
         launcher: Launcher | None = None,
+        sinks: Sequence[Sink] = (),
     ) -> None:
         self.observer = observer
         self.launcher = launcher  # who starts py-spy (None: this process)
+        self.sinks = tuple(sinks)  # what happens after a verdict, in order (sinks.py)
         self.timeline = timeline
         self.node = node
         self.stop_grace = stop_grace
         self.native_stacks = native_stacks
         self.pyspy_timeout = pyspy_timeout
         self.dump_parallel = dump_parallel
-        self.listeners: list[IncidentListener] = []
-        self.on_disk: list[IncidentListener] = []
-        self.persist_hooks: list[PersistHook] = []
         self.reports: list[IncidentReport] = []
         self._stoppers: list[threading.Thread] = []
 
@@ -69,11 +187,8 @@ class Executor:
         if action.kind == ActionKind.CAPTURE_EVIDENCE:
             self._capture(action.verdict)
         elif action.kind == ActionKind.PERSIST_CHECKPOINT:
-            for hook in self.persist_hooks:
-                try:
-                    hook(action.verdict)
-                except Exception:
-                    log.exception("checkpoint persistence failed")
+            report = IncidentReport(action.verdict, None, self._job(), self.node)
+            deliver(self.sinks, Stage.BEFORE_EVIDENCE, report)
         elif action.kind == ActionKind.STOP_RANKS:
             self._stop(action.ranks)
 
@@ -105,7 +220,7 @@ class Executor:
         targets = sorted(
             self._targets(), key=lambda t: (order.get(t.dump.rank, len(order)), t.dump.rank)
         )
-        job = (targets and self.observer.current()[0].meta.job) or (self.observer.job or "")
+        job = self._job()
         world = max((t.dump.world_size for t in targets), default=0)
         doc = verdict_document(
             verdict,
@@ -127,8 +242,8 @@ class Executor:
                 pyspy_timeout=self.pyspy_timeout,
                 dump_parallel=self.dump_parallel,
                 launcher=self.launcher,
-                on_disk=lambda early: self._notify(
-                    self.on_disk, IncidentReport(verdict, early, job, self.node)
+                on_disk=lambda early: deliver(
+                    self.sinks, Stage.ON_DISK, IncidentReport(verdict, early, job, self.node)
                 ),
             )
             log.warning(
@@ -147,15 +262,11 @@ class Executor:
             )  # fmt: skip
         report = IncidentReport(verdict, result, job, self.node)
         self.reports.append(report)
-        self._notify(self.listeners, report)
+        deliver(self.sinks, Stage.CAPTURED, report)
 
-    @staticmethod
-    def _notify(listeners: list[IncidentListener], report: IncidentReport) -> None:
-        for listener in listeners:
-            try:
-                listener(report)
-            except Exception:
-                log.exception("incident listener %r failed", listener)
+    def _job(self) -> str:
+        current = self.observer.current()
+        return (current and current[0].meta.job) or (self.observer.job or "")
 
     def _stop(self, ranks: tuple[int, ...]) -> None:
         procs = []
