@@ -116,6 +116,13 @@ def test_the_pod(rendered):
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
     env = {e["name"]: e for e in sidecar["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # One node name in the job for the agent and its ranks, the worker's place, which a
+    # relaunched worker keeps (not the Kubernetes node nor the pod's host name).
+    for c in (sidecar, *spec["containers"]):
+        named = {e["name"]: e for e in c["env"]}
+        assert named["DIAG_NODE"]["value"] == "worker-$(DIAG_RANK_INDEX)", c["name"]
+        index = named["DIAG_RANK_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert index == "metadata.labels['elasticjob.dlrover/rank-index']", c["name"]
     # The PodMonitor finds the pod and its port.
     (monitor,) = by_kind(rendered["elasticjob"], "PodMonitor")
     labels = monitor["spec"]["selector"]["matchLabels"]
@@ -216,10 +223,13 @@ def test_the_sidecar_flags_are_the_agent_s(rendered, tmp_path):
     parser = argparse.ArgumentParser()
     agent_config.add_arguments(parser)
     env = {e["name"]: e["value"] for e in sidecar["env"] if "value" in e}
-    env.update(NODE_NAME="node-a", POD_NAMESPACE="training")
+    # As the kubelet fills them in: the downward API's fields, then $(VAR) in later values.
+    env.update(NODE_NAME="node-a", POD_NAMESPACE="training", DIAG_RANK_INDEX="3")
+    env["DIAG_NODE"] = env["DIAG_NODE"].replace("$(DIAG_RANK_INDEX)", "3")
     cfg = agent_config.load(parser.parse_args(args[1:]), env=env)
     assert cfg.taint.mode == TaintMode.ON and cfg.taint.event_namespace == "training"
-    assert cfg.metrics_port == 9400 and cfg.node == "node-a"
+    # The job knows the node as the worker's place; its taints go on the Kubernetes node.
+    assert cfg.metrics_port == 9400 and cfg.node == "worker-3" and cfg.taint.kube_node == "node-a"
     # The drain plans within the pod's grace period, not the 30 s default.
     grace = job["spec"]["replicaSpecs"]["worker"]["template"]["spec"]
     assert cfg.drain is not None and cfg.drain.grace == grace["terminationGracePeriodSeconds"]

@@ -66,7 +66,7 @@ class RankNotes:
 
     def registered(self, key: RankKey, node: str) -> None:
         """A rank registered saying it runs on `node`."""
-        if not node or node == self.node:
+        if not node or not self.node or node == self.node:
             return
         with self._lock:
             self.mismatches += 1
