@@ -4,12 +4,21 @@ storage while steps were in memory says which steps each rank held."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
+from snapshot_helpers import captured, model_states, write_snapshot
 
+from diag.trainer.control.message import ReplicaAck
+from diag.trainer.flash.agreeing import agree_save
 from diag.trainer.flash.replicarounds import Agreed, Rounds, advance, resumed, vote
+from diag.trainer.flash.replicating import Replication
 from diag.trainer.flash.resume import RankFacts, ResumePlan, Source, fell_back, held_text
+from diag.trainer.flash.slots import RankSlots, SlotOwner
 
 RUN = "n0:1:2.000"
 
@@ -111,3 +120,50 @@ def test_a_fallback_to_storage_with_steps_in_memory_names_what_each_rank_held() 
     assert not fell_back(plan, [RankFacts(0, (), 40), RankFacts(1, (), 40)])
     many = [RankFacts(r, (1, 2, 3, 4, 5, 6), None) for r in range(4)]
     assert held_text(many) == "ranks 0-3: ..., 3, 4, 5, 6"
+
+
+def test_a_rank_keeps_the_round_steps_in_its_slots_while_its_newest_rotate(tmp_path: Path) -> None:
+    """The trainer's side over real slots in shared memory (one rank: the all-reduce is its own
+    vote): once its agent says it replicates, the rank keeps a third slot; the round step and the
+    kept one are never written over, while saves between confirmations take the free slot; the
+    agent's confirmation of the round step starts the next round."""
+    run_dir = Path(tempfile.mkdtemp(prefix="diag-test-rounds-", dir="/dev/shm"))
+    slots = RankSlots(run_dir, SlotOwner("j", 0, 1, 0, os.getpid(), 0.0))
+    rep = Replication(slots, RUN)
+    marked: list[int] = []
+
+    def save(step: int) -> None:
+        rep.prepare()
+        got = slots.acquire(1 << 20)
+        everyone, agreed = agree_save((got is not None, rep.vote()), None, 1)
+        assert everyone and got is not None, f"step {step}: no slot free"
+        _, slot = got
+        if rep.agreed(step, agreed):
+            marked.append(step)
+        files = captured({f"global_step{step}/f.pt": model_states(step)})
+        write_snapshot(slot, step, files, job="j", rank=0, world=1, save_dir=tmp_path,
+                       replica_round=step in marked)  # fmt: skip
+        slot.unlock()
+
+    try:
+        save(1)  # no word from the agent yet: two slots, no rounds
+        assert len(slots.paths) == 2 and marked == []
+        rep.acknowledged(ReplicaAck(True, -1, ""))
+        save(2)
+        assert len(slots.paths) == 3 and marked == [2]
+        for step in (3, 4, 5, 6):  # the holders have not confirmed 2: no new round
+            save(step)
+        assert marked == [2] and {2, 6} <= set(slots.complete())
+        rep.acknowledged(ReplicaAck(True, 2, RUN))
+        save(7)
+        assert marked == [2, 7] and rep.rounds == Rounds(current=7, kept=2)
+        for step in (8, 9, 10):
+            save(step)
+        # Whatever the holders hold now (2, or 7 once it arrives) every rank still holds.
+        assert {2, 7, 10} == set(slots.complete())
+        rep.acknowledged(ReplicaAck(True, 7, RUN))
+        save(11)
+        assert marked == [2, 7, 11] and {7, 11} <= set(slots.complete())
+    finally:
+        slots.close(remove=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
