@@ -221,6 +221,7 @@ def test_agent_on_the_culprit_node_taints_it_from_the_job_verdict(tmp_path: Path
         assert "names rank 3 on node node-b, not this node" in logs
 
 
+@pytest.mark.k8s
 @pytest.mark.timeout(120)
 def test_a_job_verdict_naming_the_worker_taints_the_kubernetes_node_it_runs_on(
     tmp_path: Path,
