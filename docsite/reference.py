@@ -121,7 +121,7 @@ def _default(value: Any) -> str:
     return _code(getattr(value, "value", value))
 
 
-def _table_rows(table: Any) -> Iterator[str]:
+def _table_rows(table: Any, shown: Any = None) -> Iterator[str]:
     for opt in table.options:
         bounds = table.bounds_of(opt)
         allowed = bounds.describe() if bounds is not None else ""
@@ -129,14 +129,17 @@ def _table_rows(table: Any) -> Iterator[str]:
             allowed = ", ".join(f"`{c}`" for c in opt.choices)
         key = f"`{opt.name}` in `[{table.toml_table}]`"
         note = " (agent only)" if opt.agent_only else ""
+        default = _default(opt.default)
+        if shown is not None and opt.default is not None:
+            default = _code(shown(opt.default))
         yield (
-            f"| `{table.flag(opt)}` | `{table.env(opt)}` | {key} | {_default(opt.default)} "
+            f"| `{table.flag(opt)}` | `{table.env(opt)}` | {key} | {default} "
             f"| {allowed} | {_cell(opt.help)}{note} |"
         )
 
 
 def agent_options_page() -> str:
-    from diag.agent.config import options
+    from diag.agent.config import options, precheckoptions
     from diag.agent.taint import taintconfig
 
     head = "| flag | environment | config key | default | allowed | meaning |\n|---|---|---|---|---|---|"
@@ -166,6 +169,28 @@ def agent_options_page() -> str:
             head,
             *_table_rows(taintconfig.OPTIONS),
             "",
+            "## `[precheck]`",
+            "",
+            "`diag precheck` takes these (`diag/agent/config/precheckoptions.py`), and its "
+            "`--config FILE` reads its `[precheck]` table, which may sit in the agent's file. The "
+            "rendezvous (`--master-addr`, `--master-port`, `--nnodes`, `--node-rank`) falls back "
+            "to the launcher's own variables, not to `DIAG_` ones (see the CLI page).",
+            "",
+            *[
+                line
+                for title, table in (
+                    ("What to measure", precheckoptions.MEASURE),
+                    ("Thresholds", precheckoptions.THRESHOLDS),
+                    ("Timeouts", precheckoptions.TIMEOUTS),
+                )
+                for line in (
+                    f"**{title}**",
+                    "",
+                    head,
+                    *_table_rows(table, precheckoptions.shown),
+                    "",
+                )
+            ],
         ]
     )
 

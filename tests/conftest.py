@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import fasttier
 import pytest
 
 TMPDIR = "TMPDIR"
@@ -48,6 +49,24 @@ def _private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 DURATIONS = Path(__file__).with_name("durations.json")
 FAST_SECONDS = 2.0
 NOT_FAST = ("slow", "long", "netns", "k8s", "gpu")
+_FAST = pytest.StashKey[bool]()  # whether the test is of the fast tier
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Armed before any fixture, a module's shared job included (see tests/support/fasttier.py)."""
+    if item.stash.get(_FAST, False):
+        fasttier.install()
+        fasttier.arm(item.nodeid)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """A test of the fast tier that started a job fails, in every run."""
+    if item.stash.get(_FAST, False):
+        caught = fasttier.disarm()
+        if caught:
+            pytest.fail(fasttier.advice(item.nodeid, caught), pytrace=False)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -73,6 +92,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return float(seconds.get(item.nodeid, default))
 
     for item in items:
+        item.stash[_FAST] = expected(item) < FAST_SECONDS and not any(
+            item.get_closest_marker(m) for m in NOT_FAST
+        )
         module = item.nodeid.split("::")[0]
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         shared = any(
@@ -84,12 +106,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(module))
     items.sort(key=expected, reverse=True)
     if config.getoption("--fast"):
-        keep = [
-            item
-            for item in items
-            if expected(item) < FAST_SECONDS
-            and not any(item.get_closest_marker(m) for m in NOT_FAST)
-        ]
+        keep = [item for item in items if item.stash[_FAST]]
         kept = {id(item) for item in keep}
         config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
         items[:] = keep

@@ -5,7 +5,6 @@ directory and the merged stacks.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -22,6 +21,7 @@ from pathlib import Path
 from diag.agent.detect.observation import OpView
 from diag.agent.detect.straggler import StragglerScore, straggler_scores
 from diag.agent.observe.procs import stop_tree
+from diag.cli.demosettings import DemoSettings
 from diag.formats import exitcodes
 from diag.formats.incidentdir import VERDICT_FILE
 from diag.formats.journal import JournalFormatError
@@ -33,30 +33,6 @@ from diag.viewer.merge import MergeResult
 from diag.viewer.tree import View
 
 JOB = "demo"
-
-
-@dataclass(frozen=True)
-class DemoSettings:
-    nproc: int = 4
-    fault: str = "hang"
-    fault_rank: int = 1
-    fault_step: int = 6
-    steps: int = 40
-    zero: int = 2
-    hang_timeout: float = 20.0
-    hang_floor: float = 3.0
-    straggle: float = 0.3
-    on_hang: str = "stop"
-    timeout: float = 240.0
-    workdir: Path | None = None
-    job_args: tuple[str, ...] = ()  # extra demo_job flags (tests use them for eval phases etc.)
-    # A launcher command ending where the module name goes (e.g. the deepspeed launcher's
-    # `... --module`); empty: torchrun.
-    merge: bool = True
-    launcher: tuple[str, ...] = ()
-    metrics_port: int | None = None  # the agent serves /metrics here (0: any free port)
-    agent_args: tuple[str, ...] = ()  # extra `diag agent` flags
-    flash_every: int = 0  # flash-checkpoint every N steps; the agent persists one on the fault
 
 
 @dataclass
@@ -235,12 +211,25 @@ def _merge(incident: Path, out) -> MergeResult | None:
         return None
 
 
+def _job_rc_meaning(opts: DemoSettings, result: DemoResult) -> str:
+    """Why the job's exit code is what it is: after a fault, torchrun's 1 is the expected end."""
+    if not result.job_rc or not result.incidents:
+        return ""
+    if opts.fault == "exit":
+        return f" (expected: rank {opts.fault_rank} was killed, so torchrun failed the job)"
+    if opts.on_hang == "stop":
+        return " (expected: the agent stopped the ranks, so torchrun failed the job)"
+    return ""
+
+
 def report(opts: DemoSettings, result: DemoResult, out=sys.stdout) -> int:
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p("")
+    handled = result.agent_rc == exitcodes.HANG_DETECTED
     p(
-        f"job exit code {result.job_rc}, agent exit code {result.agent_rc}, "
-        f"{result.wall_s:.1f} s wall"
+        f"job exit code {result.job_rc}{_job_rc_meaning(opts, result)}, "
+        f"agent exit code {result.agent_rc}{' (an incident detected and handled)' if handled else ''}"
+        f", {result.wall_s:.1f} s wall"
     )
     top = [s for s in result.stragglers if s.is_straggler]
     shown = result.stragglers[:3] if opts.fault == "straggler" else top
@@ -282,7 +271,7 @@ def report(opts: DemoSettings, result: DemoResult, out=sys.stdout) -> int:
         classes = merged.classes.get(View.PY, ())
         p(f"merged stacks: {len(classes)} classes of identical Python stacks")
         for c in classes:
-            flag = f"  SUSPECT (score {c.score:.2f})" if c.suspect else ""
+            flag = "  SUSPECT" if c.suspect else ""
             p(f"  {c.size} rank(s) [{c.ranks}] at {c.leaf}{flag}")
         p(f"  open in a browser: {merged.py_svg}")
         p(f"  native stacks:     {merged.cpp_svg}")
@@ -306,54 +295,8 @@ def _report_flash(save_dir: Path, p) -> None:
         p(f"flash checkpoint: step {step} persisted by the agent in {save_dir} (DeepSpeed layout)")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = DemoSettings()
-    parser.add_argument("--nproc", type=int, default=d.nproc, help="ranks to start")
-    parser.add_argument("--fault", choices=FAULTS, default=d.fault, help="what to inject")
-    parser.add_argument("--fault-rank", type=int, default=d.fault_rank)
-    parser.add_argument("--fault-step", type=int, default=d.fault_step)
-    parser.add_argument("--steps", type=int, default=d.steps)
-    parser.add_argument(
-        "--zero", type=int, choices=(0, 1, 2, 3), default=d.zero, help="DeepSpeed ZeRO stage"
-    )
-    parser.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=d.hang_timeout,
-        help="the agent's hang-limit ceiling in seconds",
-    )
-    parser.add_argument("--hang-floor", type=float, default=d.hang_floor)
-    parser.add_argument(
-        "--straggle", type=float, default=d.straggle, help="extra seconds per step of the straggler"
-    )
-    parser.add_argument("--on-hang", choices=("none", "stop"), default=d.on_hang)
-    parser.add_argument(
-        "--timeout", type=float, default=d.timeout, help="give up after this many seconds"
-    )
-    parser.add_argument("--workdir", type=Path, help="keep everything here (default: a temp dir)")
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        help="the agent serves Prometheus metrics on this port during the demo",
-    )
-    parser.add_argument(
-        "--flash-every",
-        type=int,
-        default=0,
-        help="flash-checkpoint every N steps; the agent persists the newest on the fault",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    opts = DemoSettings(
-        nproc=args.nproc, fault=args.fault, fault_rank=args.fault_rank,
-        fault_step=args.fault_step, steps=args.steps, zero=args.zero,
-        hang_timeout=args.hang_timeout, hang_floor=args.hang_floor, straggle=args.straggle,
-        on_hang=args.on_hang, timeout=args.timeout, workdir=args.workdir,
-        metrics_port=args.metrics_port,
-        flash_every=args.flash_every,
-    )  # fmt: skip
+def main(opts: DemoSettings) -> int:
+    """`diag demo`: runs the demo and reports; its exit code."""
     if shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
         raise exitcodes.UsageError("py-spy is not installed; run ./scripts/bootstrap.sh")
-    result = run_demo(opts)
-    return report(opts, result)
+    return report(opts, run_demo(opts))

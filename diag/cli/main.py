@@ -53,7 +53,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "untaint": ("diag.cli.untaintcmd", "remove diag's taint and condition from a node"),
     "demo": (
-        "diag.cli.demo",
+        "diag.cli.democmd",
         "run a local CPU DeepSpeed job with an injected fault under a real agent",
     ),
 }

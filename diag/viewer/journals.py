@@ -8,12 +8,16 @@ stacks cannot:
   waiting for data), where the stacks alone would take the main thread for it;
 - the meta lists threads diag runs whose stacks hold no diag frame (the control channel's gRPC
   poller, which runs grpc's frames only): they are diag's, not the job's RPC.
+
+And one about numbers: each group's last sequence number and op, so the flight recorder's
+numbers can be shown as the journal's (diag.viewer.frsummary).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,4 +119,45 @@ def journal_local_sizes(dirs: Iterable[Path]) -> list[int]:
             out.append(local_size(read_tail(first.path)))
         except (OSError, ValueError):
             continue
+    return out
+
+
+_TAIL_NAME = re.compile(r"^(\d{5,8})-\d{5,8}" + re.escape(JOURNAL_TAIL_SUFFIX) + "$")
+MAX_GROUP_NAME = 200
+
+
+def group_last(doc: object) -> dict[str, tuple[int, str]]:
+    """Per process group: the sequence number and op of the last op the journal tail holds."""
+    out: dict[str, tuple[int, str]] = {}
+    records = doc.get("records") if isinstance(doc, dict) else None
+    for rec in records if isinstance(records, list) else ():
+        if not isinstance(rec, dict) or rec.get("kind") != "op":
+            continue
+        group, seq, op = rec.get("group"), rec.get("group_seq"), rec.get("op")
+        if not (isinstance(group, str) and 0 < len(group) <= MAX_GROUP_NAME):
+            continue
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 < seq < 1 << 63:
+            continue
+        if isinstance(op, str) and seq > out.get(group, (0, ""))[0]:
+            out[group] = (seq, op[:MAX_GROUP_NAME])
+    return out
+
+
+def read_group_last(dirs: Iterable[Path], ranks: set[int]) -> dict[int, dict[str, tuple[int, str]]]:
+    """`group_last` of the journal tails of `ranks` in the incident directories; a tail that
+    cannot be read is left out (its rank's flight recorder keeps torch's numbers)."""
+    out: dict[int, dict[str, tuple[int, str]]] = {}
+    for d in dirs:
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for e in entries:
+            m = _TAIL_NAME.match(e.name)
+            if m is None or int(m.group(1)) not in ranks or not e.is_file(follow_symlinks=False):
+                continue
+            try:
+                out[int(m.group(1))] = group_last(read_tail(e.path))
+            except (OSError, UntrustedInput):
+                continue
     return out

@@ -18,7 +18,7 @@ from pathlib import Path
 from diag.formats.inputcaps import MAX_RANKS_PER_FILE, clean
 from diag.formats.stackdump import RankDump
 from diag.viewer import frdumps as flightrec
-from diag.viewer import ranksets
+from diag.viewer import frsummary, ranksets
 from diag.viewer.absent import Absent, local_world_size
 from diag.viewer.analysis import About, analyse, draw
 from diag.viewer.classes import RankClass, Suspect
@@ -26,7 +26,7 @@ from diag.viewer.flame import FlameSettings
 from diag.viewer.folded import write_folded
 from diag.viewer.gather import Gathered, gather
 from diag.viewer.incidents import Incident, IncidentError, find_incidents, pick_incident
-from diag.viewer.journals import journal_local_sizes
+from diag.viewer.journals import journal_local_sizes, read_group_last
 from diag.viewer.outputs import OutputDir
 from diag.viewer.sources import DumpFile, default_workers
 from diag.viewer.summary import MergeReport, ViewReport, to_json, to_text
@@ -233,6 +233,7 @@ def _analyse_and_write(
     states: dict[str, int] = {}
     for d in dumps:
         states[d.process_state] = states.get(d.process_state, 0) | (1 << d.rank)
+    flight = flightrec.read_incident([d.path for d in inc.dirs], world or flightrec.MAX_RANK)
     report = MergeReport(
         incident_id=inc.incident_id,
         kind=inc.kind,
@@ -250,7 +251,10 @@ def _analyse_and_write(
         views=tuple(reports),
         suspects=sus,
         absent=absent,
-        flight=flightrec.read_incident([d.path for d in inc.dirs], world or flightrec.MAX_RANK),
+        flight=flight,
+        numbering=frsummary.numbering(
+            flight, read_group_last((d.path for d in inc.dirs), {r.rank for r in flight.records})
+        ),
     )
     summary_txt = out.write(SUMMARY_TXT, to_text(report).encode())
     summary_json = out.write(SUMMARY_JSON, (json.dumps(to_json(report), indent=1) + "\n").encode())

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diag.formats.untrusted import printable
 from diag.viewer import frdumps as flightrec
-from diag.viewer import ranksets
+from diag.viewer import frsummary, ranksets
 from diag.viewer.absent import Absent
 from diag.viewer.classes import RankClass, Suspect
 from diag.viewer.tree import View
@@ -52,6 +52,7 @@ class MergeReport:
     suspects: tuple[Suspect, ...]
     absent: Absent
     flight: flightrec.FlightReport | None = None  # torch's flight recorder, beside the stacks
+    numbering: frsummary.Numbering = field(default_factory=frsummary.Numbering)  # as the journal
 
     @property
     def missing(self) -> int:
@@ -68,7 +69,7 @@ def _class_json(c: RankClass) -> dict:
         "size": c.size,
         "ranks": c.ranks,
         "suspect": c.suspect,
-        "score": c.score,
+        "minority_score": c.score,  # the class's; its ranks' suspect scores are in "suspects"
         "thread": c.thread,
         "leaf": c.leaf,
         "stack": list(c.tail),
@@ -122,12 +123,12 @@ def to_json(r: MergeReport) -> dict:
             }
             for v in r.views
         },
-        "flight_recorder": flightrec.to_json(r.flight) if r.flight else None,
+        "flight_recorder": frsummary.to_json(r.flight, r.numbering) if r.flight else None,
     }
 
 
 def _class_lines(c: RankClass) -> list[str]:
-    flag = f"   SUSPECT (score {c.score:.2f})" if c.suspect else ""
+    flag = "   SUSPECT" if c.suspect else ""  # its ranks' scores: in SUSPECTS, once
     ranks = ranksets.fold(c.bits, TEXT_RANGES)
     lines = [f"  class {c.index}: {_plural(c.size, 'rank')} {ranks}{flag}"]
     if c.thread == c.leaf:  # a marker: the rank has no stack in this view
@@ -188,7 +189,7 @@ def to_text(r: MergeReport) -> str:
         out.append("SUSPECTS: none (no minority class of stacks, no culprit named)")
     if r.flight is not None and not r.flight.empty:
         out.append("")
-        out.extend(flightrec.to_lines(r.flight))
+        out.extend(frsummary.to_lines(r.flight, r.numbering))
     for v in r.views:
         out.append("")
         out.append(

@@ -50,17 +50,25 @@ def _node(sub_room: str) -> str:
     return sub_room.replace(".", "_")
 
 
+# Closer layers than mermaid's default (50 px apart): the words stay at a readable size when the
+# drawing is scaled down to the page's width.
+SPACING = ("---", "config:", "  flowchart:", "    rankSpacing: 25", "    nodeSpacing: 20", "---")
+
+
 def mermaid_sub_rooms(edges: set[tuple[str, str]]) -> str:
-    """One flowchart, a box per room with sub-rooms, one node per sub-room, one arrow per
-    sub-room that imports another of its room."""
-    lines = ["```mermaid", "flowchart TD"]
+    """A flowchart per room with sub-rooms, under its name: one node per sub-room, one arrow per
+    sub-room that imports another of its room. Left to right: the imports are a few layers deep
+    and the sub-rooms many, so each drawing stays narrow enough to read on a page."""
+    out = []
     for room, subs in layers.SUB_ROOMS.items():
-        lines.append(f"    subgraph {room}[{room}]")
-        lines += [f"        {_node(f'{room}.{sub}')}[{sub}]" for sub in subs]
-        lines.append("    end")
-    lines += [f"    {_node(a)} --> {_node(b)}" for a, b in sorted(edges)]
-    lines.append("```")
-    return "\n".join(lines)
+        lines = [f"**{room}**", "", "```mermaid", *SPACING, "flowchart LR"]
+        lines += [f"    {_node(f'{room}.{sub}')}[{sub}]" for sub in subs]
+        lines += [
+            f"    {_node(a)} --> {_node(b)}" for a, b in sorted(edges) if a.split(".")[0] == room
+        ]
+        lines.append("```")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
 
 
 def current() -> str:

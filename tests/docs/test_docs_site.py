@@ -1,21 +1,29 @@
 """The docs site builds with warnings as errors (a broken link or anchor, a page missing from the
 nav fails), and its generated reference pages hold every subcommand, every flag, every agent
-option and every metric family of the code. The guide's option tables name only flags that exist,
-and the README stays short."""
+option and every metric family of the code. Every built page, loaded in a real browser (headless
+Chromium), shows what its source says: tables with rows, lists as lists, diagrams drawn and
+readable, images that load, one title, and nothing fetched from outside the site. The guide's
+option tables name only flags that exist, and the README stays short."""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
+import http.server
 import importlib.util
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from headless import Browser
 from repo import ROOT
 
 from diag.agent.config import options
@@ -26,6 +34,14 @@ from diag.cli import main
 from diag.formats import exitcodes
 
 ARCHITECTURE = ROOT / "docs" / "architecture.md"  # written apart from this site; the nav names it
+PAGE_CHECK = Path(__file__).with_name("pagecheck.js")
+MIN_DIAGRAM_FONT_PX = 10.0  # the words of a diagram as drawn on a 1280-pixel-wide window
+# Before a page's own scripts: shadow roots open, so the check sees the diagrams drawn in them.
+OPEN_SHADOW_ROOTS = (
+    "{const attach = Element.prototype.attachShadow;"
+    " Element.prototype.attachShadow = function (o) {"
+    " return attach.call(this, {...o, mode: 'open'}); }; }"
+)
 
 
 def reference() -> ModuleType:
@@ -57,6 +73,27 @@ def site() -> Path:
     assert "WARNING" not in proc.stderr, proc.stderr
     yield out
     shutil.rmtree(out)
+
+
+@pytest.fixture(scope="module")
+def served(site: Path) -> Iterator[str]:
+    """The built site over HTTP on 127.0.0.1, as `mkdocs serve` shows it: its base URL."""
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Handler, directory=str(site))
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
 
 
 def page(site: Path, name: str) -> str:
@@ -130,3 +167,83 @@ def test_readme_is_short_and_points_at_the_site() -> None:
     assert len(readme.splitlines()) <= 250
     for text in ("./scripts/demo.sh", "./scripts/test.sh", "--fast", ".venv/bin/mkdocs serve"):
         assert text in readme, text
+
+
+def _page_problems(seen: dict, outside: list[str]) -> list[str]:
+    problems = [f"{what}: {seen[what]}" for what in (
+        "runOnTables", "swallowedLists", "headerOnlyTables", "rawMermaid", "brokenImages",
+    ) if seen[what]]  # fmt: skip
+    if seen["h1"] != 1:
+        problems.append(f"{seen['h1']} titles (h1); one per page")
+    if len(seen["diagrams"]) != seen["mermaidBlocks"]:
+        problems.append(f"{seen['mermaidBlocks']} diagrams, {len(seen['diagrams'])} drawn")
+    problems += [
+        f"a diagram's words are drawn {d['fontPx']:.1f} px high (under {MIN_DIAGRAM_FONT_PX:g})"
+        for d in seen["diagrams"]
+        if not d["fontPx"] >= MIN_DIAGRAM_FONT_PX
+    ]
+    if outside:
+        problems.append(f"fetched from outside the site: {sorted(set(outside))}")
+    return problems
+
+
+@pytest.mark.timeout(240)
+def test_every_page_renders_in_a_browser(site: Path, served: str) -> None:
+    """One headless Chromium loads every built page from a local server and reads what a person
+    would see: a table whose rows fell into a paragraph (a blank line after its `|---|` row,
+    which `mkdocs build --strict` lets through), a table of a header alone, a list run into the
+    paragraph before it, a mermaid diagram left as source (its script not served with the site)
+    or drawn too small to read, an image that does not load, more or less than one title, and
+    any request to another host (a CDN, web fonts): readers beside a GPU cluster are often
+    offline."""
+    check = PAGE_CHECK.read_text()
+    pages = sorted(p.parent.relative_to(site).as_posix() for p in site.rglob("index.html"))
+    nav = re.findall(r"^\s+- [^:]+: (\S+)\.md$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
+    wanted = {"." if n == "index" else n.removesuffix("/index") for n in nav}
+    assert wanted and not wanted - set(pages), sorted(wanted - set(pages))
+    problems: dict[str, list[str]] = {}
+    seen: dict[str, dict] = {}
+    with Browser(width=1280, height=900) as browser:
+        browser.start(before_each_page=OPEN_SHADOW_ROOTS)
+        for name in pages:
+            url = served if name == "." else f"{served}{name}/"
+            browser.open(url)
+            seen[name] = browser.evaluate(check)
+            outside = [u for u in browser.requests if not u.startswith((served, "data:", "blob:"))]
+            found = _page_problems(seen[name], outside)
+            if found:
+                problems[name] = found
+    assert not problems, "\n".join(f"{name}: {p}" for name, ps in problems.items() for p in ps)
+    # the checks saw what they look for: diagrams drawn, and the flame graphs the guide shows
+    assert len(seen["architecture"]["diagrams"]) >= 3
+    for name in ("user/merge", "user/demo"):
+        flames = [i for i in seen[name]["images"] if "flame" in i["src"]]
+        assert flames and all(i["width"] > 300 for i in flames), (name, seen[name]["images"])
+
+
+def test_python_examples_are_valid_python() -> None:
+    """Every ```python block of the README and the guides compiles as it is, so a reader can
+    paste it (`...` stands for code of their own only where Python allows it)."""
+    broken = []
+    for md in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = md.read_text()
+        for found in re.finditer(r"^```python\n(.*?)^```", text, flags=re.M | re.S):
+            line = text[: found.start()].count("\n") + 2
+            try:
+                compile(found.group(1), f"{md.relative_to(ROOT)}:{line}", "exec")
+            except SyntaxError as e:
+                broken.append(f"{md.relative_to(ROOT)}:{line + (e.lineno or 1) - 1}: {e.msg}")
+    assert not broken, broken
+
+
+def test_vendored_mermaid_is_the_recorded_release() -> None:
+    """The script the site serves is the npm release docsite/mermaid.py names (refresh both with
+    scripts/vendor-mermaid.sh), with its licence beside it."""
+    hook = importlib.util.spec_from_file_location("docsite_mermaid", ROOT / "docsite/mermaid.py")
+    assert hook is not None and hook.loader is not None
+    mermaid = importlib.util.module_from_spec(hook)
+    hook.loader.exec_module(mermaid)
+    script = ROOT / "docs" / mermaid.MERMAID_JS
+    assert hashlib.sha256(script.read_bytes()).hexdigest() == mermaid.MERMAID_SHA256
+    assert f'version:"{mermaid.MERMAID_VERSION}"' in script.read_text()
+    assert "MIT" in (script.parent / "LICENSE").read_text()

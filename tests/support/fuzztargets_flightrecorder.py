@@ -8,6 +8,7 @@ from fuzzkit import FuzzTarget
 
 from diag.formats.untrusted import read_bounded
 from diag.viewer import frdumps as flightrec
+from diag.viewer import frsummary
 
 DATA = Path(__file__).with_name("flight_recorder_data")
 NAME = "00001-00002.json"
@@ -22,7 +23,7 @@ def _parse(path: Path) -> object:
     data = read_bounded(path, max_bytes=flightrec.MAX_FILE_BYTES)
     record = flightrec.parse_dump(data, str(path), rank=rank, world_size=world, backend=backend)
     report = flightrec.FlightReport((record,), (), flightrec.lags([record]))
-    return flightrec.to_lines(report), flightrec.to_json(report)
+    return frsummary.to_lines(report), frsummary.to_json(report)
 
 
 TARGETS = [FuzzTarget("flight_recorder", _seeds, _parse, file_name=NAME, json=True)]

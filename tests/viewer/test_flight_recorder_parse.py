@@ -14,6 +14,7 @@ from repo import SUPPORT
 
 from diag.formats.untrusted import UntrustedInput
 from diag.viewer import frdumps as flightrec
+from diag.viewer import frsummary
 
 DATA = SUPPORT / "flight_recorder_data"
 
@@ -40,9 +41,9 @@ def test_real_dumps_give_each_ranks_last_collectives_and_who_is_behind(tmp_path:
     assert rep.records[0].entries[-2].state == "completed"
     lags = {lag.group: lag.behind for lag in rep.lags}
     assert lags == {"0": ((1, 3),), "1": ((0, 3),)}
-    text = "\n".join(flightrec.to_lines(rep))
-    assert "behind on pg 0 default_pg [cpu]: rank 1 at #3; others enqueued #4" in text
-    doc = flightrec.to_json(rep)
+    text = "\n".join(frsummary.to_lines(rep))
+    assert "behind on group 0 (default_pg) [cpu]: rank 1 at #3; others enqueued #4" in text
+    doc = frsummary.to_json(rep)
     assert doc["behind"][0]["ranks"] == [{"rank": 1, "last_enqueued": 3}]
 
 
@@ -67,7 +68,7 @@ def test_a_corrupt_dump_is_reported_for_its_rank(
     assert [r.rank for r in rep.records] == [0]
     assert len(rep.errors) == 1 and rep.errors[0][0] == 1, rep.errors
     assert problem in rep.errors[0][1] and "00001-00002.json" in rep.errors[0][1]
-    assert any("rank 1:" in line for line in flightrec.to_lines(rep))
+    assert any("rank 1:" in line for line in frsummary.to_lines(rep))
 
 
 def test_an_oversized_dump_is_refused_unread(tmp_path: Path, monkeypatch) -> None:
@@ -111,4 +112,4 @@ def test_the_agents_note_of_a_rank_without_dump_is_shown(tmp_path: Path) -> None
 
 def test_an_incident_without_flight_recorder_says_nothing(tmp_path: Path) -> None:
     rep = flightrec.read_incident([tmp_path], 2)
-    assert rep.empty and flightrec.to_lines(rep) == []
+    assert rep.empty and frsummary.to_lines(rep) == []

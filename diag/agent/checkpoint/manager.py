@@ -31,7 +31,7 @@ from diag.agent.checkpoint.cleanup import removable, remove, slots_by_job, write
 from diag.agent.checkpoint.persist import PersistResult, persist_slot
 from diag.agent.checkpoint.pulled import PulledSlots, refusal
 from diag.agent.checkpoint.sessions import CommandReport, RankKey, Sessions
-from diag.agent.checkpoint.stats import CheckpointStats, RankCheckpointStats
+from diag.agent.checkpoint.stats import CheckpointStats, collect_stats
 from diag.agent.checkpoint.storage import has_part
 from diag.agent.checkpoint.writers import WatchOutcome, Writer, WriterWatch
 from diag.agent.checkpoint.writingmark import WritingMarks
@@ -406,40 +406,14 @@ class CheckpointManager:
     # -- facts -------------------------------------------------------------------------------------
 
     def stats(self) -> CheckpointStats:
-        ranks = []
-        committed: dict[str, int] = {}
-        snaps = self.snapshots(self.job)
-        newest: dict[RankKey, tuple[int, int, float]] = {}
-        for s in snaps:
-            key = RankKey(s.meta.job, s.meta.rank)
-            if key not in newest or s.meta.step > newest[key][0]:
-                newest[key] = (s.meta.step, s.meta.nbytes, s.header.copy_seconds)
-            save_dir = self.options.save_dir or Path(s.meta.save_dir)
-            step = read_latest_step(save_dir)
-            if step is not None:
-                committed[s.meta.job] = max(committed.get(s.meta.job, -1), step)
         with self._lock:
             persisted = dict(self._persisted)
             results = list(self.results)
-        for key in sorted(set(newest) | set(persisted), key=lambda k: (k.job, k.rank)):
-            mem = newest.get(key)
-            p = persisted.get(key)
-            ranks.append(
-                RankCheckpointStats(
-                    job=key.job, rank=key.rank,
-                    memory_step=mem[0] if mem else None,
-                    memory_bytes=mem[1] if mem else 0,
-                    last_copy_seconds=mem[2] if mem else 0.0,
-                    persisted_step=p.step if p else None,
-                    last_persist_seconds=p.seconds if p else 0.0,
-                    last_persist_bytes=p.nbytes if p else 0,
-                )
-            )  # fmt: skip
-        return CheckpointStats(
-            ranks=tuple(ranks),
-            committed_step=committed,
-            persists_ok=sum(1 for r in results if r.ok),
-            persists_failed=sum(1 for r in results if not r.ok),
+        return collect_stats(
+            self.snapshots(self.job),
+            persisted,
+            results,
+            lambda s: read_latest_step(self.options.save_dir or Path(s.meta.save_dir)),
         )
 
     def close(self, timeout: float = 60.0) -> None:

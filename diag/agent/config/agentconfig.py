@@ -70,7 +70,7 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
     if config:
         known = [o.name for o in OPTIONS.options] + list(REMOVED)
         file_values = read_toml_table(
-            config, "agent", known, top_level_default=True, other_tables=("taint",)
+            config, "agent", known, top_level_default=True, other_tables=("taint", "precheck")
         )
     check_removed(args, env, set(file_values))
     values = OPTIONS.resolve(args, env, file_values, config, from_file=_from_file)

@@ -23,17 +23,9 @@ from dataclasses import dataclass, field, replace
 from diag.agent.detect.culprit import Suspect, SuspectKind, Wait, find_suspects, waits
 from diag.agent.detect.deadlock import NO_ONE_STANDS_OUT
 from diag.agent.detect.leaver import Leaver, find_leavers
-from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.agent.detect.timeouts import (
-    PG_TIMEOUT_MARGIN,
-    Limit,
-    TimeoutPolicy,
-    effective_ceiling,
-    rank_limit,
-    settled_at,
-    stepless,
-    waits_outside_phases,
-)
+from diag.agent.detect.observation import Liveness, Observation
+from diag.agent.detect.overdue import Overdue, overdue_ranks
+from diag.agent.detect.timeouts import TimeoutPolicy, rank_limit, settled_at, stepless
 
 
 class VerdictKind(enum.Enum):
@@ -59,27 +51,6 @@ class EventKind(enum.Enum):
     NEW_ATTEMPT = "new-attempt"  # the ranks restarted
     JOB_ENDED = "job-ended"
     NO_STEPS = "no-steps"  # ranks mark no steps: their op pace ended warm-up (once per attempt)
-
-
-class OverdueKind(enum.Enum):
-    PENDING_OP = "pending-op"
-    NO_PROGRESS = "no-progress"
-
-
-@dataclass(frozen=True)
-class Overdue:
-    rank: int
-    kind: OverdueKind
-    age: float
-    limit: Limit
-    op: OpView | None = None
-
-    def describe(self) -> str:
-        what = f"in {self.op.describe()}" if self.op else "without progress"
-        return (
-            f"rank {self.rank} {what} for {self.age:.1f} s > limit {self.limit.seconds:.1f} s "
-            f"({self.limit.basis})"
-        )
 
 
 @dataclass(frozen=True)
@@ -302,80 +273,6 @@ def _exit_verdict(
         summary=summary,
         expired_at=expired_at,
     )
-
-
-def _limits(obs: Observation, policy: TimeoutPolicy) -> dict[int, Limit]:
-    settled = settled_at(obs.ranks, policy)
-    return {
-        r.rank: rank_limit(r, policy, obs.pg_timeout, settled, obs.now)
-        for r in obs.ranks
-        if r.alive
-    }
-
-
-def _overdue(
-    r: RankSnapshot, obs: Observation, limits: dict[int, Limit], policy: TimeoutPolicy
-) -> Overdue | None:
-    limit = limits[r.rank]
-    op = r.oldest_pending
-    if op is not None:
-        members = obs.groups.get(op.group, ())
-        if r.phase and waits_outside_phases(r, op, members, obs):
-            # Its own phase covers its own work in it, not a wait for ranks outside any phase:
-            # a flash save's agreement each step would otherwise hold a rank that stopped
-            # before its save to the phase's limit (capped by the collective timeout only).
-            own = rank_limit(
-                replace(r, phase="", phase_since=None),
-                policy,
-                obs.pg_timeout,
-                settled_at(obs.ranks, policy),
-                obs.now,
-            )
-            limit = Limit(own.seconds, f"{own.basis}; waiting in phase {r.phase!r}")
-        # Waiting for members that are in a phase or warming up: their longer limit applies.
-        for m in members:
-            other = limits.get(m) if m != r.rank else None
-            if other is not None and other.seconds > limit.seconds:
-                limit = Limit(other.seconds, f"{other.basis} on rank {m}, which it waits for")
-        # Whatever the limit, act before torch aborts this group's collective: the stacks would
-        # no longer show where the ranks were stuck.
-        torch_timeout = obs.group_timeouts.get(op.group, 0.0)
-        if torch_timeout > 0 and limit.seconds > torch_timeout * PG_TIMEOUT_MARGIN:
-            limit = Limit(
-                torch_timeout * PG_TIMEOUT_MARGIN,
-                f"{PG_TIMEOUT_MARGIN:.0%} of group {op.group}'s collective timeout",
-            )
-        # The wait is stuck only while the members it waits for are: any sign of progress from
-        # one of them (it left a phase, issued an op, joined this one) restarts the clock. A
-        # rank leaving a long eval and then joining the barrier is not a hang of the others.
-        start = op.t_enqueue
-        for m in members:
-            other_rank = obs.find(m) if m != r.rank else None
-            if other_rank is not None and other_rank.alive:
-                start = max(start, min(other_rank.last_activity, obs.now))
-        age = obs.now - start
-        if age > limit.seconds:
-            return Overdue(r.rank, OverdueKind.PENDING_OP, age, limit, op)
-        return None
-    # A rank outside any collective blocks nobody until the others wait for it, and then their
-    # pending ops trip the adaptive limit. On its own it may legitimately compute, save or log
-    # for a long time, so it is held to the ceiling (or its phase limit, if longer).
-    ceiling = effective_ceiling(policy, obs.pg_timeout)
-    if limit.seconds < ceiling:
-        limit = Limit(ceiling, "ceiling (no collective in flight)")
-    age = obs.now - r.last_activity
-    if age > limit.seconds:
-        return Overdue(r.rank, OverdueKind.NO_PROGRESS, age, limit)
-    return None
-
-
-def overdue_ranks(
-    obs: Observation, timeouts: TimeoutPolicy
-) -> tuple[dict[int, Limit], tuple[Overdue, ...]]:
-    """Every live rank's current limit, and the ranks over it: what the hang rule sees now."""
-    limits = _limits(obs, timeouts)
-    overdue = tuple(o for r in obs.ranks if r.alive if (o := _overdue(r, obs, limits, timeouts)))
-    return limits, overdue
 
 
 def _no_one_stands_out(suspects: list[Suspect]) -> bool:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diag.agent.detect.hang import Verdict, VerdictKind, overdue_ranks
+from diag.agent.detect.hang import Verdict, VerdictKind
 from diag.agent.detect.observation import Observation
+from diag.agent.detect.overdue import overdue_ranks
 from diag.agent.detect.straggler import StragglerScore
 from diag.agent.detect.timeouts import TimeoutPolicy
 

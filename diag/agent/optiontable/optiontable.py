@@ -65,6 +65,9 @@ class OptionTable:
     options: tuple[Option, ...]
     prefix: str = ""  # "taint_": flags --taint-NAME, variables DIAG_TAINT_NAME, dest taint_NAME
     toml_table: str = "agent"
+    # "PRECHECK_": variables DIAG_PRECHECK_NAME while the flags stay --NAME (a command's own
+    # flags, whose plain variables would collide with the agent's)
+    env_prefix: str = ""
     # option name -> its allowed range; kept beside the declarations so that ranges are added
     # without touching them (an option's own `bounds` wins)
     bounds: Mapping[str, Bounds] = field(default_factory=dict)
@@ -82,7 +85,7 @@ class OptionTable:
         return "--" + (self.prefix + opt.name).replace("_", "-")
 
     def env(self, opt: Option) -> str:
-        return "DIAG_" + (self.prefix + opt.name).upper()
+        return "DIAG_" + self.env_prefix + (self.prefix + opt.name).upper()
 
     def dest(self, opt: Option) -> str:
         return self.prefix + opt.name

@@ -59,6 +59,12 @@ class DevicePairs:
             pairs.append((int(a), int(b)))
         return cls("list", tuple(pairs))
 
+    def text(self) -> str:
+        """As `parse` reads it."""
+        if self.mode != "list":
+            return self.mode
+        return ",".join(f"{a}-{b}" for a, b in self.pairs)
+
     def resolve(self, count: int) -> list[tuple[int, int]]:
         if count < 2:
             return []

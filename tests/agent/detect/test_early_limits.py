@@ -14,8 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from diag.agent.detect.hang import Policy, WatchState, decide, overdue_ranks
+from diag.agent.detect.hang import Policy, WatchState, decide
 from diag.agent.detect.observation import Liveness, Observation, OpView, Paced, RankSnapshot
+from diag.agent.detect.overdue import overdue_ranks
 from diag.agent.detect.timeouts import TimeoutPolicy, settled_at
 from diag.agent.observe.observer import Observer
 from diag.formats.journalmeta import JournalMeta, journal_path, write_meta

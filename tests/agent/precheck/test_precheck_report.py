@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -14,9 +15,11 @@ from diag.agent.node.linkstate import NicState
 from diag.agent.precheck.classify import Observations, classify
 from diag.agent.precheck.grading import Thresholds
 from diag.agent.precheck.measurements import ComputeResult, LocalEvidence, PairResult, Severity
+from diag.agent.precheck.precheckconfig import LocalCheck, Measure, PrecheckSettings
 from diag.agent.precheck.promfile import FAMILIES, registry_for, write_textfile
 from diag.agent.precheck.report import Outcome, PrecheckReport, build_report, error_report
 from diag.agent.precheck.table import render
+from diag.cli import precheckcmd
 from diag.cli.main import main
 from diag.formats import exitcodes
 
@@ -190,7 +193,22 @@ def test_metrics_pass_promtool_lint(tmp_path):
         (
             ["--nnodes", "2", "--node-rank", "0", "--collective-timeout", "0"],
             {"MASTER_ADDR": "h", "MASTER_PORT": "1"},
-            "must be positive",
+            "--collective-timeout: must be > 0",
+        ),
+        (
+            ["--nnodes", "2", "--node-rank", "0"],
+            {"MASTER_ADDR": "h", "MASTER_PORT": "1", "DIAG_PRECHECK_PAIR_SECONDS": "nan"},
+            "DIAG_PRECHECK_PAIR_SECONDS: expected a finite number",
+        ),
+        (
+            ["--nnodes", "2", "--node-rank", "0", "--heartbeat", "6"],
+            {"MASTER_ADDR": "h", "MASTER_PORT": "1"},
+            "--lost-after 10 must be at least twice --heartbeat 6",
+        ),
+        (
+            ["--nnodes", "2", "--node-rank", "0", "--matmul-size", "8"],
+            {"MASTER_ADDR": "h", "MASTER_PORT": "1"},
+            "'8' is out of range (given as a flag; allowed: [16, 65536])",
         ),
     ],
 )
@@ -219,3 +237,44 @@ def test_pure_modules_do_not_import_torch():
     code = "import sys\n" + "".join(f"import {m}\n" for m in modules)
     code += "assert 'torch' not in sys.modules, 'torch was imported'\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _settings(argv: list[str], env: dict[str, str]) -> PrecheckSettings:
+    parser = argparse.ArgumentParser()
+    precheckcmd.add_arguments(parser)
+    return precheckcmd.build_config(
+        parser.parse_args(argv), {"MASTER_ADDR": "h", "MASTER_PORT": "1", **env}
+    )
+
+
+def test_options_come_from_flag_then_environment_then_config_file(tmp_path):
+    config = tmp_path / "diag.toml"
+    config.write_text(
+        "[agent]\nhang_timeout = 60\n\n"
+        '[precheck]\npair_seconds = 3\nmax_rounds = 2\ncopy_size = "1GiB"\n'
+        'checks = ["inter", "compute"]\ndevice_pairs = "0-1,2-3"\nmin_busbw = "10Gbit"\n'
+    )
+    base = ["--nnodes", "2", "--node-rank", "1", "--config", str(config)]
+    cfg = _settings(base, {})
+    m = cfg.measure
+    assert (m.pair_seconds, cfg.max_rounds, m.copy_bytes) == (3.0, 2, 1 << 30)
+    assert m.checks == {LocalCheck.INTER, LocalCheck.COMPUTE}
+    assert m.device_pairs.resolve(4) == [(0, 1), (2, 3)]
+    assert cfg.thresholds.min_busbw == 10e9 / 8
+    env = {"DIAG_PRECHECK_PAIR_SECONDS": "5", "DIAG_PRECHECK_MAX_ROUNDS": "4"}
+    cfg = _settings(base, env)
+    assert (cfg.measure.pair_seconds, cfg.max_rounds) == (5.0, 4)
+    cfg = _settings([*base, "--pair-seconds", "7"], env)
+    assert (cfg.measure.pair_seconds, cfg.max_rounds) == (7.0, 4)
+    # Nothing given: the defaults the docs list.
+    cfg = _settings(["--nnodes", "2", "--node-rank", "1"], {})
+    assert cfg.measure == Measure() and cfg.thresholds == Thresholds() and cfg.max_rounds == 5
+
+
+def test_a_config_file_with_an_unknown_precheck_key_is_refused(tmp_path, capsys):
+    config = tmp_path / "diag.toml"
+    config.write_text("[precheck]\npair_second = 3\n")
+    argv = ["--master-addr", "h", "--master-port", "1", "--nnodes", "2", "--node-rank", "0"]
+    assert main(["precheck", *argv, "--config", str(config)]) == exitcodes.USAGE
+    err = capsys.readouterr().err
+    assert "unknown option 'pair_second' in [precheck]" in err and "Traceback" not in err
