@@ -7,6 +7,7 @@ nodes. Prints one line per loss and the figures: where the job resumed from, its
 the replica node a held and the newest step trained at the loss.
 
     .venv/bin/python bench/node_loss_bench.py --losses 50 --seed 1 --out /tmp/losses.json
+    .venv/bin/python bench/node_loss_bench.py --losses 10 --max-rate 20KB   # pushes of seconds
 
 tests/system/test_node_loss.py is one loss of it.
 """
@@ -35,10 +36,14 @@ def main() -> int:
     p.add_argument("--losses", type=int, default=50)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", help="write every loss's record here (JSON)")
+    p.add_argument(
+        "--max-rate", default="",
+        help="--replica-max-rate of the agents, e.g. 20KB: pushes longer than a step",
+    )  # fmt: skip
     args = p.parse_args()
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="diag-bench-nodeloss-"))
-    c = TwoNodes(root)
+    c = TwoNodes(root, ("--replica-max-rate", args.max_rate) if args.max_rate else ())
     losses: list[Loss] = []
     t0 = time.monotonic()
     try:

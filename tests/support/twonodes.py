@@ -40,8 +40,9 @@ def wait_for(
 
 
 class TwoNodes:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, agent_args: tuple[str, ...] = ()) -> None:
         self.root = root
+        self.agent_args = agent_args  # more `diag agent` flags, e.g. --replica-max-rate
         self.job = "loss-z2"
         self.save = root / "ckpt" / "z2"
         self.runs = {n: Path(tempfile.mkdtemp(prefix=f"diag-loss-{n}-", dir="/dev/shm"))
@@ -65,7 +66,7 @@ class TwoNodes:
              "--timeline", str(self.root / f"timeline-{node}"), "--job", self.job, "--node", node,
              "--replica-nodes", self.ring, "--replica-listen", "127.0.0.1",
              "--replica-lost-after", "600", "--native-stacks", "false", "--interval", "0.25",
-             "-v", "--replica-dir", str(self.runs[node] / ".replicas")],
+             "-v", "--replica-dir", str(self.runs[node] / ".replicas"), *self.agent_args],
             env=self.env(node), stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         log.close()
