@@ -312,6 +312,14 @@ ROWS: tuple[tuple[str, tuple[P, ...]], ...] = (
                         f"sum by (node) (rate(diag_replica_handover_failures_total{R}[5m]))",
                         "{{node}} lost peers' parts not written",
                     ),
+                    Q(
+                        f"sum by (node) (increase(diag_restore_fallbacks_total{R}[1h]))",
+                        "{{node}} resumed from storage with steps in memory",
+                    ),
+                    Q(
+                        f"sum by (node) (increase(diag_node_name_mismatches_total{R}[1h]))",
+                        "{{node}} ranks naming another node",
+                    ),
                 ),
                 unit="ops",
                 width=6,

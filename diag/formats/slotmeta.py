@@ -90,7 +90,15 @@ def parse_meta(data: bytes, *, source: str, data_end: int) -> SnapshotMeta:
         files=entries,
         device=_text(raw, "device", source, default="cpu"),
         run=_text(raw, "run", source, default=""),
+        replica_round=_bool(raw, "replica_round", source),
     )
+
+
+def _bool(raw: dict, key: str, source: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise UntrustedInput(source, f"{key} must be true or false")
+    return value
 
 
 def _short(value: object) -> str:

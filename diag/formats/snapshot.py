@@ -242,6 +242,8 @@ class SnapshotMeta:
     device: str = "cpu"
     format: str = META_FORMAT
     run: str = ""  # the trainer launch that took it, the same on every rank of that launch
+    # A replication round's step (trainer.flash.replicarounds): the agent sends only these to peers.
+    replica_round: bool = False
 
     @property
     def nbytes(self) -> int:

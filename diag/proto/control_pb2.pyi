@@ -51,12 +51,14 @@ class RegisterRequest(_message.Message):
     def __init__(self, id: _Optional[_Union[RankId, _Mapping]] = ..., pid: _Optional[int] = ..., journal: _Optional[str] = ..., save_dir: _Optional[str] = ..., start_time: _Optional[float] = ..., pid_ns: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("agent_pid", "agent_version")
+    __slots__ = ("agent_pid", "agent_version", "node")
     AGENT_PID_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     agent_pid: int
     agent_version: str
-    def __init__(self, agent_pid: _Optional[int] = ..., agent_version: _Optional[str] = ...) -> None: ...
+    node: str
+    def __init__(self, agent_pid: _Optional[int] = ..., agent_version: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("id", "pid")
@@ -96,13 +98,25 @@ class PersistAck(_message.Message):
     committed: bool
     def __init__(self, step: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., committed: _Optional[bool] = ...) -> None: ...
 
+class ReplicaAck(_message.Message):
+    __slots__ = ("on", "step", "run")
+    ON_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    on: bool
+    step: int
+    run: str
+    def __init__(self, on: _Optional[bool] = ..., step: _Optional[int] = ..., run: _Optional[str] = ...) -> None: ...
+
 class AgentMessage(_message.Message):
-    __slots__ = ("command", "persist_ack")
+    __slots__ = ("command", "persist_ack", "replica_ack")
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     PERSIST_ACK_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ACK_FIELD_NUMBER: _ClassVar[int]
     command: Command
     persist_ack: PersistAck
-    def __init__(self, command: _Optional[_Union[Command, _Mapping]] = ..., persist_ack: _Optional[_Union[PersistAck, _Mapping]] = ...) -> None: ...
+    replica_ack: ReplicaAck
+    def __init__(self, command: _Optional[_Union[Command, _Mapping]] = ..., persist_ack: _Optional[_Union[PersistAck, _Mapping]] = ..., replica_ack: _Optional[_Union[ReplicaAck, _Mapping]] = ...) -> None: ...
 
 class PersistRequest(_message.Message):
     __slots__ = ("id", "step", "save_dir")
@@ -171,3 +185,37 @@ class StatusReply(_message.Message):
     committed_step: int
     save_dir: str
     def __init__(self, ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., committed_step: _Optional[int] = ..., save_dir: _Optional[str] = ...) -> None: ...
+
+class SavedNote(_message.Message):
+    __slots__ = ("id", "step")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    id: RankId
+    step: int
+    def __init__(self, id: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class SavedReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeNote(_message.Message):
+    __slots__ = ("id", "source", "step", "reason", "memory_offered", "held", "run")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_OFFERED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    id: RankId
+    source: str
+    step: int
+    reason: str
+    memory_offered: bool
+    held: str
+    run: str
+    def __init__(self, id: _Optional[_Union[RankId, _Mapping]] = ..., source: _Optional[str] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., memory_offered: _Optional[bool] = ..., held: _Optional[str] = ..., run: _Optional[str] = ...) -> None: ...
+
+class ResumeReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -59,6 +59,16 @@ class ControlStub:
                 request_serializer=diag_dot_proto_dot_control__pb2.StatusRequest.SerializeToString,
                 response_deserializer=diag_dot_proto_dot_control__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Saved = channel.unary_unary(
+                '/diag.control.v1.Control/Saved',
+                request_serializer=diag_dot_proto_dot_control__pb2.SavedNote.SerializeToString,
+                response_deserializer=diag_dot_proto_dot_control__pb2.SavedReply.FromString,
+                _registered_method=True)
+        self.Resumed = channel.unary_unary(
+                '/diag.control.v1.Control/Resumed',
+                request_serializer=diag_dot_proto_dot_control__pb2.ResumeNote.SerializeToString,
+                response_deserializer=diag_dot_proto_dot_control__pb2.ResumeReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -101,6 +111,22 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Saved(self, request, context):
+        """A rank completed a snapshot in memory: the agent sends a replication round's step to its
+        holders now, not at its next look.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resumed(self, request, context):
+        """Where a rank resumed from, and why: the agent logs and counts a resume from storage while
+        memory (its own or a peer's replica) was offered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +154,16 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=diag_dot_proto_dot_control__pb2.StatusRequest.FromString,
                     response_serializer=diag_dot_proto_dot_control__pb2.StatusReply.SerializeToString,
+            ),
+            'Saved': grpc.unary_unary_rpc_method_handler(
+                    servicer.Saved,
+                    request_deserializer=diag_dot_proto_dot_control__pb2.SavedNote.FromString,
+                    response_serializer=diag_dot_proto_dot_control__pb2.SavedReply.SerializeToString,
+            ),
+            'Resumed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resumed,
+                    request_deserializer=diag_dot_proto_dot_control__pb2.ResumeNote.FromString,
+                    response_serializer=diag_dot_proto_dot_control__pb2.ResumeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +301,60 @@ class Control:
             '/diag.control.v1.Control/Status',
             diag_dot_proto_dot_control__pb2.StatusRequest.SerializeToString,
             diag_dot_proto_dot_control__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Saved(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diag.control.v1.Control/Saved',
+            diag_dot_proto_dot_control__pb2.SavedNote.SerializeToString,
+            diag_dot_proto_dot_control__pb2.SavedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resumed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diag.control.v1.Control/Resumed',
+            diag_dot_proto_dot_control__pb2.ResumeNote.SerializeToString,
+            diag_dot_proto_dot_control__pb2.ResumeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -71,6 +71,7 @@ PURE = (
     "diag.agent.taint.planner",
     "diag.trainer.elastic.search",
     "diag.trainer.flash.resume",
+    "diag.trainer.flash.replicarounds",
     # The formats the cores work on: types and value checks, no I/O.
     "diag.formats.checkedjson",
     "diag.formats.exitcodes",

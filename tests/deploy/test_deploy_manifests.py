@@ -6,6 +6,7 @@ a native sidecar, the agent's flags valid, in the pods of every example workload
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 
@@ -136,6 +137,12 @@ def check_pod(pod, rendered):
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
     env = {e["name"]: e for e in sidecar["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # One node name in the job for the agent and its ranks, the worker's place, which a
+    # relaunched worker keeps (not the Kubernetes node nor the pod's host name): the same
+    # definition in both containers, made of the operator's index labels only.
+    agent_node, trainer_node = (node_definition(c) for c in (sidecar, spec["containers"][0]))
+    assert agent_node == trainer_node and agent_node[1], agent_node
+    assert all(ref.startswith("metadata.labels['") for ref in agent_node[1])
     # The PodMonitor finds the pod and its port.
     (monitor,) = by_kind(rendered["namespace"], "PodMonitor")
     labels = monitor["spec"]["selector"]["matchLabels"]
@@ -150,6 +157,22 @@ def check_pod(pod, rendered):
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
         assert run_dir not in mounts
         assert any(run_dir.startswith(m.rstrip("/") + "/") for m in mounts)
+
+
+def node_definition(container):
+    """A container's DIAG_NODE: its value and the fields of the variables it names, each defined
+    before it (the kubelet expands $(VAR) only from earlier variables)."""
+    env = container["env"]
+    names = [e["name"] for e in env]
+    assert "DIAG_NODE" in names, container["name"]
+    at = names.index("DIAG_NODE")
+    value = env[at]["value"]
+    earlier = {e["name"]: e for e in env[:at]}
+    refs = []
+    for var in re.findall(r"\$\((\w+)\)", value):
+        assert var in earlier, f"{container['name']}: DIAG_NODE names {var} before it is defined"
+        refs.append(earlier[var]["valueFrom"]["fieldRef"]["fieldPath"])
+    return value, tuple(refs)
 
 
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -245,11 +268,21 @@ def check_flags(spec):
     assert args[0] == "agent"
     parser = argparse.ArgumentParser()
     agent_config.add_arguments(parser)
-    env = {e["name"]: e["value"] for e in sidecar["env"] if "value" in e}
-    env.update(NODE_NAME="node-a", POD_NAMESPACE="training")
+    # As the kubelet fills them in: the downward API's fields (every index label 3), then
+    # $(VAR) in later values from the variables before them.
+    env: dict[str, str] = {}
+    fields = {"spec.nodeName": "node-a", "metadata.namespace": "training"}
+    for e in sidecar["env"]:
+        if "value" in e:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), e["value"])
+        elif "fieldRef" in e.get("valueFrom", {}):
+            ref = e["valueFrom"]["fieldRef"]["fieldPath"]
+            env[e["name"]] = fields.get(ref, "3" if ref.startswith("metadata.labels[") else "")
     cfg = agent_config.load(parser.parse_args(args[1:]), env=env)
     assert cfg.taint.mode == TaintMode.ON and cfg.taint.event_namespace == "training"
-    assert cfg.metrics_port == 9400 and cfg.node == "node-a"
+    # The job knows the node as the pod's place; its taints go on the Kubernetes node.
+    assert re.fullmatch(r"(worker|master)(-3)+", cfg.node), cfg.node
+    assert cfg.metrics_port == 9400 and cfg.taint.kube_node == "node-a"
     # The drain plans within the pod's grace period, not the 30 s default.
     assert cfg.drain is not None and cfg.drain.grace == spec["terminationGracePeriodSeconds"]
 

@@ -47,6 +47,7 @@ def write_snapshot(
     save_dir: Path,
     node: str = "node-a",
     run: str = "",
+    replica_round: bool = True,  # as a trainer whose agent replicates marks a round's step
 ) -> SnapshotMeta:
     import torch
 
@@ -54,6 +55,7 @@ def write_snapshot(
     meta = SnapshotMeta(
         job=job, rank=rank, world_size=world, local_rank=rank, node=node, step=step,
         tag=step_tag(step), save_dir=str(save_dir), files=tuple(entries), run=run,
+        replica_round=replica_round,
     )  # fmt: skip
     blob = meta.to_json()
     if slot.capacity < data_end + len(blob):
@@ -78,12 +80,14 @@ def write_raw_snapshot(
     save_dir: Path,
     node: str = "node-a",
     run: str = "",
+    replica_round: bool = True,  # as a trainer whose agent replicates marks a round's step
 ) -> SnapshotMeta:
     """write_snapshot for raw files only, without torch (a second or more to import)."""
     entries, data_end = plan_layout(captured({}, raw=raw))
     meta = SnapshotMeta(
         job=job, rank=rank, world_size=world, local_rank=rank, node=node, step=step,
         tag=step_tag(step), save_dir=str(save_dir), files=tuple(entries), run=run,
+        replica_round=replica_round,
     )  # fmt: skip
     blob = meta.to_json()
     if slot.capacity < data_end + len(blob):

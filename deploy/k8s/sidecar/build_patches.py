@@ -29,19 +29,41 @@ class Target:
     kind: str
     template: str  # the JSON pointer of the pod template
     job_label: str  # the label the operator sets on every pod to the job's name
+    # The node's name in the job (DIAG_NODE, the same in the agent and the trainer): the pod's
+    # place, which a replacement pod keeps (the Kubernetes node and the pod's name do not), as
+    # `prefix-index`, the index from these labels, joined by "-".
+    node_prefix: str
+    node_labels: tuple[str, ...]
 
 
 TARGETS = (
-    Target("elasticjob", "ElasticJob", "/spec/replicaSpecs/worker/template", "elasticjob.dlrover/name"),
+    Target("elasticjob", "ElasticJob", "/spec/replicaSpecs/worker/template", "elasticjob.dlrover/name",
+           "worker", ("elasticjob.dlrover/rank-index",)),
     Target("pytorchjob-master", "PyTorchJob", "/spec/pytorchReplicaSpecs/Master/template",
-           "training.kubeflow.org/job-name"),
+           "training.kubeflow.org/job-name", "master", ("training.kubeflow.org/replica-index",)),
     Target("pytorchjob-worker", "PyTorchJob", "/spec/pytorchReplicaSpecs/Worker/template",
-           "training.kubeflow.org/job-name"),
-    Target("job", "Job", "/spec/template", "batch.kubernetes.io/job-name"),
-    # A JobSet's first replicated job (the examples have one).
+           "training.kubeflow.org/job-name", "worker", ("training.kubeflow.org/replica-index",)),
+    Target("job", "Job", "/spec/template", "batch.kubernetes.io/job-name",
+           "worker", ("batch.kubernetes.io/job-completion-index",)),
+    # A JobSet's first replicated job (the examples have one): its job's index, then the pod's.
     Target("jobset", "JobSet", "/spec/replicatedJobs/0/template/spec/template",
-           "jobset.sigs.k8s.io/jobset-name"),
+           "jobset.sigs.k8s.io/jobset-name", "worker",
+           ("jobset.sigs.k8s.io/job-index", "batch.kubernetes.io/job-completion-index")),
 )  # fmt: skip
+
+
+def node_env(target: Target) -> list[dict[str, Any]]:
+    """DIAG_NODE and the downward-API variables it is made of (defined before it: the kubelet
+    expands $(VAR) only from variables listed earlier)."""
+    env: list[dict[str, Any]] = []
+    parts = [target.node_prefix]
+    for i, label in enumerate(target.node_labels):
+        name = f"DIAG_NODE_INDEX{i or ''}"
+        ref = {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}
+        env.append({"name": name, "valueFrom": ref})
+        parts.append(f"$({name})")
+    env.append({"name": "DIAG_NODE", "value": "-".join(parts)})
+    return env
 
 
 def _key(name: str) -> str:
@@ -53,6 +75,8 @@ def operations(source: dict[str, Any], target: Target) -> list[dict[str, Any]]:
     """The JSON patch that adds the sidecar to one pod template."""
     text = json.dumps(source).replace("$JOB_LABEL", target.job_label)
     src = json.loads(text)
+    src["initContainers"][0].setdefault("env", []).extend(node_env(target))
+    src["trainer"].setdefault("env", []).extend(node_env(target))
     t = target.template
     ops: list[dict[str, Any]] = []
     for name, value in src["podLabels"].items():

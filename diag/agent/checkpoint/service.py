@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from diag.agent.checkpoint.manager import CheckpointManager
+from diag.agent.checkpoint.ranknotes import RankNotes, Resume, bounded
 from diag.agent.checkpoint.sessions import CommandReport, RankKey
 from diag.formats.exitcodes import UsageError
 from diag.formats.journalmeta import safe_job_name
@@ -51,8 +52,9 @@ def _key(rid: Any) -> RankKey:
 
 
 class ControlService(pb_grpc.ControlServicer):
-    def __init__(self, manager: CheckpointManager) -> None:
+    def __init__(self, manager: CheckpointManager, notes: RankNotes | None = None) -> None:
         self.manager = manager
+        self.notes = notes or RankNotes("", manager.sessions)
         try:
             self.version = version("diag")
         except PackageNotFoundError:
@@ -74,13 +76,19 @@ class ControlService(pb_grpc.ControlServicer):
         # names it, and to start watching it.
         self.manager.watch_writer(key, request.pid, request.start_time, request.pid_ns)
         log.debug("rank %d of %s registered (pid %d)", rid.rank, rid.job, request.pid)
-        return pb.RegisterReply(agent_pid=os.getpid(), agent_version=self.version)
+        self.notes.registered(key, rid.node)
+        return pb.RegisterReply(
+            agent_pid=os.getpid(), agent_version=self.version, node=self.notes.node
+        )
 
     def Subscribe(self, request: Any, context: Any) -> Any:
         sessions = self.manager.sessions
         session = sessions.register(_key(request.id), request.pid)
         sessions.set_streaming(session, True)
         context.add_callback(lambda: sessions.set_streaming(session, False))
+        replica = self.notes.replica_message()
+        if replica is not None:
+            yield replica  # replication's state first: the rank's next save votes on it
         try:
             while context.is_active():
                 try:
@@ -97,6 +105,21 @@ class ControlService(pb_grpc.ControlServicer):
         key = _key(request.id)
         ok, reason = self.manager.request_persist(key.job, key.rank, request.step, request.save_dir)
         return pb.PersistReply(accepted=ok, reason=reason)
+
+    def Saved(self, request: Any, context: Any) -> Any:
+        self.notes.saved(_key(request.id), request.step)
+        return pb.SavedReply()
+
+    def Resumed(self, request: Any, context: Any) -> Any:
+        key = _key(request.id)
+        self.notes.resumed(
+            Resume(
+                key.job, key.rank, bounded(request.source)[:16], max(-1, request.step),
+                bounded(request.reason), request.memory_offered, bounded(request.held),
+                bounded(request.run)[:256],
+            )
+        )  # fmt: skip
+        return pb.ResumeReply()
 
     def Report(self, request: Any, context: Any) -> Any:
         self.manager.sessions.report(
@@ -152,9 +175,11 @@ class ControlServer:
         *,
         owners: Owners | None = None,
         exclusive: bool = False,
+        notes: RankNotes | None = None,
     ) -> None:
         self.path = path
         self.manager = manager
+        self.notes = notes
         # The users whose agent may already serve this path: root, this process's user and the
         # run directory's owner unless told (the ranks' users, once the agent is given them).
         self.owners = owners or _default_owners(path, manager.run_dir)
@@ -180,7 +205,7 @@ class ControlServer:
                 futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="diag-grpc"),
                 maximum_concurrent_rpcs=MAX_WORKERS * 2,
             )
-            pb_grpc.add_ControlServicer_to_server(ControlService(self.manager), server)
+            pb_grpc.add_ControlServicer_to_server(ControlService(self.manager, self.notes), server)
             _bind_private(server, parent, self.path)
         finally:
             os.close(parent)

@@ -149,7 +149,7 @@ def _replica_settings(values: dict[str, Any], node: str) -> ReplicaSettings | No
     if node not in {n.name for n in nodes}:
         raise UsageError(
             f"this node, {node!r}, is not in --replica-nodes: name it there as --node (or "
-            "$NODE_NAME, the hostname) names it"
+            "$DIAG_NODE, $NODE_NAME, the hostname) names it"
         )
     token = values["replica_token"] or ""
     problem = token_problem(token)

@@ -105,7 +105,12 @@ OPTIONS = OptionTable(
         Option("timeline", Path, Path(DEFAULT_TIMELINE), "where incident directories are written"),
         Option("job", str, None, "watch only journals of this job (default: all in the run dir)"),
         Option(
-            "node", str, None, "this node's name in incidents (default: $NODE_NAME or hostname)"
+            "node",
+            str,
+            None,
+            "this node's name in the job: in incidents, verdicts and --replica-nodes, the same "
+            "as its ranks' (default: $DIAG_NODE, else $NODE_NAME, else the hostname); with "
+            "replication, the worker's place in the job (e.g. worker-0), which a replacement keeps",
         ),
         Option(
             "hang_timeout",

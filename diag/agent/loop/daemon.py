@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from diag.agent.checkpoint.manager import CheckpointManager
+from diag.agent.checkpoint.ranknotes import RankNotes
 from diag.agent.checkpoint.service import ControlServer
 from diag.agent.config.agentconfig import AgentSettings
 from diag.agent.config.options import Until
@@ -28,7 +29,12 @@ from diag.agent.health.watch import HealthWatch
 from diag.agent.job.link import JobLink
 from diag.agent.job.verdict import JobVerdictStore
 from diag.agent.loop.cycle import Cycle, Executor
-from diag.agent.loop.replication import Handoff, replica_facts, start_replication
+from diag.agent.loop.replication import (
+    Handoff,
+    connect_ranks,
+    replica_facts,
+    start_replication,
+)
 from diag.agent.loop.sinks import SinkParts, incident_sinks, prune
 from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.metrics.server import MetricsServer
@@ -142,6 +148,7 @@ class Agent:
             self.metrics,
         )
         self.control: ControlServer | None = None
+        self.notes = RankNotes(cfg.node, self.checkpoints.sessions)
         self.replicator: Replicator | None = None
         self.handoff: Handoff | None = None
         self._checkpoint_fed = float("-inf")
@@ -224,8 +231,7 @@ class Agent:
                 persist_seconds=r.last_persist_seconds or None,
                 persist_bytes=r.last_persist_bytes or None,
             )
-        if self.replicator is not None:
-            self.metrics.replica.update(replica_facts(self.replicator, self.handoff))
+        self.metrics.replica.update(replica_facts(self.replicator, self.handoff, self.notes))
 
     def run(self) -> int:
         cfg = self.cfg
@@ -248,8 +254,9 @@ class Agent:
         if cfg.control:
             path = cfg.control_socket or control_socket_path(cfg.run_dir, cfg.job)
             self.control = ControlServer(
-                path, self.checkpoints, owners=self.owners, exclusive=self._exclusive
-            ).start()
+                path, self.checkpoints, owners=self.owners, exclusive=self._exclusive,
+                notes=self.notes,
+            ).start()  # fmt: skip
         ended = False
         notices = (
             NoticeWatcher(cfg.notice, self.on_notice).start()
@@ -305,6 +312,7 @@ class Agent:
         if self.replicator is not None:
             self.handoff = Handoff(self.replicator, self.checkpoints)
             self.checkpoints.stopped_hooks.append(self.handoff.ranks_stopped)
+            connect_ranks(self.replicator, self.notes)
 
     def _time_left(self) -> float:
         d = self.drained

@@ -25,6 +25,7 @@ from pathlib import Path
 from diag.agent.checkpoint import storage
 from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.persist import PersistResult, persist_slot
+from diag.agent.checkpoint.ranknotes import RankNotes, ReplicaState
 from diag.agent.checkpoint.savedir import SaveDirRule, rule_for
 from diag.agent.config.agentconfig import AgentSettings
 from diag.agent.metrics.replicastats import ReplicaFacts
@@ -89,11 +90,32 @@ def start_replication(
     return replicator
 
 
-def replica_facts(replicator: Replicator, handover: Handoff | None) -> ReplicaFacts:
+def connect_ranks(replicator: Replicator, notes: RankNotes) -> None:
+    """The ranks learn replication's state (on, the round step every holder holds) and each
+    completed snapshot of theirs wakes the pushes."""
+
+    def state() -> ReplicaState:
+        got = replicator.confirmed()
+        return ReplicaState(*got) if got is not None else ReplicaState()
+
+    notes.replica = state
+    notes.on_saved.append(lambda job, rank, step: replicator.notify())
+    replicator.on_confirmed.append(lambda: notes.confirmed(replicator.job))
+
+
+def replica_facts(
+    replicator: Replicator | None, handover: Handoff | None, notes: RankNotes | None = None
+) -> ReplicaFacts:
+    fallbacks = notes.fallbacks if notes is not None else 0
+    mismatches = notes.mismatches if notes is not None else 0
+    if replicator is None:
+        return ReplicaFacts(restore_fallbacks=fallbacks, node_mismatches=mismatches)
     st = replicator.stats()
     restore = st.restore
     done = handover.stats() if handover is not None else HandoffStats()
     return ReplicaFacts(
+        restore_fallbacks=fallbacks,
+        node_mismatches=mismatches,
         sent_step=st.sent_step,
         pushes=st.pushes,
         push_failures=st.push_failures,

@@ -289,6 +289,20 @@ REPLICA_HANDOVER_FAILURES = Family(
     "Parts of lost peers' replicas this node could not write to storage",
     REPLICA,
 )
+RESTORE_FALLBACKS = Family(
+    "diag_restore_fallbacks",
+    Kind.COUNTER,
+    "Launches whose ranks resumed from storage although a step was in memory on this node (its "
+    "own, or pulled from a peer's replica): the ranks held no step in common",
+    REPLICA,
+)
+NODE_NAME_MISMATCHES = Family(
+    "diag_node_name_mismatches",
+    Kind.COUNTER,
+    "Ranks that registered naming another node than this agent's --node: their snapshots are "
+    "not replicated (DIAG_NODE must be the same in the trainer's and the agent's environment)",
+    REPLICA,
+)
 
 # -- host (psutil) --------------------------------------------------------------------------------
 HOST_CPU_BUSY = Family(

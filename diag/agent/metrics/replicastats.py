@@ -27,6 +27,8 @@ class ReplicaFacts:
     restore_seconds: float | None = None
     handed_over: dict[str, int] = field(default_factory=dict)  # lost peer -> step written
     handover_failures: int = 0
+    restore_fallbacks: int = 0  # launches resumed from storage with a step in memory
+    node_mismatches: int = 0  # ranks that registered naming another node than the agent's
 
 
 class ReplicaMetrics(Collector):
@@ -52,6 +54,8 @@ class ReplicaMetrics(Collector):
             (f.REPLICA_PUSH_BYTES, fact.push_bytes),
             (f.REPLICA_RESTORE_SECONDS, fact.restore_seconds),
             (f.REPLICA_HANDOVER_FAILURES, fact.handover_failures),
+            (f.RESTORE_FALLBACKS, fact.restore_fallbacks),
+            (f.NODE_NAME_MISMATCHES, fact.node_mismatches),
         ):
             m = fam.new()
             if value is not None:

@@ -1,10 +1,13 @@
 """A node's replication, end to end: at start, restore an empty node from its holders; then hold
-the replicas of the nodes before it in the ring and send its own newest complete step to the
-nodes after it, in the background, whenever its ranks complete a newer one.
+the replicas of the nodes before it in the ring and send its own newest replication round's step
+(trainer.flash.replicarounds) to the nodes after it, in the background, as soon as its ranks complete it.
 
-The sending thread reads slot headers every `interval` seconds (a few bytes of shared memory per
-slot) and parses descriptions only when a header changed; the ranks are never waited for: a push
-reads the slot under a shared lock, while the ranks write their next snapshot into another slot.
+The sending thread is woken by each rank's note that it completed a round's snapshot (the control
+channel's Saved) and also looks at the slot headers every `interval` seconds (a few bytes of
+shared memory per slot), parsing descriptions only when a header changed; the ranks are never
+waited for: a push reads the slot under a shared lock, while the ranks write their next snapshot
+into another slot. Once every holder took a round step, the ranks are told (`on_confirmed`):
+their next save may start the next round.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from diag.agent.replica.pace import pace_for
 from diag.agent.replica.ring import Offer, RestoreChoice, Ring, Source, choose_restore
 from diag.agent.replica.settings import NodeAddress as NodeAddress
 from diag.agent.replica.settings import ReplicaSettings
-from diag.agent.replica.source import local_replica, local_steps
+from diag.agent.replica.source import local_steps, look
 from diag.agent.replica.store import ReplicaStore
 from diag.agent.replica.tls import Tls
 from diag.agent.replica.transport import (
@@ -107,6 +110,9 @@ class Replicator:
         self._failures: dict[str, int] = {}  # holder -> pushes failed in a row
         self._retry_at: dict[str, float] = {}  # holder -> no push to it before (monotonic)
         self._verified_at = float("-inf")
+        self._confirmed: tuple[int, str] | None = None  # the round step every holder holds
+        self.on_confirmed: list[Callable[[], None]] = []
+        self._foreign_warned: set[str] = set()
         self._pace = pace_for(settings.max_rate, CHUNK)  # one budget for every holder's pushes
         self.store: ReplicaStore | None = None
         self.server: ReplicaServer | None = None
@@ -225,6 +231,24 @@ class Replicator:
         """A rank completed a snapshot: look for a newer step now rather than at the next tick."""
         self._wake.set()
 
+    def confirmed(self) -> tuple[int, str] | None:
+        """The round step (and launch) every holder of this node holds, or None."""
+        with self._lock:
+            return self._confirmed
+
+    def _confirm(self) -> None:
+        """Records what every holder holds; the ranks are told when it changed."""
+        held = {self._sent.get(h) for h in self.holders}
+        now = held.pop() if len(held) == 1 else None
+        with self._lock:
+            changed, self._confirmed = now != self._confirmed and now is not None, now
+        if changed:
+            for hook in list(self.on_confirmed):
+                try:
+                    hook()
+                except Exception:
+                    log.exception("telling the ranks of a confirmed replica failed")
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
@@ -251,6 +275,7 @@ class Replicator:
                 self._sent.pop(holder, None)
             else:
                 self._sent[holder] = (o.step, o.run)
+        self._confirm()
 
     def _headers_changed(self) -> bool:
         sig = []
@@ -277,7 +302,9 @@ class Replicator:
         changed = self._headers_changed()
         if not changed and not self._failed_last and all(h in self._sent for h in self.holders):
             return True
-        local = local_replica(self.run_dir, self.job, self.node, self.owners)
+        found = look(self.run_dir, self.job, self.node, self.owners)
+        self._warn_foreign(found.nodes)
+        local = found.replica
         if local is None:
             return True
         want = (local.manifest.step, local.manifest.run)
@@ -322,8 +349,20 @@ class Replicator:
         with self._lock:
             if all(self._sent.get(h) == want for h in self.holders):
                 self._stats.sent_step = want[0]
+        self._confirm()
         self._failed_last = not ok
         return ok
+
+    def _warn_foreign(self, nodes: frozenset[str]) -> None:
+        """Snapshots of the job naming another node than this one are never sent: say so, once
+        per name (the ranks' DIAG_NODE differs from the agent's --node)."""
+        for other in sorted(nodes - {self.node} - self._foreign_warned):
+            self._foreign_warned.add(other)
+            log.error(
+                "the ranks' snapshots in %s name node %r, but this agent is node %r: they are "
+                "not replicated (only this node's are); give DIAG_NODE the same value in the "
+                "trainer's and the agent's environment", self.run_dir, other[:256], self.node,
+            )  # fmt: skip
 
     def stats(self) -> ReplicaStats:
         with self._lock:

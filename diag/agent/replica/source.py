@@ -20,7 +20,7 @@ from pathlib import Path
 from diag.agent.replica.parts import new_part_file, receive_part
 from diag.agent.replica.ring import Held, step_to_send
 from diag.agent.replica.wire import Manifest, Part
-from diag.formats.slotfile import open_slot, read_snapshots
+from diag.formats.slotfile import Snapshot, open_slot, read_snapshots
 from diag.formats.snapshot import find_slots, slot_path
 from diag.formats.untrusted import Owners, open_dir
 
@@ -49,9 +49,32 @@ def local_ranks(run_dir: Path, job: str, owners: Owners) -> list[int]:
     return sorted(ranks)
 
 
+@dataclass(frozen=True)
+class Found:
+    """What a look at the node's slots found to send, and the node names its snapshots carry."""
+
+    replica: LocalReplica | None
+    nodes: frozenset[str]  # every node name the job's complete snapshots here name
+
+
 def local_replica(run_dir: Path, job: str, node: str, owners: Owners) -> LocalReplica | None:
-    """The newest step complete on every local rank, as a manifest, or None."""
-    snaps = [s for s in read_snapshots(find_slots(run_dir, job), owners) if s.meta.node == node]
+    """The newest replication round's step (trainer.flash.replicarounds) complete on every local rank,
+    as a manifest, or None."""
+    return look(run_dir, job, node, owners).replica
+
+
+def look(run_dir: Path, job: str, node: str, owners: Owners) -> Found:
+    """Only round steps are sent: every node of the job sends the same steps, so the steps each
+    rank keeps are the ones its peers' holders may hold."""
+    every = read_snapshots(find_slots(run_dir, job), owners)
+    nodes = frozenset(s.meta.node for s in every)
+    snaps = [s for s in every if s.meta.node == node and s.meta.replica_round]
+    return Found(_manifest(run_dir, job, node, owners, snaps), nodes)
+
+
+def _manifest(
+    run_dir: Path, job: str, node: str, owners: Owners, snaps: list[Snapshot]
+) -> LocalReplica | None:
     ranks = local_ranks(run_dir, job, owners)
     chosen = step_to_send(ranks, [Held(s.meta.rank, s.meta.step, s.meta.run) for s in snaps])
     if chosen is None:

@@ -54,7 +54,8 @@ class NodeTainter:
         # A Kubernetes client made before the agent gave up root (its credentials may be
         # root's to read); None: one is made for every plan.
         self.api = api
-        self.node = node
+        self.node = node  # in the job: incidents and verdicts name it
+        self.kube_node = settings.kube_node or node  # in Kubernetes: the node its taint goes on
         self.timeline = timeline
         self.job_verdicts = job_verdicts or JobVerdictStore(timeline / JOB_VERDICTS_DIR)
         self.health = health
@@ -166,13 +167,18 @@ class NodeTainter:
                     *(self.health() if health is None else health),
                 ]
                 out = taint(
-                    settings, self.node, self.timeline, evidence, dry_run=dry_run, api=self.api
+                    settings,
+                    self.kube_node,
+                    self.timeline,
+                    evidence,
+                    dry_run=dry_run,
+                    api=self.api,
                 )
             except (KubeError, LedgerBusy, OSError) as e:
-                log.error("taint of node %s failed: %s", self.node, e)
+                log.error("taint of node %s failed: %s", self.kube_node, e)
                 return None
             except Exception as e:  # the Kubernetes client's own configuration errors
-                log.error("taint of node %s failed: %s", self.node, e)
+                log.error("taint of node %s failed: %s", self.kube_node, e)
                 return None
         self.outcomes.append(out)
         prefix = "taint plan (dry run)" if dry_run else "taint"

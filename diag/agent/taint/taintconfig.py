@@ -59,6 +59,7 @@ class TaintSettings:
     retries: int = 5  # conflict retries on the node's resourceVersion
     kubeconfig: str | None = None  # None: $KUBECONFIG, else the in-cluster service account
     ledger_timeout: float = 30.0
+    kube_node: str = ""  # the Kubernetes node tainted ("": the agent's --node)
     health: HealthSettings = field(default_factory=HealthSettings)
     history: Retention = DEFAULT_HISTORY_RETENTION  # of the job's taint history in the ledger
 
@@ -113,6 +114,15 @@ OPTIONS = OptionTable(
         Option("event_namespace", str, None, "namespace of the Events (default: $POD_NAMESPACE)"),
         Option("retries", count, 5, "retries when another writer changed the node meanwhile"),
         Option("kubeconfig", str, None, "kubeconfig file (default: $KUBECONFIG, else in-cluster)"),
+        Option(
+            "kube_node",
+            str,
+            None,
+            "the Kubernetes node to taint, the one the pod runs on (default: $NODE_NAME, from "
+            "the downward API's spec.nodeName, else --node); --node may then name the worker's "
+            "place in the job, which a replacement keeps",
+            agent_only=True,
+        ),
         Option(
             "watch_nics",
             _names,
@@ -226,6 +236,7 @@ def load(
         event_namespace=values["event_namespace"] or env.get("POD_NAMESPACE") or "default",
         retries=values["retries"],
         kubeconfig=values["kubeconfig"],
+        kube_node=values["kube_node"] or env.get("NODE_NAME") or "",
         health=HealthSettings(
             nics=values["watch_nics"],
             nic_grace=values["nic_grace"],

@@ -33,6 +33,7 @@ from diag.trainer.control.message import (
     CommandKind,
     PersistAck,
     RefusedCommand,
+    ReplicaAck,
     hello_of,
     message_of,
 )
@@ -44,6 +45,18 @@ CALL_TIMEOUT_S = 3.0
 BACKOFF_MIN_S = 0.2
 BACKOFF_MAX_S = 5.0
 CONTROL_ENV = "DIAG_CONTROL"  # "0" disables the client
+
+
+@dataclass(frozen=True)
+class ResumeNote:
+    """Where this rank resumed from, for the agent (control.proto's ResumeNote)."""
+
+    source: str
+    step: int
+    reason: str
+    memory_offered: bool
+    held: str
+    run: str
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,7 @@ class ClientIdentity:
 
 CommandHandler = Callable[[AgentCommand], None]  # FLUSH and EXIT, checked
 AckHandler = Callable[[PersistAck], None]
+ReplicaHandler = Callable[[ReplicaAck], None]
 ThreadHandler = Callable[[int], None]  # gets the native id of a thread diag started
 
 
@@ -83,6 +97,7 @@ class ControlClient:
         self._explicit_socket = socket_path or _env_socket()
         self.on_command: CommandHandler | None = None
         self.on_ack: AckHandler | None = None
+        self.on_replica: ReplicaHandler | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._connected = threading.Event()
@@ -97,6 +112,8 @@ class ControlClient:
         self._own: list[int] = []  # native ids of grpc threads started for this client
         self._on_own_thread: list[ThreadHandler] = []
         self.agent_pid: int | None = None
+        self.agent_node = ""  # the node the agent says it is
+        self._warned_node = ""
         self.peer: PeerCred | None = None  # who serves the socket, as the kernel says
         self.connects = 0
 
@@ -172,6 +189,15 @@ class ControlClient:
     ) -> None:
         self._outbox.put(("report", (command_id, ok, detail, step, path)))
 
+    def saved(self, step: int) -> None:
+        """Tells the agent this rank completed its snapshot of `step`; returns at once."""
+        self._outbox.put(("saved", step))
+
+    def resumed(self, note: ResumeNote) -> None:
+        """Tells the agent where this rank resumed from, and why; returns at once (sent when
+        the agent is there, else dropped: the rank's own log says it too)."""
+        self._outbox.put(("resumed", note))
+
     def drain(self, timeout: float) -> bool:
         """Waits until everything enqueued so far was sent (or dropped for want of an agent)."""
         done = threading.Event()
@@ -242,7 +268,9 @@ class ControlClient:
             try:
                 stub = pb_grpc.ControlStub(channel)
                 reply = stub.Register(self._register_request(pb), timeout=CALL_TIMEOUT_S)
-                self.agent_pid = hello_of(reply, source).agent_pid
+                hello = hello_of(reply, source)
+                self.agent_pid = hello.agent_pid
+                self._check_node(hello.node, path)
                 self.peer = pinned.peer
                 self._stub = stub
                 self.connects += 1
@@ -290,6 +318,13 @@ class ControlClient:
             return
         except UntrustedInput as e:
             log.warning("diag: ignored a message from %s: %s", source, e.problem)
+            return
+        if isinstance(item, ReplicaAck):
+            if self.on_replica is not None:
+                try:
+                    self.on_replica(item)
+                except Exception:
+                    log.exception("diag: handling a replica acknowledgement failed")
             return
         if isinstance(item, AgentCommand):
             if item.kind is CommandKind.DUMP:
@@ -361,6 +396,18 @@ class ControlClient:
                             log.warning("diag: agent refused to persist step %d: %s", step,
                                         reply.reason)  # fmt: skip
                             self.acknowledged(step)
+                elif kind == "saved":
+                    stub.Saved(pb.SavedNote(id=self._rank_id(pb), step=arg),
+                               timeout=CALL_TIMEOUT_S)  # fmt: skip
+                elif kind == "resumed":
+                    n = arg
+                    stub.Resumed(
+                        pb.ResumeNote(
+                            id=self._rank_id(pb), source=n.source, step=n.step, reason=n.reason,
+                            memory_offered=n.memory_offered, held=n.held, run=n.run,
+                        ),
+                        timeout=CALL_TIMEOUT_S,
+                    )  # fmt: skip
                 elif kind == "report":
                     command_id, ok, detail, step, path = arg
                     stub.Report(
@@ -376,6 +423,23 @@ class ControlClient:
                     )
             except grpc.RpcError as e:
                 log.debug("diag: control call %s failed: %s", kind, _code(e))
+
+    def _check_node(self, agent_node: str, path: Path) -> None:
+        """Warns, once per name, when the agent is another node than this rank says it runs on:
+        the agent replicates only its own node's snapshots, and a replaced node finds them only
+        under the same name."""
+        self.agent_node = agent_node
+        mine = self.ident.node
+        if not agent_node or agent_node == mine or self._warned_node == agent_node:
+            return
+        self._warned_node = agent_node
+        log.error(
+            "diag: this rank runs on node %r (DIAG_NODE, else NODE_NAME, else the host name), "
+            "but the agent at %s is node %r: its snapshots will not be replicated to peers nor "
+            "found again on a replaced node; give DIAG_NODE the same value in the trainer's and "
+            "the agent's environment (the worker's place in the job, e.g. worker-0)",
+            mine, path, agent_node,
+        )  # fmt: skip
 
     def _refuse(self, e: SocketRefused) -> None:
         key = str(e)

@@ -51,9 +51,20 @@ class PersistAck:
 
 
 @dataclass(frozen=True)
+class ReplicaAck:
+    """The agent replicates this node's snapshots (`on`); every holder holds the replication
+    round's step `step` (-1: none yet) of launch `run`."""
+
+    on: bool
+    step: int = -1
+    run: str = ""
+
+
+@dataclass(frozen=True)
 class AgentHello:
     agent_pid: int
     agent_version: str
+    node: str = ""  # the agent's --node ("": an agent that does not say)
 
 
 class RefusedCommand(UntrustedInput):
@@ -103,23 +114,38 @@ def ack_of(ack: Any, source: str) -> PersistAck:
     return PersistAck(step, bool(ack.ok), error, seconds, size, bool(ack.committed))
 
 
-def message_of(msg: Any, source: str) -> AgentCommand | PersistAck:
+def replica_ack_of(ack: Any, source: str) -> ReplicaAck:
+    """A `control_pb2.ReplicaAck`, checked."""
+    step = bounded_int(ack.step, lo=-1, hi=INT64_MAX, what="step", source=source)
+    run = ack.run
+    if len(run) > MAX_TEXT or printable(run, keep_newlines=False) != run:
+        raise UntrustedInput(source, "the replica's launch is long or unprintable")
+    return ReplicaAck(bool(ack.on), step, run)
+
+
+def message_of(msg: Any, source: str) -> AgentCommand | PersistAck | ReplicaAck:
     """A `control_pb2.AgentMessage`, checked."""
     which = msg.WhichOneof("body")
     if which == "command":
         return command_of(msg.command, source)
     if which == "persist_ack":
         return ack_of(msg.persist_ack, source)
+    if which == "replica_ack":
+        return replica_ack_of(msg.replica_ack, source)
     raise UntrustedInput(source, "the agent sent a message with no body")
 
 
 def hello_of(reply: Any, source: str) -> AgentHello:
     """A `control_pb2.RegisterReply`, checked."""
     pid = bounded_int(reply.agent_pid, lo=0, hi=MAX_PID, what="agent pid", source=source)
-    return AgentHello(pid, _text(reply.agent_version, MAX_ID, "the agent version", source))
+    return AgentHello(
+        pid,
+        _text(reply.agent_version, MAX_ID, "the agent version", source),
+        _text(reply.node, MAX_ID * 2, "the agent's node", source),
+    )
 
 
-def decode(data: bytes, source: str) -> AgentCommand | PersistAck:
+def decode(data: bytes, source: str) -> AgentCommand | PersistAck | ReplicaAck:
     """An AgentMessage from its wire bytes (what the stream hands the rank), checked; refuses
     with protobuf's DecodeError or UntrustedInput."""
     from diag.proto import control_pb2 as pb

@@ -20,9 +20,8 @@ import atexit
 import contextlib
 import logging
 import os
-import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +36,16 @@ from diag.formats.snapshot import (
     SnapshotMeta,
     step_tag,
 )
-from diag.trainer.control.client import ClientIdentity, ControlClient, shared_client
+from diag.trainer.control.client import ClientIdentity, ControlClient, ResumeNote, shared_client
 from diag.trainer.control.commands import Agreement, CommandBox, Pending, agree, command_group
 from diag.trainer.control.period import AgreementPeriod, PeriodPolicy
+from diag.trainer.flash import failwatch
 from diag.trainer.flash import slotlayout as layout
+from diag.trainer.flash.agreeing import agree_save, everyone, launch_id
 from diag.trainer.flash.capture import CapturedFile, capture_checkpoint
 from diag.trainer.flash.copier import Copier, Copy
+from diag.trainer.flash.flashstats import FlashStats as FlashStats
+from diag.trainer.flash.replicating import Replication
 from diag.trainer.flash.restore import FlashCheckpointError as FlashCheckpointError
 from diag.trainer.flash.restore import Place, agent_wait_from_env
 from diag.trainer.flash.resume import Source, WriterFacts, replica_ranks
@@ -54,27 +57,6 @@ from diag.trainer.stephooks import StepHook, add_step_hook
 log = logging.getLogger(__name__)
 
 CLOSE_DRAIN_TIMEOUT_S = 5.0
-
-
-@dataclass
-class FlashStats:
-    """Checkpoint facts of this rank (the agent keeps its own, see agent.checkpoint.stats)."""
-
-    memory_step: int | None = None  # newest complete snapshot in memory
-    persisted_step: int | None = None  # newest step the agent acknowledged as on storage
-    committed_step: int | None = None  # newest step complete on storage for every rank
-    saves: int = 0
-    skipped: int = 0  # saves refused because every slot was pinned by a pending persist
-    failed_copies: int = 0
-    last_save_seconds: float = 0.0  # blocking time of the last save
-    last_copy_seconds: float = 0.0  # the copy into shared memory (in the background if async)
-    last_save_bytes: int = 0
-    last_persist_seconds: float = 0.0
-    last_persist_bytes: int = 0
-    persist_failures: int = 0
-    loaded_from: str = ""  # "memory", "storage" or "" (nothing loaded)
-    resharded_from: int | None = None  # data-parallel size of the step loaded, when it differed
-    last_reshard_seconds: float = 0.0  # converting it to a universal checkpoint (0: reused)
 
 
 class FlashCheckpointer:
@@ -141,7 +123,8 @@ class FlashCheckpointer:
         )
         self._slots.on_unmap = self._copier.pinned.release
         self._group = command_group(dist)
-        self._run = self._launch_id(dist)
+        self._run = launch_id(self.node, self._slots.owner, self._group, self.world_size)
+        self._replication = Replication(self._slots, self._run)
         self._replica = self.rank in self._plan_replicas(dist)
         self._box = CommandBox()
         self._client: ControlClient | None = None
@@ -158,10 +141,11 @@ class FlashCheckpointer:
             if self._client is not None:
                 self._client.on_command = self._on_command
                 self._client.on_ack = self._on_ack
+                self._client.on_replica = self._replication.acknowledged
                 self._client.set_save_dir(self.save_dir)
         self._boundary = int(getattr(engine, "global_steps", 0))
         self._hook_step()
-        _watch_failures()
+        failwatch.watch()
         quiesce_at_exit()
         atexit.register(self.close)
 
@@ -185,16 +169,25 @@ class FlashCheckpointer:
         with phase("checkpoint"):
             files = self._capture(step, client_state or {})
             entries, data_end = layout.plan_layout(files)
-            meta = layout.description(SnapshotMeta(
+            described = SnapshotMeta(
                 job=self.job, rank=self.rank, world_size=self.world_size,
                 local_rank=self.local_rank, node=self.node, step=step, tag=step_tag(step),
-                save_dir=self.save_dir, files=tuple(entries), device=_device_of(files),
+                save_dir=self.save_dir, files=tuple(entries), device=layout.device_of(files),
                 run=self._run,
-            ))  # fmt: skip
-            got = self._slots.acquire(data_end + len(meta))
+            )  # fmt: skip
+            # Whether it is a replication round's step is agreed below: room for either.
+            metas = {
+                r: layout.description(replace(described, replica_round=r)) for r in (False, True)
+            }
+            self._replication.prepare()
+            got = self._slots.acquire(data_end + max(map(len, metas.values())))
             # All ranks save a step or none does: a step one rank skipped alone could never be
-            # restored from memory, and it would push out the ranks' common older one.
-            if not self._everyone(got is not None):
+            # restored from memory, and it would push out the ranks' common older one. The same
+            # all-reduce agrees on the replication rounds (trainer.flash.replicarounds).
+            everyone, agreed = agree_save(
+                (got is not None, self._replication.vote()), self._group, self.world_size
+            )
+            if not everyone:
                 if got is not None:
                     got[1].unlock()
                 self.stats.skipped += 1
@@ -205,37 +198,23 @@ class FlashCheckpointer:
                 return False
             assert got is not None
             index, slot = got
+            is_round = self._replication.agreed(step, agreed)
             # Odd generation from here on: a death before the copy completes leaves it torn.
             gen = slot.begin_write()
             self._copier.start(
-                Copy(index, slot, step, gen, files, entries, data_end, meta, persist),
+                Copy(index, slot, step, gen, files, entries, data_end, metas[is_round], persist,
+                     replica_round=is_round),
                 background=self.async_copy,
-            )
+            )  # fmt: skip
         s = self.stats
         s.saves += 1
         s.last_save_seconds = time.perf_counter() - t0
         s.last_save_bytes = sum(f.nbytes for f in files)
         return True
 
-    def _launch_id(self, dist: Any) -> str:
-        """This launch of the job, the same on every rank: the agent commits a step only from
-        parts of one launch (collective)."""
-        owner = self._slots.owner
-        mine = [f"{self.node}:{owner.pid}:{owner.start_time:.3f}"]
-        if self.world_size > 1:
-            dist.broadcast_object_list(mine, src=0, group=self._group)
-        return str(mine[0])
-
     def _everyone(self, ok: bool) -> bool:
         """True when `ok` holds on every rank (collective)."""
-        if self.world_size <= 1:
-            return ok
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([int(ok)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(flag.item())
+        return everyone(ok, self._group, self.world_size)
 
     def wait(self) -> None:
         """Waits until the last save's copy into shared memory is complete."""
@@ -255,6 +234,8 @@ class FlashCheckpointer:
             return
         self.stats.memory_step = c.step
         self.stats.last_copy_seconds = seconds
+        if c.replica_round and self._client is not None:
+            self._client.saved(c.step)  # the agent sends it to the node's holders now
         if c.persist and self._client is not None:
             self._slots.pin(c.index, c.step)
             self._client.persist(c.step, self.save_dir, self.job)
@@ -276,6 +257,12 @@ class FlashCheckpointer:
         self.wait()
         got = resume(self.engine, self._place(), self._group, self._slots, self._everyone)
         plan = got.plan
+        self._replication.resumed(plan.step, plan.source == Source.MEMORY)
+        if self._client is not None:
+            self._client.resumed(ResumeNote(
+                plan.source.value, -1 if plan.step is None else plan.step, plan.reason,
+                got.fell_back, got.held, self._run,
+            ))  # fmt: skip
         if plan.source != Source.NONE and plan.step is not None:
             self.client_state = got.client_state
             self.stats.loaded_from = plan.source.value
@@ -392,9 +379,11 @@ class FlashCheckpointer:
             client.drain(CLOSE_DRAIN_TIMEOUT_S)
         if remove is None:
             # After a failure the snapshots stay: the agent persists them, a restart loads them.
-            remove = not _failed and not (pending and client is not None and client.connected)
+            remove = not failwatch.failed() and not (
+                pending and client is not None and client.connected
+            )
         self._copier.pinned.release_all()
-        self._slots.close(remove=remove, failed=_failed)
+        self._slots.close(remove=remove, failed=failwatch.failed())
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
 
@@ -410,31 +399,3 @@ class FlashCheckpointer:
         facts: list[Any] = [None] * self.world_size
         dist.all_gather_object(facts, mine, group=self._group)
         return replica_ranks(facts)
-
-
-_failed = False
-_watching = False
-
-
-def _watch_failures() -> None:
-    """Notes an uncaught exception, so that closing at exit keeps the snapshots."""
-    global _watching
-    if _watching:
-        return
-    _watching = True
-    previous = sys.excepthook
-
-    def hook(tp: Any, value: Any, tb: Any) -> None:
-        global _failed
-        _failed = True
-        previous(tp, value, tb)
-
-    sys.excepthook = hook
-
-
-def _device_of(files: list[CapturedFile]) -> str:
-    for f in files:
-        for s in f.storages:
-            if s.storage.device.type != "cpu":
-                return s.storage.device.type
-    return "cpu"

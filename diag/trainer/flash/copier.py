@@ -36,6 +36,7 @@ class Copy:
     data_end: int
     meta: bytes
     persist: bool
+    replica_round: bool = False  # a replication round's step: the agent is told once it is copied
     ready: Any = None  # CUDA: an event on the training stream at the time of the save
 
     @property

@@ -83,3 +83,37 @@ def replica_ranks(facts: Sequence[WriterFacts]) -> set[int]:
         if best is None or f.local_rank < best.local_rank:
             chosen[key] = f
     return {f.rank for f in chosen.values()}
+
+
+def fell_back(plan: ResumePlan, facts: Sequence[RankFacts]) -> bool:
+    """The ranks resume from storage (or from nothing) although some rank held a complete step
+    in memory: its own, or one its agent pulled from a peer's replica."""
+    return plan.source != Source.MEMORY and any(f.memory_steps for f in facts)
+
+
+def held_text(facts: Sequence[RankFacts], most: int = 8) -> str:
+    """Which steps each rank held in memory, ranks holding the same steps together:
+    "rank 0: 46, 47; rank 1: 45", "ranks 0-7: 46, 47; ranks 8-15: none"."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for f in sorted(facts, key=lambda f: f.rank):
+        groups.setdefault(tuple(sorted(f.memory_steps)), []).append(f.rank)
+    parts = []
+    for steps, ranks in sorted(groups.items(), key=lambda kv: kv[1][0])[:most]:
+        shown = ", ".join(map(str, steps[-4:])) if steps else "none"
+        if len(steps) > 4:
+            shown = "..., " + shown
+        parts.append(f"{_ranks_text(ranks)}: {shown}")
+    if len(groups) > most:
+        parts.append(f"{len(groups) - most} more groups")
+    return "; ".join(parts)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from diag.formats.snapshot import read_latest_step, step_tag
@@ -30,7 +30,14 @@ from diag.trainer.flash.restore import (
     stage,
     wait_for_writing,
 )
-from diag.trainer.flash.resume import RankFacts, ResumePlan, Source, plan_resume
+from diag.trainer.flash.resume import (
+    RankFacts,
+    ResumePlan,
+    Source,
+    fell_back,
+    held_text,
+    plan_resume,
+)
 from diag.trainer.flash.slots import RankSlots
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,8 @@ class Resumed:
     client_state: Any = None
     resharded_from: int | None = None  # data-parallel size of the step loaded, when it differed
     reshard_seconds: float = 0.0
+    fell_back: bool = False  # from storage although some rank held a step in memory
+    held: str = ""  # which steps each rank held in memory (resume.held_text)
 
 
 def resume(
@@ -79,7 +88,16 @@ def resume(
             staged = got
             break
         left_out.add(plan.step)  # a rank could not read it: every rank leaves it out
-    return _load(engine, place, plan, slots, index, staged)
+    held = held_text(gathered)
+    fallback = fell_back(plan, gathered)
+    if fallback and place.rank == 0:
+        log.warning(
+            "diag: resuming from %s, not from memory, although ranks held steps in memory: %s "
+            "(held: %s)",
+            f"storage step {plan.step}" if plan.step is not None else "nothing", plan.reason, held,
+        )  # fmt: skip
+    got = _load(engine, place, plan, slots, index, staged)
+    return replace(got, fell_back=fallback, held=held)
 
 
 def _load(

@@ -87,3 +87,12 @@ def write_files(
             device = device or s.storage.device.type != "cpu"
             copy_storage(view[se.offset : se.offset + se.nbytes], s.storage, s.nbytes)
     return device
+
+
+def device_of(files: list[CapturedFile]) -> str:
+    """The device the captured state lives on ("cpu" when it all does)."""
+    for f in files:
+        for s in f.storages:
+            if s.storage.device.type != "cpu":
+                return str(s.storage.device.type)
+    return "cpu"

@@ -56,6 +56,8 @@ class RankSlots:
         self.paths = [slot_path(run_dir, owner.job, owner.rank, i) for i in range(count)]
         self.slots: list[SlotFile | None] = [self._adopt(i, p) for i, p in enumerate(self.paths)]
         self.pins: dict[int, tuple[int, float]] = {}  # slot -> (step, since)
+        # Steps never written over while complete: the replication rounds' (trainer.flash.replicarounds)
+        self.keep: frozenset[int] = frozenset()
         self.on_unmap: Callable[[int], None] | None = None  # before a slot's mapping goes away
         self._pin_lock = threading.Lock()  # acknowledgements arrive on the control thread
         self._warned_disk = False
@@ -65,6 +67,15 @@ class RankSlots:
         self._reserver: threading.Thread | None = None
         self._reserving: frozenset[int] = frozenset()
         self._reserve_error: BaseException | None = None
+
+    def ensure(self, count: int) -> None:
+        """At least `count` slots from now on (a rank whose node replicates keeps the rounds'
+        steps beside its newest): one left by an earlier launch is adopted, a missing one is made
+        by the save that first needs it."""
+        for i in range(len(self.paths), count):
+            path = slot_path(self.run_dir, self.owner.job, self.owner.rank, i)
+            self.paths.append(path)
+            self.slots.append(self._adopt(i, path))
 
     def _adopt(self, index: int, path: Path) -> SlotFile | None:
         """Opens a slot left by an earlier attempt of this rank (its snapshot may be loaded, and
@@ -194,7 +205,8 @@ class RankSlots:
             with self._pin_lock:
                 pin = self.pins.get(i)
             pinned = pin is not None and pin[0] == h.step and now - pin[1] < PIN_TIMEOUT_S
-            out.append(SlotView(i, h.gen, h.step, pinned))
+            kept = h.complete and h.step in self.keep
+            out.append(SlotView(i, h.gen, h.step, pinned or kept))
         return out
 
     def acquire(self, size: int) -> tuple[int, SlotFile] | None:

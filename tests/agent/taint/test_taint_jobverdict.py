@@ -219,3 +219,33 @@ def test_agent_on_the_culprit_node_taints_it_from_the_job_verdict(tmp_path: Path
         assert not node_a.spec.taints and not kube.events_for("node-a")
         assert RECORD_ANNOTATION not in (node_a.metadata.annotations or {})
         assert "names rank 3 on node node-b, not this node" in logs
+
+
+@pytest.mark.k8s
+@pytest.mark.timeout(120)
+def test_a_job_verdict_naming_the_worker_taints_the_kubernetes_node_it_runs_on(
+    tmp_path: Path,
+) -> None:
+    """--node names the worker's place in the job (worker-1, kept across a replacement), while
+    the taint goes on the Kubernetes node the agent runs on (--taint-kube-node)."""
+    (tmp_path / "kube").mkdir()
+    with cluster(tmp_path / "kube") as kube:
+        k8s_node = kube.create_node("host-7")
+        report = _report(tmp_path, "worker-1", (2, 3), culprit=None)
+        _decide(tmp_path, 3, "worker-1")
+        settings = TaintSettings(
+            mode=TaintMode.ON,
+            policy=TaintPolicy(job=JOB, culprit_threshold=1),
+            kubeconfig=kube.kubeconfig,
+            kube_node=k8s_node,
+        )
+        store = JobVerdictStore(tmp_path / "timeline" / ".jobs", settle=0.2, poll=0.05)
+        tainter = NodeTainter(
+            settings, "worker-1", tmp_path / "timeline", store, job_verdict_slack=0.5
+        )
+        ev = tainter.incident_evidence(report)
+        assert ev is not None and ev.signal == Signal.CULPRIT  # the job's name for the node
+        out = tainter.plan([ev], job=JOB)
+        assert out is not None and out.plan.changes_node
+        taints = kube.node(k8s_node).spec.taints or []
+        assert [t.key for t in taints] == [TAINT_KEY]
