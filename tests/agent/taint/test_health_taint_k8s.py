@@ -84,7 +84,9 @@ def test_agent_taints_its_node_from_its_health_monitors(tmp_path: Path) -> None:
             assert record["job"] == "llm"
             cond = next(c for c in node.status.conditions if c.type == CONDITION_TYPE)
             assert cond.status == "True" and cond.reason == "NicNoCarrier"
-            assert [e.reason for e in kube.events_for(name)] == ["DiagTainted"]
+            # The event follows the taint (posted after the node's patch): waited for, then one.
+            events = _until("the DiagTainted event", lambda: kube.events_for(name), log)
+            assert [e.reason for e in events] == ["DiagTainted"]
 
             # A real precheck on this node finds the same NIC: faulty. The agent adds it.
             r = _precheck(nic.host, report, tmp_path)
