@@ -214,7 +214,8 @@ def attach(
 
 
 def _start_control(session: Session, run_dir: Path, ident: RankIdentity) -> None:
-    from diag.trainer.control.client import ClientIdentity, shared_client
+    from diag.trainer.control.identity import ClientIdentity
+    from diag.trainer.control.shared import shared_client
 
     m = session.meta
     client_ident = ClientIdentity(

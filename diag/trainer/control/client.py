@@ -20,7 +20,6 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from diag.formats.rundir import control_socket_candidates
 from diag.formats.untrusted import UntrustedInput
 from diag.trainer.control.dumpbase import DumpBases
 from diag.trainer.control.grpcthreads import channel_threads_since
+from diag.trainer.control.identity import ClientIdentity, ResumeNote
 from diag.trainer.control.message import (
     AgentCommand,
     CommandKind,
@@ -37,39 +37,13 @@ from diag.trainer.control.message import (
     hello_of,
     message_of,
 )
+from diag.trainer.control.outbox import CALL_TIMEOUT_S, deliver
 from diag.trainer.control.peer import PeerCred, SocketRefused, pin_socket, trusted_uids
 
 log = logging.getLogger(__name__)
 
-CALL_TIMEOUT_S = 3.0
 BACKOFF_MIN_S = 0.2
 BACKOFF_MAX_S = 5.0
-CONTROL_ENV = "DIAG_CONTROL"  # "0" disables the client
-
-
-@dataclass(frozen=True)
-class ResumeNote:
-    """Where this rank resumed from, for the agent (control.proto's ResumeNote)."""
-
-    source: str
-    step: int
-    reason: str
-    memory_offered: bool
-    held: str
-    run: str
-
-
-@dataclass(frozen=True)
-class ClientIdentity:
-    job: str
-    rank: int
-    world_size: int
-    local_rank: int
-    attempt: int
-    node: str
-    pid: int
-    start_time: float = 0.0  # the process's create time: with the PID, the agent watches it
-    pid_ns: int = 0  # inode of the process's PID namespace (collector.rundir.pid_namespace)
 
 
 CommandHandler = Callable[[AgentCommand], None]  # FLUSH and EXIT, checked
@@ -223,7 +197,7 @@ class ControlClient:
                 return path
         return None
 
-    def _rank_id(self, pb: Any, job: str | None = None) -> Any:
+    def rank_id(self, pb: Any, job: str | None = None) -> Any:
         i = self.ident
         return pb.RankId(
             job=job or i.job,
@@ -267,7 +241,7 @@ class ControlClient:
             source = f"the agent at {path}"
             try:
                 stub = pb_grpc.ControlStub(channel)
-                reply = stub.Register(self._register_request(pb), timeout=CALL_TIMEOUT_S)
+                reply = stub.Register(self.register_request(pb), timeout=CALL_TIMEOUT_S)
                 hello = hello_of(reply, source)
                 self.agent_pid = hello.agent_pid
                 self._check_node(hello.node, path)
@@ -282,7 +256,7 @@ class ControlClient:
                 self._outbox.put(("resend", None))
                 before = {t.ident for t in threading.enumerate()}
                 self._call = stub.Subscribe(
-                    pb.SubscribeRequest(id=self._rank_id(pb), pid=self.ident.pid)
+                    pb.SubscribeRequest(id=self.rank_id(pb), pid=self.ident.pid)
                 )
                 self._own_threads_started(before)
                 for msg in self._call:
@@ -302,10 +276,10 @@ class ControlClient:
             self._stop.wait(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
-    def _register_request(self, pb: Any) -> Any:
+    def register_request(self, pb: Any) -> Any:
         i = self.ident
         return pb.RegisterRequest(
-            id=self._rank_id(pb), pid=i.pid, journal=self.journal, save_dir=self.save_dir,
+            id=self.rank_id(pb), pid=i.pid, journal=self.journal, save_dir=self.save_dir,
             start_time=i.start_time, pid_ns=i.pid_ns,
         )  # fmt: skip
 
@@ -376,53 +350,16 @@ class ControlClient:
                 continue
             if not self.connected:
                 continue  # persist requests stay pending and are sent again after connecting
-            stub = self._stub
             try:
-                if kind == "register":
-                    stub.Register(self._register_request(pb), timeout=CALL_TIMEOUT_S)
-                elif kind in ("persist", "resend"):
-                    with self._lock:
-                        todo = sorted(self._pending_persist.items())
-                    if kind == "persist":
-                        todo = [(s, d) for s, d in todo if s == arg]
-                    for step, (save_dir, job) in todo:
-                        reply = stub.Persist(
-                            pb.PersistRequest(
-                                id=self._rank_id(pb, job), step=step, save_dir=save_dir
-                            ),
-                            timeout=CALL_TIMEOUT_S,
-                        )
-                        if not reply.accepted:
-                            log.warning("diag: agent refused to persist step %d: %s", step,
-                                        reply.reason)  # fmt: skip
-                            self.acknowledged(step)
-                elif kind == "saved":
-                    stub.Saved(pb.SavedNote(id=self._rank_id(pb), step=arg),
-                               timeout=CALL_TIMEOUT_S)  # fmt: skip
-                elif kind == "resumed":
-                    n = arg
-                    stub.Resumed(
-                        pb.ResumeNote(
-                            id=self._rank_id(pb), source=n.source, step=n.step, reason=n.reason,
-                            memory_offered=n.memory_offered, held=n.held, run=n.run,
-                        ),
-                        timeout=CALL_TIMEOUT_S,
-                    )  # fmt: skip
-                elif kind == "report":
-                    command_id, ok, detail, step, path = arg
-                    stub.Report(
-                        pb.CommandReport(
-                            id=self._rank_id(pb),
-                            command_id=command_id,
-                            ok=ok,
-                            detail=detail,
-                            step=step,
-                            path=path,
-                        ),
-                        timeout=CALL_TIMEOUT_S,
-                    )
+                deliver(self._stub, pb, kind, arg, self)
             except grpc.RpcError as e:
                 log.debug("diag: control call %s failed: %s", kind, _code(e))
+
+    # -- what the outbox's calls need (outbox.Sender) ------------------------------------------
+
+    def pending(self) -> list[tuple[int, tuple[str, str]]]:
+        with self._lock:
+            return sorted(self._pending_persist.items())
 
     def _check_node(self, agent_node: str, path: Path) -> None:
         """Warns, once per name, when the agent is another node than this rank says it runs on:
@@ -473,26 +410,3 @@ def _code(e: Any) -> str:
 def _env_socket() -> Path | None:
     value = os.environ.get("DIAG_CONTROL_SOCKET", "")
     return Path(value) if value else None
-
-
-def enabled() -> bool:
-    return os.environ.get(CONTROL_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-_client: ControlClient | None = None
-_client_lock = threading.Lock()
-
-
-def shared_client(
-    run_dir: Path, ident: ClientIdentity, *, journal: str = ""
-) -> ControlClient | None:
-    """The process's one control client (started on first use), or None when disabled."""
-    global _client
-    if not enabled():
-        return None
-    with _client_lock:
-        if _client is None:
-            _client = ControlClient(run_dir, ident, journal=journal).start()
-        elif journal and not _client.journal:
-            _client.journal = journal
-        return _client

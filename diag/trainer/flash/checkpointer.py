@@ -36,9 +36,11 @@ from diag.formats.snapshot import (
     SnapshotMeta,
     step_tag,
 )
-from diag.trainer.control.client import ClientIdentity, ControlClient, ResumeNote, shared_client
+from diag.trainer.control.client import ControlClient
 from diag.trainer.control.commands import Agreement, CommandBox, Pending, agree, command_group
+from diag.trainer.control.identity import ClientIdentity, ResumeNote
 from diag.trainer.control.period import AgreementPeriod, PeriodPolicy
+from diag.trainer.control.shared import shared_client
 from diag.trainer.flash import failwatch
 from diag.trainer.flash import slotlayout as layout
 from diag.trainer.flash.agreeing import agree_save, everyone, launch_id

@@ -22,7 +22,8 @@ from diag.formats.rundir import control_socket_path
 from diag.formats.stackdump import RankDump
 from diag.proto import control_pb2 as pb
 from diag.proto import control_pb2_grpc as pb_grpc
-from diag.trainer.control.client import ClientIdentity, ControlClient
+from diag.trainer.control.client import ControlClient
+from diag.trainer.control.identity import ClientIdentity
 
 JOB = "ctl"
 

@@ -20,7 +20,8 @@ from diag.agent.checkpoint.manager import CheckpointManager
 from diag.agent.checkpoint.ranknotes import RankNotes, ReplicaState
 from diag.agent.checkpoint.service import ControlServer
 from diag.formats.rundir import control_socket_path
-from diag.trainer.control.client import ClientIdentity, ControlClient, ResumeNote
+from diag.trainer.control.client import ControlClient
+from diag.trainer.control.identity import ClientIdentity, ResumeNote
 from diag.trainer.control.message import ReplicaAck
 
 JOB = "notes"

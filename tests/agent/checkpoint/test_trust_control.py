@@ -32,7 +32,8 @@ from diag.agent.checkpoint.sessions import CommandKind
 from diag.formats.rundir import control_socket_path
 from diag.proto import control_pb2 as pb
 from diag.proto import control_pb2_grpc as pb_grpc
-from diag.trainer.control.client import ClientIdentity, ControlClient
+from diag.trainer.control.client import ControlClient
+from diag.trainer.control.identity import ClientIdentity
 from diag.trainer.control.peer import PeerConfigError, parse_uid
 
 JOB = "trust"
