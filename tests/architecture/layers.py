@@ -44,6 +44,7 @@ PURE = (
     "diag.agent.detect.*",
     "diag.agent.drain.plan",
     "diag.agent.evidence.parallelism",
+    "diag.agent.job.assembly",
     "diag.agent.job.decisions",
     "diag.agent.job.fallback",  # the claimant of a fallback: when it concludes
     "diag.agent.job.jobstop",  # whether a node stops its ranks for another node's incident

@@ -18,17 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
-from diag.agent.job.decisions import (
-    DEATH,
-    JobVerdict,
-    NodeReport,
-    ReportName,
-    Where,
-    assemble,
-    kind_of,
-    pick_culprit,
-    ready,
-)
+from diag.agent.job.assembly import assemble, pick_culprit, ready
+from diag.agent.job.decisions import DEATH, JobVerdict, NodeReport, ReportName, Where, kind_of
 from diag.agent.job.fallback import Progress, Step, Views, first_hand_in, from_views, step, wake_in
 from diag.formats.untrusted import UntrustedInput
 

@@ -21,7 +21,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from diag.agent.job.decisions import NodeReport, ReportName, Where, pick_culprit
+from diag.agent.job.assembly import pick_culprit
+from diag.agent.job.decisions import NodeReport, ReportName, Where
 from diag.agent.job.nodeview import Gathered, analyse, expand, fold_rank_lists
 
 # How long the claimant keeps looking for a first-hand report after the views came to hold

@@ -34,6 +34,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from diag.agent.job import claimant
+from diag.agent.job.assembly import pick_culprit, ready
 from diag.agent.job.decisions import (
     JOB_VERDICT_FORMAT,
     Claim,
@@ -45,8 +46,6 @@ from diag.agent.job.decisions import (
     attempt_of,
     fresh,
     parse_name,
-    pick_culprit,
-    ready,
 )
 from diag.agent.job.fallback import QUIET
 from diag.agent.job.files import (

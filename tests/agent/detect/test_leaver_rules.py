@@ -13,7 +13,8 @@ from diag.agent.detect.culprit import SuspectKind, find_suspects
 from diag.agent.detect.hang import EventKind, VerdictKind
 from diag.agent.detect.leaver import find_leavers
 from diag.agent.detect.observation import Liveness, Observation, OpView
-from diag.agent.job.decisions import NodeReport, Where, parse_name, pick_culprit
+from diag.agent.job.assembly import pick_culprit
+from diag.agent.job.decisions import NodeReport, Where, parse_name
 from diag.agent.job.link import mine_of
 from diag.agent.job.nodeview import analyse, view_document
 from diag.formats.records import OpCode, OpState

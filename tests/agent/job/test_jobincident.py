@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from diag.agent.job.assembly import pick_culprit, ready
 from diag.agent.job.decisions import (
     Claim,
     Filing,
@@ -16,8 +17,6 @@ from diag.agent.job.decisions import (
     filing,
     generation,
     parse_name,
-    pick_culprit,
-    ready,
 )
 
 L, R = Where.LOCAL, Where.REMOTE
