@@ -15,6 +15,7 @@ from diag.agent.config.options import DEFAULT_TIMELINE
 from diag.agent.evidence.collection import EvidenceTarget, capture, verdict_document
 from diag.agent.evidence.pyspy import DumpTarget, can_trace
 from diag.agent.observe.observer import Observer
+from diag.agent.optiontable.optiontable import bounded_type, positive
 from diag.formats import exitcodes
 from diag.formats.rundir import default_run_dir, node_name
 from diag.formats.untrusted import printable
@@ -36,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--job", help="only ranks of this job")
     parser.add_argument("--no-native", action="store_true", help="Python frames only (faster)")
+    parser.add_argument(
+        "--pyspy-timeout",
+        type=bounded_type(0, 600, positive, lo_open=True),
+        default=10.0,
+        help="seconds allowed for each rank's stack dump, as the agent's option (default 10; a "
+        "native dump loads the libraries' symbols, which takes longer on a busy node)",
+    )
     parser.add_argument("--reason", default="manual dump", help="recorded in verdict.json")
 
 
@@ -114,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
         job=args.job or "", node=node, world_size=world, detected_at=now, summary=args.reason,
     )  # fmt: skip
     try:
-        result = capture(targets, timeline, doc, native=not args.no_native)
+        result = capture(
+            targets, timeline, doc, native=not args.no_native, pyspy_timeout=args.pyspy_timeout
+        )
     except OSError as e:
         raise exitcodes.UsageError(f"cannot write to {timeline}: {e.strerror}") from e
     failed = [d for d in result.dumps if d.error]

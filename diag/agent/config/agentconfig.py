@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from diag.agent.checkpoint.manager import CheckpointSettings
-from diag.agent.config.options import OPTIONS, REMOVED, Until, check_removed, parse_port
+from diag.agent.config.options import OPTIONS, Until, parse_port
 from diag.agent.config.options import add_arguments as add_arguments
+from diag.agent.config.removed import REMOVED, check_removed
 from diag.agent.detect.hang import OnHang, Policy
 from diag.agent.detect.timeouts import TimeoutPolicy
 from diag.agent.drain.notice import NoticeSettings, Provider

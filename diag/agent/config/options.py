@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 import enum
-from collections.abc import Mapping
 from pathlib import Path
 
+from diag.agent.config.removed import REMOVED
 from diag.agent.detect.hang import OnHang
 from diag.agent.drain.notice import Provider
 from diag.agent.drain.plan import DEFAULT_GRACE_S, DEFAULT_MARGIN_S
@@ -28,7 +28,6 @@ from diag.agent.optiontable.optiontable import (
 from diag.agent.replica.settings import parse_nodes
 from diag.agent.retention.policy import DEFAULT_INCIDENT_RETENTION
 from diag.agent.taint import taintconfig
-from diag.formats.exitcodes import UsageError
 
 DEFAULT_TIMELINE = "/root/timeline"  # where xpu_timer writes, so DLRover users find it there
 
@@ -392,33 +391,14 @@ BOUNDS = {
 }
 OPTIONS = OPTIONS.with_bounds(BOUNDS)
 
-_BOARD_GONE = (
-    "the peer board is gone; a rank on another node is named by the job verdict, from the views "
-    "the nodes file with their incident reports"
-)
-REMOVED = {"peers": _BOARD_GONE, "peers_dir": _BOARD_GONE, "peer_interval": _BOARD_GONE}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", type=Path, help="TOML file with an [agent] table (and a [taint] table)"
+        "--config",
+        type=Path,
+        help="TOML file with an [agent] table (and a [taint] table, a [precheck] table)",
     )
     OPTIONS.add_arguments(parser, show_default=lambda d: "" if isinstance(d, dict) else str(d))
     for name in REMOVED:
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, help=argparse.SUPPRESS)
     taintconfig.add_arguments(parser)
-
-
-def check_removed(args: argparse.Namespace, env: Mapping[str, str], file_keys: set[str]) -> None:
-    """Options of earlier versions fail loudly: a silently ignored setting misleads."""
-    for name, why in REMOVED.items():
-        flag, var = f"--{name.replace('_', '-')}", f"DIAG_{name.upper()}"
-        if getattr(args, name, None) is not None:
-            where = flag
-        elif var in env:
-            where = var
-        elif name in file_keys:
-            where = f"{args.config}: {name}"
-        else:
-            continue
-        raise UsageError(f"{where} was removed: {why}; drop it")
