@@ -370,7 +370,8 @@ BOUNDS = {
     "default_phase_timeout": Bounds(0, _WEEK, lo_open=True),
     "stop_grace": Bounds(0, 3600, lo_open=True),
     "interval": Bounds(0, 600, lo_open=True),
-    "pyspy_timeout": Bounds(0, 3600, lo_open=True),
+    # The dump helper of a dropped agent refuses longer dumps (privilege.dumpwire.MAX_TIMEOUT).
+    "pyspy_timeout": Bounds(0, 600, lo_open=True),
     "dump_parallel": Bounds(0, 1024),
     "metrics_port": Bounds(0, 65535),
     "keep_last": Bounds(0, 1_000_000),

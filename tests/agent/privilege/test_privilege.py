@@ -170,3 +170,14 @@ def test_the_helper_dumps_only_what_it_proves() -> None:
             rank.stop()
             for o in others:
                 o.stop()
+
+
+def test_the_agents_dump_timeout_is_one_its_dump_helper_takes() -> None:
+    """A longer --pyspy-timeout would pass the agent's options and then have every dump of a
+    dropped agent refused by its root helper."""
+    from diag.agent.config.options import OPTIONS
+    from diag.agent.privilege.dumpwire import MAX_TIMEOUT
+
+    (opt,) = [o for o in OPTIONS.options if o.name == "pyspy_timeout"]
+    bounds = OPTIONS.bounds_of(opt)
+    assert bounds is not None and bounds.hi == MAX_TIMEOUT
