@@ -3,7 +3,7 @@ plain torchrun and with `graceful_exit` (+ a flash checkpointer), side by side.
 
     .venv/bin/python bench/deadpeer_bench.py --repeats 3 [--nodes 2]
 
-tests/support/drain_job.py (ZeRO-2, gloo, CPU, 0.05 s of idle per step), --ranks ranks in all:
+tests/support/jobs/drain_job.py (ZeRO-2, gloo, CPU, 0.05 s of idle per step), --ranks ranks in all:
 one torchrun, or with --nodes 2 two torchruns meeting through a c10d rendezvous (each its own
 "node"). Once every rank has done 5 steps, the bench SIGKILLs one rank (local rank 1 of the last
 node) and times, from the kill, each other rank's exit (first and last) and the launchers'.

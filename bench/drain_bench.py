@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/drain_bench.py               # 2 CPU ranks, ZeRO-2, --hidden 4000
 
-The job is tests/support/pod_job.py (a 2-rank DeepSpeed ZeRO-2 model, fp32 Adam; --hidden 4000 is 64M
+The job is tests/support/jobs/pod_job.py (a 2-rank DeepSpeed ZeRO-2 model, fp32 Adam; --hidden 4000 is 64M
 parameters, ~1 GB of checkpoint state over the two ranks), run under torchrun in a process group
 of its own. At a moment after --warm-steps steps, SIGTERM goes to the group (and, for diag, to the
 agent, as a classic sidecar gets it). Side by side, in one run:

@@ -2,7 +2,7 @@
 
     python bench/early_fault.py [--hang-step 25] [--hang-attempts 0] [--step-time 0.17]
 
-A 2-rank DeepSpeed ZeRO-2 CPU job (tests/support/early_hang_job.py) under torchrun (c10d rendezvous,
+A 2-rank DeepSpeed ZeRO-2 CPU job (tests/support/jobs/early_hang_job.py) under torchrun (c10d rendezvous,
 `--max-restarts 2`), attached, a FlashCheckpointer saving every step, and `diag agent --on-hang
 stop` with its default limits. In each attempt named by --hang-attempts, rank 1 sleeps at the
 --hang-step-th step of that attempt; the agent finds the hang and stops the ranks, torchrun
@@ -86,6 +86,9 @@ def run(
 ) -> Result:
     """Runs the scenario under `root` (kept: logs, the timeline, the steps)."""
     sys.path.insert(0, str(HERE.parent / "tests" / "support"))
+    import repo
+
+    repo.on_sys_path()
     import jobrun
 
     run_dir = Path(tempfile.mkdtemp(prefix="diag-early-run-", dir="/dev/shm"))

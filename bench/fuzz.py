@@ -17,6 +17,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "support"))
+import repo  # noqa: E402  (tests/support: where every helper folder is)
+
+repo.on_sys_path()
 
 from fuzzkit import all_targets, run_target  # noqa: E402
 

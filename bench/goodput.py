@@ -3,9 +3,9 @@
     nice -n 19 .venv/bin/python bench/goodput.py --quick          # a short try (small model)
     nice -n 19 .venv/bin/python bench/goodput.py --svg goodput.svg  # the full run (many minutes)
 
-The job (tests/support/goodput_job.py): DeepSpeed ZeRO-2 on CPU (gloo), 4 ranks as 2 "nodes" on
+The job (tests/support/jobs/goodput_job.py): DeepSpeed ZeRO-2 on CPU (gloo), 4 ranks as 2 "nodes" on
 this machine, each node with its own launcher, run directory and shared memory, meeting in a c10d
-rendezvous (tests/support/goodputkit.py); --hidden 2900 is 34M parameters, 0.54 GB of checkpoint
+rendezvous (tests/support/goodput/goodputkit.py); --hidden 2900 is 34M parameters, 0.54 GB of checkpoint
 state (fp32 weights and Adam's two moments); a fixed number of steps. The schedule puts one fault
 of each kind at seeded steps and ranks: kill (SIGKILL a rank), hang (a rank sleeps in Python), gil
 (a rank spins in C with the GIL held), preempt (node-b's launcher and agent get SIGTERM, SIGKILL
@@ -23,7 +23,7 @@ shared memory wiped; it comes back empty). The stacks:
 
 Printed per stack: the wall time to finish the steps, goodput (the seconds of the steps kept at the
 end, each step's last run from its start to the end of engine.step(), over the wall time), and per
-fault the time lost, in parts measured as tests/support/goodputtimes.py says, the step trained
+fault the time lost, in parts measured as tests/support/goodput/goodputtimes.py says, the step trained
 and the step restored, and where each node's ranks restored from (memory, replica, storage).
 """
 
@@ -43,6 +43,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "support"))
+import repo  # noqa: E402  (tests/support: where every helper folder is)
+
+repo.on_sys_path()
 
 from goodputkit import KINDS, Fault, GoodputJob, JobSpec, read_events, schedule  # noqa: E402
 from goodputsvg import draw  # noqa: E402

@@ -1,5 +1,5 @@
 """Random SIGKILLs of the trainer ranks, the agent or both during save, copy, persist and commit,
-for ZeRO 1, 2 and 3, on real 2-rank DeepSpeed jobs (gloo, CPU) and a real agent (tests/support/killsuite.py
+for ZeRO 1, 2 and 3, on real 2-rank DeepSpeed jobs (gloo, CPU) and a real agent (tests/support/kill/killsuite.py
 does the work; tests/system/test_kill_suite.py is the short version). Prints one line per kill and the
 figures: kills per stage, target and phase; torn, lost or backwards checkpoints; how far back the
 restored step was from the newest step trained and from the newest step complete at the kill.
@@ -12,7 +12,7 @@ its replica to its holder (replicate), then one of the holder's agent as it take
 (receive), in turn (--kills 36 over three stages: 2 of each per stage); the job persists to
 storage every 10th step only. With --netns as well, the node (its ranks, its agent and their
 replacements) runs in one network namespace and the holder's agent in another, joined by veth
-links (tests/support/netlab.py, needs root): the pushes and the pull cross the links.
+links (tests/support/nodes/netlab.py, needs root): the pushes and the pull cross the links.
 
     .venv/bin/python bench/kill_bench.py --replicas --netns --kills 30
 """
@@ -33,6 +33,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "support"))
+import repo  # noqa: E402  (tests/support: where every helper folder is)
+
+repo.on_sys_path()
 
 from faults import HOLDER_PHASES, PHASES, REPLICA_PHASES  # noqa: E402
 from holderkill import kill_holder  # noqa: E402

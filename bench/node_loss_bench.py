@@ -1,6 +1,6 @@
 """Whole-node losses of a job across nodes at 0.2 s steps, in a loop: two nodes on this machine
 (a run directory each, a real `diag agent` with `--replica-nodes` and a torchrun of one ZeRO-2
-rank each; tests/support/twonodes.py), storage every 20 steps. Each loss SIGKILLs node b (its
+rank each; tests/support/nodes/twonodes.py), storage every 20 steps. Each loss SIGKILLs node b (its
 rank, torchrun and agent) at a random step storage does not hold, wipes its shared memory,
 starts its agent again empty (it pulls its replica from node a) and restarts the job on both
 nodes. Prints one line per loss and the figures: where the job resumed from, its step against
@@ -27,6 +27,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "support"))
+import repo  # noqa: E402  (tests/support: where every helper folder is)
+
+repo.on_sys_path()
 
 from twonodes import PERSIST_EVERY, Loss, TwoNodes, lose_and_restart, start_job  # noqa: E402
 

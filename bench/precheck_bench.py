@@ -23,6 +23,9 @@ from tempfile import TemporaryDirectory
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "support"))
+import repo  # noqa: E402  (tests/support: where every helper folder is)
+
+repo.on_sys_path()
 
 from netlab import Cluster, NetLab, netns_unavailable  # noqa: E402
 

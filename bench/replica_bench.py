@@ -3,7 +3,7 @@ how fast a replaced node restores from one against restoring from storage, side 
 
     .venv/bin/python bench/replica_bench.py --rounds 2 --warm 20 --window 60
 
-Each round runs the same real 2-rank DeepSpeed job (tests/support/kill_job.py: gloo, CPU, a
+Each round runs the same real 2-rank DeepSpeed job (tests/support/jobs/kill_job.py: gloo, CPU, a
 flash checkpoint in memory every step, every --persist-every'th step persisted to storage by the
 agent) twice, alternating: once with the node's agent alone ("storage"), once with replication of
 every step to a second agent on this machine standing in for the holder node ("replica", TCP over
@@ -51,6 +51,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SUPPORT = REPO / "tests" / "support"
 sys.path.insert(0, str(SUPPORT))
+import repo  # noqa: E402  (tests/support: where every helper folder is)
+
+repo.on_sys_path()
 
 from faults import write_json_atomic  # noqa: E402
 from nodeshape import (  # noqa: E402
@@ -128,14 +131,14 @@ class Node:
         self.run_dir = Path(tempfile.mkdtemp(prefix="diag-rb-", dir="/dev/shm"))
         self.holder_run = Path(tempfile.mkdtemp(prefix="diag-rb-h-", dir="/dev/shm"))
         self.env = dict(os.environ, DIAG_RUN_DIR=str(self.run_dir), OMP_NUM_THREADS="1",
-                        PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
+                        PYTHONPATH=repo.pythonpath(os.environ.get("PYTHONPATH", "")),
                         DIAG_REPLICA_TOKEN="replica-bench-token-0123", DIAG_AGENT_WAIT="60")  # fmt: skip
         ports = setup.ports
         self.spec = f"a=127.0.0.1:{ports[0]},b=127.0.0.1:{ports[1]}"
         self.procs: list[subprocess.Popen] = []
 
     def agent(self, node: str, run_dir: Path, gen: int) -> subprocess.Popen:
-        cmd = [sys.executable, str(SUPPORT / "fault_agent.py"), "--ctl", str(self.ctl), "--go",
+        cmd = [sys.executable, str(SUPPORT / "jobs" / "fault_agent.py"), "--ctl", str(self.ctl), "--go",
                str(self.ctl / f"agent-{node}-go-{gen}"), "--", "agent", "--run-dir", str(run_dir),
                "--job", JOB, "--node", node, "--timeline", str(self.root / "timeline"),
                "--native-stacks", "false", "--interval", "0.5", "--keep-last", "3", "-v"]  # fmt: skip
@@ -156,7 +159,7 @@ class Node:
         for rank in range(WORLD):
             env = dict(self.env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                        LOCAL_WORLD_SIZE=str(WORLD), DIAG_NODE="a")  # fmt: skip
-            cmd = [sys.executable, str(SUPPORT / "kill_job.py"), "--zero", "2", "--job", JOB,
+            cmd = [sys.executable, str(SUPPORT / "jobs" / "kill_job.py"), "--zero", "2", "--job", JOB,
                    "--save-dir", str(self.save), "--ctl", str(self.ctl), "--gen", str(gen),
                    "--hidden", str(self.setup.hidden), "--pause", "0",
                    "--persist-every", str(self.setup.persist_every)]  # fmt: skip

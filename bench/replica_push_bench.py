@@ -50,6 +50,9 @@ def child(args: argparse.Namespace) -> None:
     import psutil
 
     sys.path.insert(0, str(REPO / "tests" / "support"))
+    import repo
+
+    repo.on_sys_path()
     from jobrun import free_port
     from snapshot_helpers import new_slot, write_raw_snapshot
 

@@ -76,7 +76,7 @@ pip_install() {
 # it needs at run time, psutil, grpcio, protobuf, deprecated, is already there); DeepSpeed
 # 0.19.7, the last release with `elasticity`, apart from the venv's packages: the tests compare
 # diag.trainer.elastic.batchsize with its compute_elastic_config
-# (tests/support/elastic_reference.py).
+# (tests/support/jobs/elastic_reference.py).
 echo "bootstrap: installing torch==2.13.0 and diag[dev]" >&2
 if [[ "${DIAG_BOOTSTRAP_PIP:-0}" == 1 ]] || ! uv_install; then
     [[ "${DIAG_BOOTSTRAP_PIP:-0}" == 1 ]] || echo "bootstrap: uv failed; installing with pip (a few minutes)" >&2

@@ -73,13 +73,13 @@ def test_what_counts_as_a_job() -> None:
         [sys.executable, "-m", "torch.distributed.run", "train.py"],
         [sys.executable, "-m", "diag.trainer.demo_job"],
         ["deepspeed", "train.py"],
-        [sys.executable, "/repo/tests/support/flash_job.py", "--steps", "3"],
+        [sys.executable, "/repo/tests/support/jobs/flash_job.py", "--steps", "3"],
     ):
         assert fasttier.job_in(argv) is not None, argv
     for argv in (
         [sys.executable, "-c", "import torch"],
         ["py-spy", "dump", "--pid", "1"],
         ["promtool", "check", "metrics"],
-        [sys.executable, "/repo/tests/support/jobrun.py"],
+        [sys.executable, "/repo/tests/support/jobs/jobrun.py"],
     ):
         assert fasttier.job_in(argv) is None, argv

@@ -32,7 +32,7 @@ def _launchers() -> dict[str, tuple[str, ...]]:
         ),
         "dlrover-run": (
             py,
-            str(SUPPORT / "launchers" / "dlrover_run.py"),
+            str(SUPPORT / "jobs" / "launchers" / "dlrover_run.py"),
             "--standalone",
             "--nproc_per_node",
             "2",
@@ -76,7 +76,7 @@ def test_hang_is_named_under_each_launcher(name: str, tmp_path: Path) -> None:
 
 # -- a drained worker is restarted, not reported as a success ------------------------------------
 
-DRAIN_JOB = SUPPORT / "drain_job.py"
+DRAIN_JOB = SUPPORT / "jobs" / "drain_job.py"
 
 
 def _drain_command(name: str, tmp_path: Path) -> list[str]:
@@ -94,7 +94,7 @@ def _drain_command(name: str, tmp_path: Path) -> list[str]:
                      "--max-restarts", "1"],
         "deepspeed": [py, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
                       "--master_port", port],
-        "dlrover-run": [py, str(SUPPORT / "launchers" / "dlrover_run.py"), "--standalone",
+        "dlrover-run": [py, str(SUPPORT / "jobs" / "launchers" / "dlrover_run.py"), "--standalone",
                         "--nproc_per_node", "2", "--max-restarts", "1"],
     }[name] + job  # fmt: skip
 

@@ -32,7 +32,7 @@ pytestmark = [
 ]
 
 JOB = "cudahang"
-JOB_SCRIPT = SUPPORT / "cuda_hang_job.py"
+JOB_SCRIPT = SUPPORT / "jobs" / "cuda_hang_job.py"
 
 
 def _wait(pred, timeout: float, what: str, log: Path | None = None) -> None:

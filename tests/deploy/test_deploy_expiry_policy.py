@@ -1,5 +1,5 @@
 """The expiry account's admission policy (deploy/k8s/expiry/admission-policy.yaml), evaluated by a
-real CEL evaluator (tests/support/celadmission.py) against what `diag untaint --expired` really sends: the
+real CEL evaluator (tests/support/cluster/celadmission.py) against what `diag untaint --expired` really sends: the
 node after the JSON merge patch `diag/agent/taint/kube.py` builds from the expiry plan, the node's status
 after its condition patch, and its Event. Whatever else the account tries is refused: RBAC lets
 it patch every node, the policy lets it only take diag's taint off."""

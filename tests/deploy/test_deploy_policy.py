@@ -1,5 +1,5 @@
 """The ValidatingAdmissionPolicy of deploy/k8s/policy, evaluated by a real CEL evaluator
-(cel-python) the way the API server does (tests/support/celadmission.py).
+(cel-python) the way the API server does (tests/support/cluster/celadmission.py).
 
 The objects are what the agent really sends: the node after the JSON merge patch that
 `diag/agent/taint/kube.py` builds from a real plan, and the Event it posts."""

@@ -1,6 +1,6 @@
 """The docs' examples are the ones the end-to-end tests run: the flash-checkpoint example of the
 README's quick start is the docs' Flash checkpoints example, and
-tests/support/readme_flash_job.py (which tests/trainer/flash/test_readme_flash.py runs under a
+tests/support/jobs/readme_flash_job.py (which tests/trainer/flash/test_readme_flash.py runs under a
 real agent and a SIGKILL) holds its lines (the persist every 10 steps instead of 500)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_readme_and_docs_show_the_same_flash_example() -> None:
 
 
 def test_the_tested_job_runs_the_documented_lines() -> None:
-    job = (SUPPORT / "readme_flash_job.py").read_text()
+    job = (SUPPORT / "jobs" / "readme_flash_job.py").read_text()
     lines = flash_example((ROOT / "docs/user/flash.md").read_text())
     body = lines[lines.index(next(x for x in lines if x.startswith("ckpt = "))) :]
     for line in body:

@@ -41,7 +41,7 @@ from repo import SUPPORT
 from diag.formats.rundir import control_socket_path
 from diag.formats.snapshot import read_latest_step
 
-JOB_SCRIPT = SUPPORT / "pod_job.py"
+JOB_SCRIPT = SUPPORT / "jobs" / "pod_job.py"
 JOB = "podjob"
 GRACE = 30.0  # Kubernetes' default terminationGracePeriodSeconds, given to the agent too
 STEPS = 300

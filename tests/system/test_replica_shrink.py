@@ -38,7 +38,7 @@ from diag.formats.snapshot import read_latest_step, writing_marker_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(900)]
 
-JOB_SCRIPT = SUPPORT / "elastic_job.py"
+JOB_SCRIPT = SUPPORT / "jobs" / "elastic_job.py"
 NODES = ("node-a", "node-b")
 PERSIST_EVERY = 4
 RTOL = 1e-5  # test_elastic_resume.py: float32 rounding of differently grouped sums

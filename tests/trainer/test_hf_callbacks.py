@@ -21,7 +21,7 @@ from transformers import TrainerControl, TrainerState
 from diag.trainer.graceful.stopflag import StopFlag
 from diag.trainer.hf import GracefulExitCallback, callbacks_map
 
-JOB = SUPPORT / "hf_job.py"
+JOB = SUPPORT / "jobs" / "hf_job.py"
 RTOL = 1e-5  # float32 sums grouped differently at another world size; see test_elastic_resume
 
 

@@ -1,5 +1,5 @@
 """The flight recorder dumps of an incident as `diag merge` reads them: real dumps captured from
-torch (a 2-rank gloo job deadlocked across two groups, tests/support/flight_recorder_data), corrupt and
+torch (a 2-rank gloo job deadlocked across two groups, tests/support/evidence/flight_recorder_data), corrupt and
 oversized files reported for their rank, symlinks not followed."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from diag.formats.untrusted import UntrustedInput
 from diag.viewer import frdumps as flightrec
 from diag.viewer import frsummary
 
-DATA = SUPPORT / "flight_recorder_data"
+DATA = SUPPORT / "evidence" / "flight_recorder_data"
 
 
 def _incident(tmp_path: Path) -> Path:

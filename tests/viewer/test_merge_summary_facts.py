@@ -1,5 +1,5 @@
 """The merge summary names each fact once, with one number: a real incident of the demo's hang
-(tests/support/demo_hang_incident: rank 1 of 4 hung before an all-reduce; the agent's stacks,
+(tests/support/evidence/demo_hang_incident: rank 1 of 4 hung before an all-reduce; the agent's stacks,
 journal tails, flight recorder dumps and verdict as it wrote them, with the install paths in
 frames and command lines rewritten to /usr/local). The verdict counts group 1's collectives from
 when diag attached, torch's flight recorder from the group's creation (4 broadcasts earlier):
@@ -17,7 +17,7 @@ from repo import SUPPORT
 from diag.viewer import frdumps, frsummary
 from diag.viewer.merge import merge_incident
 
-INCIDENT = SUPPORT / "demo_hang_incident"
+INCIDENT = SUPPORT / "evidence" / "demo_hang_incident"
 
 
 def _merged(tmp_path: Path) -> tuple[str, dict]:

@@ -83,12 +83,12 @@ def clients(monkeypatch) -> Iterator[Callable[..., ControlClient]]:
 
 
 class Impostor:
-    """tests/support/fake_control_agent.py as user `nobody`, serving `socket`."""
+    """tests/support/peers/fake_control_agent.py as user `nobody`, serving `socket`."""
 
     def __init__(self, socket: Path, dump_dir: Path) -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, str(SUPPORT / "fake_control_agent.py"), str(socket),
+            [sys.executable, str(SUPPORT / "peers" / "fake_control_agent.py"), str(socket),
              "--uid", str(NOBODY), "--dump-dir", str(dump_dir)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip

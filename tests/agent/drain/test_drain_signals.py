@@ -32,7 +32,7 @@ from repo import SUPPORT
 
 from diag.formats.snapshot import read_latest_step
 
-JOB = SUPPORT / "drain_job.py"
+JOB = SUPPORT / "jobs" / "drain_job.py"
 GRACE = 30.0  # Kubernetes' default terminationGracePeriodSeconds
 STEPS = 400
 # (what is sent, to whom, extra job arguments)

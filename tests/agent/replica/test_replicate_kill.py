@@ -14,14 +14,13 @@ from faults import Fired, Plan, write_json_atomic
 from jobrun import free_port
 from polling import wait_for
 from replica_helpers import CAP, JOB, OWNERS, TOKEN, fill
+from repo import SUPPORT, pythonpath
 
 from diag.agent.replica.ring import Ring
 from diag.agent.replica.store import STAGING_PREFIX, ReplicaStore
 from diag.agent.replica.transport import Peers, ReplicaServer, pull
 from diag.formats.slotfile import read_snapshots
 from diag.formats.snapshot import HEADER_SIZE, find_slots, slot_path
-
-SUPPORT = Path(__file__).parents[2] / "support"
 
 
 # fraction -> the tick it fires at: a push ticks after its handshake, its manifest and each of the
@@ -43,7 +42,7 @@ def test_a_kill_mid_push_leaves_the_holders_previous_replica_whole(
     fill(run_dir, save, {0: [1, 2], 1: [1, 2]})
     (ctl / "go").write_text("go")
     cmd = [
-        sys.executable, str(SUPPORT / "fault_agent.py"), "--ctl", str(ctl), "--go",
+        sys.executable, str(SUPPORT / "jobs" / "fault_agent.py"), "--ctl", str(ctl), "--go",
         str(ctl / "go"), "--", "agent", "--run-dir", str(run_dir), "--job", JOB, "--node", "a",
         "--timeline", str(tmp_path / "timeline"), "--native-stacks", "false",
         "--replica-nodes", ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()),
@@ -51,7 +50,7 @@ def test_a_kill_mid_push_leaves_the_holders_previous_replica_whole(
     ]  # fmt: skip
     env = dict(
         os.environ, DIAG_REPLICA_TOKEN=TOKEN, DIAG_RUN_DIR=str(run_dir),
-        PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=pythonpath(os.environ.get("PYTHONPATH", "")),
     )  # fmt: skip
     log = tmp_path / "agent.log"
     with open(log, "wb") as out:

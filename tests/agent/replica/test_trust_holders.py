@@ -1,5 +1,5 @@
 """A real `diag agent` restoring an empty node next to hostile replica holders on 127.0.0.1
-(tests/support/fakeholder.py speaks the wire protocol): a holder that cannot prove the job's
+(tests/support/replica/fakeholder.py speaks the wire protocol): a holder that cannot prove the job's
 token is not believed and never sees the token; one that can still does not choose where the
 node writes; one that dribbles its bytes does not keep the node out of service; and without a
 token there is no replication at all (findings A5, A7, A9 of the security review)."""

@@ -33,7 +33,7 @@ from diag.agent.taint.taintconfig import TaintMode, TaintSettings
 from diag.formats.stackdump import RankDump
 
 JOB = "mn"
-WAIT_JOB = SUPPORT / "wait_job.py"
+WAIT_JOB = SUPPORT / "jobs" / "wait_job.py"
 
 
 def _report(tmp: Path, node: str, ranks: tuple[int, ...], culprit: int | None) -> IncidentReport:

@@ -1,5 +1,5 @@
 """Node taints against a Kubernetes API with the real `kubernetes` client: the in-memory API
-server (tests/support/kubesim.py, kmock) by default, a real cluster when KUBECONFIG is set.
+server (tests/support/cluster/kubesim.py, kmock) by default, a real cluster when KUBECONFIG is set.
 
 Agents are real `diag taint` / `diag untaint` processes; the job's ledger lives in a real
 timeline directory shared by them."""

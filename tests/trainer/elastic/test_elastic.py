@@ -298,7 +298,7 @@ def test_same_answers_as_deepspeed_0_19_7() -> None:
     request = [{"block": {"enabled": True, **b}, "world_sizes": ws} for b, ws in cases]
     env = dict(os.environ, PYTHONPATH=str(REFERENCE))  # 0.19.7 first, the venv's torch after
     proc = subprocess.run(
-        [sys.executable, str(SUPPORT / "elastic_reference.py")],
+        [sys.executable, str(SUPPORT / "jobs" / "elastic_reference.py")],
         input=json.dumps(request), capture_output=True, text=True, env=env, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

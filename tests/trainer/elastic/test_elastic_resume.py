@@ -34,7 +34,7 @@ from repo import SUPPORT
 from diag.formats.rundir import control_socket_path
 from diag.formats.snapshot import read_latest_step
 
-JOB = SUPPORT / "elastic_job.py"
+JOB = SUPPORT / "jobs" / "elastic_job.py"
 # The default tier resizes ZeRO 3 through the flash checkpoint; ZeRO 2 is resized from storage
 # by the drained test below and by test_hf_callbacks; the long tier runs every stage here.
 STAGES = (1, 2, 3)

@@ -33,7 +33,7 @@ from diag.formats.snapshot import find_slots, read_latest_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-JOB_SCRIPT = SUPPORT / "readme_flash_job.py"
+JOB_SCRIPT = SUPPORT / "jobs" / "readme_flash_job.py"
 
 
 def _torchrun(*args: str) -> list[str]:

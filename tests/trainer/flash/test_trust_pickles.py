@@ -228,14 +228,14 @@ def test_what_checkpoints_hold_still_loads(run_dir: Path) -> None:
 
 
 def _run_badslot_job() -> tuple[subprocess.CompletedProcess, dict[str, dict], Path]:
-    """One run of tests/support/badslot_job.py: a real DeepSpeed rank whose snapshots raise a
+    """One run of tests/support/jobs/badslot_job.py: a real DeepSpeed rank whose snapshots raise a
     ValueError, then hold memory bombs, relaunched (a new checkpointer) after each."""
     root = Path(tempfile.mkdtemp(prefix="diag-test-badslot-"))
     run_dir = Path(tempfile.mkdtemp(prefix="diag-test-badslot-", dir="/dev/shm"))
     try:
         out = root / "out.json"
         cmd = [
-            sys.executable, str(SUPPORT / "badslot_job.py"), "--run-dir", str(run_dir),
+            sys.executable, str(SUPPORT / "jobs" / "badslot_job.py"), "--run-dir", str(run_dir),
             "--save-dir", str(root / "save"), "--out", str(out),
         ]  # fmt: skip
         env = dict(os.environ, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")

@@ -275,7 +275,7 @@ def _plant_as_nobody(run_dir: Path, staging: Path, save: Path) -> Path:
     os.chown(staging, NOBODY, NOBODY)
     code = f"""
 import os, sys
-sys.path.insert(0, {str(SUPPORT)!r})
+sys.path.insert(0, {str(SUPPORT / "replica")!r})
 from pathlib import Path
 import torch
 from snapshot_helpers import captured, model_states, new_slot, write_snapshot

@@ -23,7 +23,7 @@ from repo import SUPPORT
 from diag.trainer.graceful.abandon import AbandonPolicy, Action, DrainProgress, Phase, decide
 from diag.trainer.graceful.stopflag import DRAIN_EXIT_CODE
 
-JOB = SUPPORT / "drain_job.py"
+JOB = SUPPORT / "jobs" / "drain_job.py"
 RANKS = 2
 VICTIM = 1
 

@@ -14,7 +14,7 @@ import jobrun
 import pytest
 from repo import SUPPORT
 
-ELASTIC_JOB = SUPPORT / "elastic_job.py"
+ELASTIC_JOB = SUPPORT / "jobs" / "elastic_job.py"
 
 
 def test_exit_process_runs_handlers_flushes_and_keeps_the_code(tmp_path: Path) -> None:

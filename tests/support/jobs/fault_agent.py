@@ -1,6 +1,6 @@
 """`diag agent` with the persist and commit phases marked for faults.py (the kill suite).
 
-    python tests/support/fault_agent.py --ctl C --go C/agent-go-3 -- agent --run-dir ... (diag's args)
+    python tests/support/jobs/fault_agent.py --ctl C --go C/agent-go-3 -- agent --run-dir ... (diag's args)
 
 Imports everything, waits for the go file (so a replacement can be started ahead of a kill), then
 runs the real agent's entry point.

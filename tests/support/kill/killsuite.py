@@ -45,6 +45,7 @@ from holderkill import replica_step, settled_replica_step
 from killchecks import WORLD, KillResult, LatestWatch, memory_step, memory_steps, wait_for
 from killprocs import NODE, Launcher, reap, replica_ring
 from netlab import NetLab
+from repo import pythonpath
 
 from diag.agent.checkpoint.storage import MARKER_DIR
 from diag.formats.snapshot import read_latest_step
@@ -76,10 +77,9 @@ class KillSuite:
         self.save_dir = root / "ckpt"
         self.run_dir = Path(tempfile.mkdtemp(prefix="diag-kill-", dir="/dev/shm"))
         self.ctl.mkdir(parents=True, exist_ok=True)
-        tests = str(Path(__file__).parent)
         self.env = dict(
             os.environ, DIAG_RUN_DIR=str(self.run_dir), OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+            PYTHONPATH=pythonpath(os.environ.get("PYTHONPATH", "")),
         )  # fmt: skip
         self.gen = 0
         self.agent_gen = 0

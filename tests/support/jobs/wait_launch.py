@@ -1,4 +1,4 @@
-"""Runs tests/support/wait_job.py under torchrun next to a real `diag agent` process and collects what the
+"""Runs tests/support/jobs/wait_job.py under torchrun next to a real `diag agent` process and collects what the
 agent decided (shared by the wait-for-cycle and stepless end-to-end tests)."""
 
 from __future__ import annotations

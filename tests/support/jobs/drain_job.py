@@ -2,7 +2,7 @@
 step, drained by `diag.trainer.graceful_exit` (signals, stop file), so a run stopped at any moment
 and relaunched can be compared bit for bit with an uninterrupted one.
 
-    torchrun --nproc-per-node 2 tests/support/drain_job.py --steps 40 --save-dir D --out O
+    torchrun --nproc-per-node 2 tests/support/jobs/drain_job.py --steps 40 --save-dir D --out O
 
 It resumes from D with `engine.load_checkpoint` when D holds a checkpoint. Each rank appends
 "<step> <monotonic time>" to O/progress-r<rank>.txt as each step completes (CLOCK_MONOTONIC is

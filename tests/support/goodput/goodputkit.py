@@ -3,7 +3,7 @@ two "nodes" on this machine, each with its own launcher (torchrun, or dlrover-ru
 directory (the diag agent's journals and flash-checkpoint slots, in /dev/shm) and, for diag, its own
 `diag agent`; the launchers meet in a c10d rendezvous that node-a hosts.
 
-Faults of kind kill, hang and gil fire inside the ranks (tests/support/goodput_job.py); this
+Faults of kind kill, hang and gil fire inside the ranks (tests/support/jobs/goodput_job.py); this
 harness fires the node faults on node-b, the node that does not host the rendezvous:
 
 - preempt: SIGTERM to the node's launcher and agent (the pod's containers), SIGKILL to whatever of
@@ -41,12 +41,12 @@ from pathlib import Path
 
 import psutil
 from jobrun import free_port
+from repo import JOBS
 
 from diag.agent.observe.procs import stop_tree
 
-SUPPORT = Path(__file__).resolve().parent
-JOB = SUPPORT / "goodput_job.py"
-DLROVER_RUN = SUPPORT / "launchers" / "dlrover_run.py"
+JOB = JOBS / "goodput_job.py"
+DLROVER_RUN = JOBS / "launchers" / "dlrover_run.py"
 KINDS = ("kill", "hang", "gil", "preempt", "lost")
 RANK_KINDS = ("kill", "hang", "gil")
 NODES = ("node-a", "node-b")

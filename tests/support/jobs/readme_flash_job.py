@@ -1,7 +1,7 @@
 """The flash-checkpoint example of the README's quick start and the docs' Flash checkpoints page as
 a job, line for line (without `attach`), on a small DeepSpeed ZeRO-2 model with gloo on CPU:
 
-    torchrun --nproc-per-node 2 tests/support/readme_flash_job.py SAVE_DIR --steps 14 --kill-step 12
+    torchrun --nproc-per-node 2 tests/support/jobs/readme_flash_job.py SAVE_DIR --steps 14 --kill-step 12
 
 The save pattern is the documented one with a persist every 10 steps (`persist=step % 10 == 0`).
 --kill-step K: rank --kill-rank SIGKILLs itself in step K, after `engine.step()` (its memory then

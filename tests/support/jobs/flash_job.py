@@ -1,7 +1,7 @@
 """The training job of the flash-checkpoint tests: a small DeepSpeed model whose data depends only
 on the step, so a resumed run can be compared bit for bit with an uninterrupted one.
 
-    torchrun --nproc-per-node 2 tests/support/flash_job.py --zero 1,2,3 --steps 8 --save-dir D --out O
+    torchrun --nproc-per-node 2 tests/support/jobs/flash_job.py --zero 1,2,3 --steps 8 --save-dir D --out O
 
 Stages (ZeRO 1, 2, 3) run one after the other in the same processes, each with its own job name
 (<prefix>-z<stage>), checkpoint directory D/z<stage> and output directory O/z<stage>. Every step

@@ -1,7 +1,7 @@
 """A small gloo job that loops collectives or point-to-point ops and gets stuck on purpose, for the
 end-to-end tests of wait-for cycles and of jobs that never mark a step. One process per rank:
 
-    torchrun --nproc-per-node 4 tests/support/wait_job.py --scenario groups --fault-rank 1 --fault-step 6
+    torchrun --nproc-per-node 4 tests/support/jobs/wait_job.py --scenario groups --fault-rank 1 --fault-step 6
 
 Scenarios (the fault happens on `--fault-rank` at `--fault-step`):
   groups    two groups with the same members; each step all-reduces on the first, then on the

@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from fuzzkit import FuzzTarget
+from repo import EVIDENCE
 
 from diag.formats.untrusted import read_bounded
 from diag.viewer import frdumps as flightrec
 from diag.viewer import frsummary
 
-DATA = Path(__file__).with_name("flight_recorder_data")
+DATA = EVIDENCE / "flight_recorder_data"
 NAME = "00001-00002.json"
 
 

@@ -1,6 +1,6 @@
 """Two nodes of one job on this machine, for whole-node losses (tests/system/test_node_loss.py,
 bench/node_loss_bench.py): a run directory each, a real `diag agent` with `--replica-nodes` and a
-torchrun of one ZeRO-2 rank each (tests/support/elastic_job.py), rendezvous on loopback."""
+torchrun of one ZeRO-2 rank each (tests/support/jobs/elastic_job.py), rendezvous on loopback."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from repo import SUPPORT
 from diag.formats.rundir import control_socket_path
 from diag.formats.snapshot import read_latest_step
 
-JOB_SCRIPT = SUPPORT / "elastic_job.py"
+JOB_SCRIPT = SUPPORT / "jobs" / "elastic_job.py"
 NODES = ("node-a", "node-b")
 PERSIST_EVERY = 20
 STEP_SLEEP = 0.2

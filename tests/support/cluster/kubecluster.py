@@ -1,6 +1,6 @@
 """The Kubernetes API the k8s tests talk to: a real cluster when KUBECONFIG is set (the tests
 then create and delete their own Node objects, named diag-test-*), else the in-memory API server
-of tests/support/kubesim.py, started as its own process with a kubeconfig that points at it."""
+of tests/support/cluster/kubesim.py, started as its own process with a kubeconfig that points at it."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 downloaded) trained by a real `transformers.Trainer` with DeepSpeed ZeRO-2 on CPU, an elastic
 config, and diag's two callbacks added in one line, as a user would.
 
-    torchrun --nproc-per-node 2 tests/support/hf_job.py --out O [--max-steps N] [--resume CKPT]
+    torchrun --nproc-per-node 2 tests/support/jobs/hf_job.py --out O [--max-steps N] [--resume CKPT]
 
 Rank 0 appends each step's logged loss to O/loss.jsonl; every rank writes the step it finished
 and its pid to O/progress-<rank> (so a test knows when and where to send a signal) and, at the end, O/result-<rank>.json

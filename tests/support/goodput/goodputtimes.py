@@ -1,4 +1,4 @@
-"""Where the wall time of a goodput job went (tests/support/goodputkit.py), from its events: the
+"""Where the wall time of a goodput job went (tests/support/goodput/goodputkit.py), from its events: the
 steps kept at the end, and per fault the time lost, split in six parts measured from timestamps:
 
 - detection: the fault -> the first sign that something acted on it: the diag agent's verdict

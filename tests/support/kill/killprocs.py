@@ -1,5 +1,5 @@
-"""The kill suite's processes (killsuite.py): the node's ranks (tests/support/kill_job.py), its
-agent and, with replicas, the agent of the node holding its replica (tests/support/fault_agent.py).
+"""The kill suite's processes (killsuite.py): the node's ranks (tests/support/jobs/kill_job.py), its
+agent and, with replicas, the agent of the node holding its replica (tests/support/jobs/fault_agent.py).
 Each imports everything, then waits for its go file, so that a replacement is ready ahead of a
 kill.
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from killchecks import WORLD
 from netlab import NetLab
+from repo import JOBS
 
-TESTS = Path(__file__).parent
 HOLDER_NODE, NODE = "node-b", "node-a"
 NODE_NS, HOLDER_NS = 0, 1  # a NetLab's namespaces
 RING_PORT = 7070  # with a NetLab each agent listens in its own namespace: any port is free there
@@ -68,7 +68,7 @@ class Launcher:
                 # the node's ranks talk over its loopback (their store is a file).
                 env["GLOO_SOCKET_IFNAME"] = "lo"
             cmd = [
-                sys.executable, str(TESTS / "kill_job.py"), "--zero", str(self.zero),
+                sys.executable, str(JOBS / "kill_job.py"), "--zero", str(self.zero),
                 "--job", self.job, "--save-dir", str(self.root / "ckpt"), "--ctl", str(self.ctl),
                 "--gen", str(gen), "--persist-every", str(self.persist_every),
             ]  # fmt: skip
@@ -77,7 +77,7 @@ class Launcher:
 
     def agent(self, gen: int) -> subprocess.Popen:
         cmd = [
-            sys.executable, str(TESTS / "fault_agent.py"), "--ctl", str(self.ctl),
+            sys.executable, str(JOBS / "fault_agent.py"), "--ctl", str(self.ctl),
             "--go", str(self.ctl / f"agent-go-{gen}"), "--", "agent",
             "--run-dir", str(self.run_dir), "--job", self.job,
             "--timeline", str(self.root / "timeline"),
@@ -93,7 +93,7 @@ class Launcher:
         go = self.ctl / "holder-go"  # the holder starts at once
         go.touch()
         cmd = [
-            sys.executable, str(TESTS / "fault_agent.py"), "--ctl", str(self.ctl), "--go", str(go),
+            sys.executable, str(JOBS / "fault_agent.py"), "--ctl", str(self.ctl), "--go", str(go),
             "--", "agent", "--run-dir", str(self.holder_run),
             "--job", self.job, "--node", HOLDER_NODE, "--timeline", str(self.root / "timeline"),
             "--native-stacks", "false", "--replica-nodes", self.ring, "-v",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-_BENCH = str(Path(__file__).resolve().parents[2] / "bench")
+_BENCH = str(Path(__file__).resolve().parents[3] / "bench")
 if _BENCH not in sys.path:
     sys.path.insert(0, _BENCH)
 

@@ -1,7 +1,7 @@
 """A job that hangs early: a 2-rank DeepSpeed ZeRO-2 CPU job, attached to its op journal, saving a
 flash checkpoint every step, in which one rank stops (sleeps) soon after the start of an attempt.
 
-    torchrun --max-restarts 2 ... tests/support/early_hang_job.py --save-dir D --out O \
+    torchrun --max-restarts 2 ... tests/support/jobs/early_hang_job.py --save-dir D --out O \
         --hang-step 25 --hang-attempts 0 [--step-time 0.17] [--pg-timeout 60]
 
 --hang-where save: the rank stops after engine.step(), before the flash save (whose agreement

@@ -2,7 +2,7 @@
 depends only on the step, with a flash checkpoint in memory after every step, so a run stopped at
 any moment and relaunched can be compared bit for bit with an uninterrupted one.
 
-    torchrun --nproc-per-node 2 tests/support/pod_job.py --steps 400 --save-dir D --out O [--drain]
+    torchrun --nproc-per-node 2 tests/support/jobs/pod_job.py --steps 400 --save-dir D --out O [--drain]
 
 It resumes with `FlashCheckpointer.load()` (memory, else storage). Each rank appends
 "<step> <monotonic time>" to O/progress-r<rank>.txt once a step is complete, its snapshot in

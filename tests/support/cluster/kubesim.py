@@ -7,7 +7,7 @@ with the parts of the API server's write semantics that node tainting relies on:
   merge key), so the kubelet's conditions survive a patch that carries only ours;
 - `uid` and `creationTimestamp` are set on create.
 
-Usage: python tests/support/kubesim.py PORTFILE   (writes the port it listens on, then serves until
+Usage: python tests/support/cluster/kubesim.py PORTFILE   (writes the port it listens on, then serves until
 SIGTERM). Writes are serialised by one lock, so a check and its write cannot interleave.
 """
 

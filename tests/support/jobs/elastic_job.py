@@ -2,7 +2,7 @@
 so that its global batch is the same at every allowed world size, and data that depends only on
 the step, so a run resumed at another size can be compared with an uninterrupted one.
 
-    torchrun --nproc-per-node 4 tests/support/elastic_job.py --zero 1,2,3 --steps 3 --save-dir D --out O
+    torchrun --nproc-per-node 4 tests/support/jobs/elastic_job.py --zero 1,2,3 --steps 3 --save-dir D --out O
 
 Each step trains on the same global batch of ELASTIC["max_train_batch_size"] samples whatever the
 world size: rank r takes micro batches j*world+r of it (the micro batch size and gradient

@@ -1,7 +1,7 @@
 """One NCCL rank whose collective is held on the device: run under torchrun by
 tests/collector/test_collector_gpu.py.
 
-    python -m torch.distributed.run --nproc-per-node 1 tests/support/cuda_hang_job.py --ctl DIR
+    python -m torch.distributed.run --nproc-per-node 1 tests/support/jobs/cuda_hang_job.py --ctl DIR
 
 A few steps of all_reduce on CUDA, then, at --hang-step, a kernel that spins on a flag in
 host-mapped memory is queued ahead of the all_reduce on the same stream: the collective is

@@ -18,13 +18,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from repo import SUPPORT
+from repo import FOLDERS, SUPPORT
 
 MIB = 1 << 20
 
 _HARNESS = """
 import gc, json, resource, sys, tracemalloc
-sys.path.insert(0, {support!r})
+sys.path[:0] = {support!r}
 import psutil
 
 {code}
@@ -71,7 +71,7 @@ class Probe:
 
 
 def run(code: str, timeout: float = 120) -> dict[str, Probe]:
-    script = _HARNESS.format(support=str(SUPPORT), code=code)
+    script = _HARNESS.format(support=[str(SUPPORT), *map(str, FOLDERS)], code=code)
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
     )

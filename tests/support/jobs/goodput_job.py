@@ -2,7 +2,7 @@
 data depends only on the step, checkpointed the way one of three stacks does it, that injects the
 faults of a schedule on itself and logs what it does with wall-clock times.
 
-    torchrun ... tests/support/goodput_job.py --stack diag --save-dir D --out O --faults F \
+    torchrun ... tests/support/jobs/goodput_job.py --stack diag --save-dir D --out O --faults F \
         [--steps 60] [--hidden 64] [--every 10]
 
 --stack default: `engine.save_checkpoint` every --every steps, resume from `latest`; diag: a
@@ -110,7 +110,7 @@ class Saver:
 
             # DeepSpeed 0.19 hands torch.save/torch.load keyword arguments that DLRover 0.6.1's
             # stand-ins do not take: the flash bench's shim.
-            sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+            sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
             from flash_checkpoint import _accept_extra_kwargs
 
             _accept_extra_kwargs(dl_ds.AsyncCheckpointAgent)

@@ -2,7 +2,7 @@
 (`--uid`) and sends every rank that subscribes FLUSH, EXIT and DUMP at once. It prints `ready`
 when it listens and one line per call it gets (`register`, `subscribe`, `report <id> <ok>`).
 
-    python tests/support/fake_control_agent.py SOCKET --uid 65534 --dump-dir DIR
+    python tests/support/peers/fake_control_agent.py SOCKET --uid 65534 --dump-dir DIR
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 trains without end, saves a flash checkpoint every step and asks the agent to persist each (or every
 `--persist-every`th).
 
-    RANK=0 WORLD_SIZE=2 ... python tests/support/kill_job.py --zero 2 --save-dir D --ctl C --gen 3
+    RANK=0 WORLD_SIZE=2 ... python tests/support/jobs/kill_job.py --zero 2 --save-dir D --ctl C --gen 3
 
 It imports everything, then waits for `C/go-<gen>` (the path of a file store in it) before it joins the
 process group, so the harness can start the next generation ahead of a kill. It loads the newest

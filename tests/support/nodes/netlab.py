@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DIAG = str(Path(sys.executable).with_name("diag"))
 SUBNET = "10.213.0"
 _counter = itertools.count()

@@ -3,7 +3,7 @@ unpickles into an error or a memory bomb, as a corrupted or planted slot would. 
 a new FlashCheckpointer on the same engine, in the same process (what a restart does, without
 paying for a second DeepSpeed start).
 
-    python tests/support/badslot_job.py --run-dir R --save-dir S --out O.json [--phases ...]
+    python tests/support/jobs/badslot_job.py --run-dir R --save-dir S --out O.json [--phases ...]
 
 - valueerror: step 1 to memory and to storage, step 2 to memory holding ZeroStageEnum(99) (a
   ValueError when unpickled); a relaunch loads, then another one.
