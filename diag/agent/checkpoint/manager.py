@@ -5,8 +5,8 @@
   API the hang path and other parts of the agent use).
 - Persist requests are served by worker threads; a failure (a rank died, a hang about to be acted
   on) persists synchronously, before anything is killed, every complete snapshot newer than
-  storage, newest first. Persisting also the older of a rank's two snapshots lets a step commit
-  when another node's rank died in the middle of copying the newest one.
+  storage, newest first (`persister.Persister`). Persisting also the older of a rank's two
+  snapshots lets a step commit when another node's rank died in the middle of copying the newest.
 - Every registered rank process is watched through a pidfd (`writers.WriterWatch`), journal or
   not: one that ends without closing its flash checkpointer (killed), or after an uncaught
   exception, gets the newest snapshots of its jobs persisted at once, as a failure would.
@@ -22,38 +22,25 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from diag.agent.checkpoint.cleanup import removable, remove, slots_by_job, writer_alive
-from diag.agent.checkpoint.persist import PersistResult, persist_slot
-from diag.agent.checkpoint.pulled import PulledSlots, refusal
+from diag.agent.checkpoint.persist import PersistResult
+from diag.agent.checkpoint.persister import CheckpointSettings, Persister
 from diag.agent.checkpoint.sessions import CommandReport, RankKey, Sessions
 from diag.agent.checkpoint.stats import CheckpointStats, collect_stats
-from diag.agent.checkpoint.storage import has_part
 from diag.agent.checkpoint.writers import WatchOutcome, Writer, WriterWatch
 from diag.agent.checkpoint.writingmark import WritingMarks
 from diag.formats.journalmeta import safe_job_name
-from diag.formats.slotfile import Snapshot, read_snapshots, run_dir_owners
+from diag.formats.slotfile import Snapshot, run_dir_owners
 from diag.formats.snapshot import find_slots, read_latest_step
 from diag.formats.untrusted import Owners
 
 log = logging.getLogger(__name__)
 
-INCIDENT_LOCK_TIMEOUT_S = 2.0  # a writer stuck mid-copy must not stall the incident path
 SCAN_INTERVAL_S = 2.0
-
-
-@dataclass(frozen=True)
-class CheckpointSettings:
-    save_dir: Path | None = None  # overrides the save dir snapshots name (a different mount)
-    keep_last: int = 3
-    linger: float = 300.0
-    workers: int = 2
-    lock_timeout: float = 10.0
-    persist_on_death: bool = True  # a registered rank that dies gets its snapshots persisted
 
 
 @dataclass(frozen=True)
@@ -80,20 +67,18 @@ class CheckpointManager:
         # caller knows better (the trainer's user on a bare node).
         self.owners = owners if owners is not None else run_dir_owners(run_dir)
         self.sessions = Sessions()
+        self.persister = Persister(run_dir, job, self.options, self.owners, self._registered_dirs)
+        self.pulled = self.persister.pulled  # slots installed from a peer's replica
         self._lock = threading.Lock()
-        self._rank_locks: dict[RankKey, threading.Lock] = defaultdict(threading.Lock)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._inflight: dict[str, int] = defaultdict(int)  # job -> queued or running persists
         self._dead_since: dict[str, float] = {}
         self._last_scan = 0.0
-        self._persisted: dict[RankKey, PersistResult] = {}
         self._warned_invisible: set[str] = set()
-        self.results: list[PersistResult] = []
         # Called with the jobs whose ranks died or were stopped, once their own newest snapshots
         # are persisted (a holder then writes a lost peer's replica: agent.replication).
         self.stopped_hooks: list[Callable[[set[str]], None]] = []
         self.writing = WritingMarks(run_dir)  # ranks resuming from storage wait for these
-        self.pulled = PulledSlots()  # slots installed from a peer's replica (agent.replication)
         if job is not None:
             self.writing.clear_stale(job)  # a killed agent's
         self.writers = WriterWatch(self._writer_exited)
@@ -200,7 +185,7 @@ class CheckpointManager:
             if item is None:
                 return
             try:
-                result = self._persist_rank(item.job, item.rank, item.step)
+                result = self.persister.persist_rank(item.job, item.rank, item.step)
                 self._acknowledge(item, result)
             except Exception:
                 log.exception("persist of %s rank %d failed", item.job, item.rank)
@@ -208,77 +193,22 @@ class CheckpointManager:
                 with self._lock:
                     self._inflight[item.job] -= 1
 
+    @property
+    def results(self) -> list[PersistResult]:
+        return self.persister.results
+
     def snapshots(self, job: str | None) -> list[Snapshot]:
-        """Complete snapshots of `job` (or all jobs) in trusted slot files."""
-        return read_snapshots(find_slots(self.run_dir, job), self.owners)
+        return self.persister.snapshots(job)
 
     def own_snapshots(self, job: str | None) -> list[Snapshot]:
-        """`snapshots`, less the slots installed from a peer's replica that no rank rewrote."""
-        return [s for s in self.snapshots(job) if not self.pulled.holds(s)]
+        return self.persister.own_snapshots(job)
 
-    def own_save_dirs(self, job: str) -> set[str]:
-        """The save directories this node's ranks of `job` name themselves: when they register,
-        and in snapshots of their own."""
+    def persist_newest(self, job: str, *, above_committed: bool = False) -> list[PersistResult]:
+        return self.persister.persist_newest(job, above_committed=above_committed)
+
+    def _registered_dirs(self, job: str) -> set[str]:
         sessions = self.sessions.of_job(safe_job_name(job))  # keyed as the ranks register
-        named = {s.save_dir for s in sessions.values() if s.save_dir}
-        return named | {s.meta.save_dir for s in self.own_snapshots(job)}
-
-    def _slot_of(self, job: str, rank: int, step: int | None) -> list[Snapshot]:
-        """The snapshots of a rank holding `step` complete (any complete one when None)."""
-        snaps = [s for s in self.snapshots(job) if s.meta.rank == rank]
-        if step is not None:
-            snaps = [s for s in snaps if s.meta.step == step]
-        return sorted(snaps, key=lambda s: -s.meta.step)
-
-    def _persist_rank(
-        self, job: str, rank: int, step: int | None, lock_timeout: float | None = None
-    ) -> PersistResult:
-        key = RankKey(job, rank)
-        with self._rank_locks[key]:
-            snaps = self._slot_of(job, rank, step)
-            if not snaps:
-                return PersistResult(
-                    job, rank, step or -1, "", False, f"step {step} is not in memory (overwritten?)"
-                )
-            snap = snaps[0]
-            refused = None
-            if self.options.save_dir is None and self.pulled.holds(snap):
-                refused = refusal(snap.meta.save_dir, self.own_save_dirs(job))
-            if refused is not None:
-                result = PersistResult(job, rank, snap.meta.step, "", False, refused)
-                self._record(result)
-                return result
-            result = persist_slot(
-                snap.path,
-                step=step,
-                save_dir=self.options.save_dir,
-                keep=self.options.keep_last,
-                lock_timeout=self.options.lock_timeout if lock_timeout is None else lock_timeout,
-                owners=self.owners,
-            )
-        self._record(result)
-        return result
-
-    def _record(self, result: PersistResult) -> None:
-        with self._lock:
-            self.results.append(result)
-            del self.results[:-256]
-            if result.ok:
-                key = RankKey(result.job, result.rank)
-                prev = self._persisted.get(key)
-                if prev is None or result.step >= prev.step:
-                    self._persisted[key] = result
-        if result.ok and not result.skipped:
-            log.info(
-                "persisted %s rank %d step %d: %.1f MB in %.2f s%s",
-                result.job, result.rank, result.step, result.nbytes / 1e6, result.seconds,
-                " (committed)" if result.committed else "",
-            )  # fmt: skip
-        elif not result.ok:
-            log.warning(
-                "could not persist %s rank %d step %d: %s",
-                result.job, result.rank, result.step, result.error,
-            )  # fmt: skip
+        return {s.save_dir for s in sessions.values() if s.save_dir}
 
     def _acknowledge(self, item: _Job, result: PersistResult) -> None:
         from diag.proto import control_pb2 as pb
@@ -295,35 +225,6 @@ class CheckpointManager:
             for rank in self.sessions.of_job(item.job):
                 if rank != item.rank:
                     self.sessions.post(RankKey(item.job, rank), pb.AgentMessage(persist_ack=done))
-
-    def persist_newest(self, job: str, *, above_committed: bool = False) -> list[PersistResult]:
-        """Persists, now, every complete snapshot of `job` newer than what storage holds for its
-        rank, newest step first, the ranks of a step side by side (one thread per persist
-        worker). Used on failures, before ranks are stopped. With `above_committed` (a drain,
-        short of time) only steps newer than the committed one: once the newest step commits,
-        the older snapshots are not written."""
-        by_step: dict[int, list] = defaultdict(list)
-        for snap in self.snapshots(job):
-            by_step[snap.meta.step].append(snap)
-        results: list[PersistResult] = []
-        with ThreadPoolExecutor(max(1, self.options.workers), "diag-persist-now") as pool:
-            for step in sorted(by_step, reverse=True):
-                todo = []
-                for snap in sorted(by_step[step], key=lambda s: s.meta.rank):
-                    save_dir = self.options.save_dir or Path(snap.meta.save_dir)
-                    if above_committed:
-                        latest = read_latest_step(save_dir)
-                        if latest is not None and step <= latest:
-                            continue
-                    if not has_part(save_dir, step, snap.meta.rank, snap.meta.run):
-                        todo.append(snap.meta.rank)
-                results += pool.map(
-                    lambda rank, step=step: self._persist_rank(
-                        job, rank, step, INCIDENT_LOCK_TIMEOUT_S
-                    ),
-                    todo,
-                )
-        return results
 
     def persist_newest_in_background(
         self,
@@ -406,9 +307,7 @@ class CheckpointManager:
     # -- facts -------------------------------------------------------------------------------------
 
     def stats(self) -> CheckpointStats:
-        with self._lock:
-            persisted = dict(self._persisted)
-            results = list(self.results)
+        persisted, results = self.persister.persisted()
         return collect_stats(
             self.snapshots(self.job),
             persisted,

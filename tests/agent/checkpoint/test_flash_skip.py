@@ -36,7 +36,7 @@ def ws():
 def test_a_save_skipped_on_one_rank_is_skipped_on_all(ws: Workspace) -> None:
     manager = CheckpointManager(ws.run_dir, None, CheckpointSettings(workers=8))
     server = ControlServer(control_socket_path(ws.run_dir, None), manager).start()
-    held = manager._rank_locks[RankKey("skip-z2", 1)]
+    held = manager.persister._rank_locks[RankKey("skip-z2", 1)]
     held.acquire()
     try:
         rc = ws.launch(

@@ -276,16 +276,16 @@ def install_trainer(inj: Injector) -> None:
 def install_agent(inj: Injector) -> None:
     """Marks the agent's phases: persist (files, fsyncs, marker), commit (`latest`), replicate
     (the authentication, the manifest, each rank's part sent) and receive (each part, the manifest)."""
-    from diag.agent.checkpoint import manager, persist, storage
+    from diag.agent.checkpoint import persist, persister, storage
     from diag.agent.replica import replicator, store, transport
 
-    persist_slot = manager.persist_slot
+    persist_slot = persister.persist_slot
 
     def marked_persist(path: Path, **kwargs: Any) -> Any:
         with inj.phase("persist", kwargs.get("step") or -1):
             return persist_slot(path, **kwargs)
 
-    manager.persist_slot = marked_persist
+    persister.persist_slot = marked_persist
     persist._write_file = inj.wrap(persist._write_file)
     storage.fsync_dir = inj.wrap(storage.fsync_dir)
     storage.write_marker = inj.wrap(storage.write_marker)
