@@ -27,7 +27,6 @@ from diag.agent.detect.hang import Verdict, VerdictKind
 from diag.agent.detect.observation import Observation
 from diag.agent.evidence.collection import IncidentReport
 from diag.agent.job.decisions import (
-    DEATH,
     Filing,
     Known,
     Mine,
@@ -37,7 +36,6 @@ from diag.agent.job.decisions import (
     as_consequence,
     choose,
     filing,
-    kind_of,
 )
 from diag.agent.job.jobstop import needs_settled
 from diag.agent.job.silence import LostNode, PeerLook, judge
@@ -111,8 +109,8 @@ class JobLink:
     ) -> None:
         self.store = store
         self.node = node
-        # The peers this node exchanges replicas with, probed (silence.py): a death's claimant
-        # asks whether their agents still answer before it concludes.
+        # The peers this node exchanges replicas with, probed (silence.py): a claimant asks
+        # whether their agents still answer before it concludes.
         self.peers = peers
         self.lost_after = lost_after
         # How long before this node's verdict another node's claim may be and still be the
@@ -248,15 +246,16 @@ class JobLink:
             )  # fmt: skip
 
         try:
-            lost = self._lost_peers() if kind_of(incident_id) == DEATH else ()
+            lost = self._lost_peers()
             self.store.wait_and_conclude(job, incident_id, first_seen, announce, lost)
         except (OSError, UntrustedInput) as e:
             log.error("could not write the job verdict under %s: %s", self.store.root, e)
 
     def _lost_peers(self) -> tuple[LostNode, ...]:
         """The peers whose agents went silent, probed until each answers or is lost (at most
-        `lost_after` + PEER_SLACK): a whole node lost kills the ranks of the others, whose
-        deaths then come first-hand from nodes that are still there."""
+        `lost_after` + PEER_SLACK): a whole node lost kills the ranks of the others (their
+        deaths then come first-hand from nodes that are still there), or leaves them waiting
+        for ranks no view holds."""
         if self.peers is None:
             return ()
         started = time.time()

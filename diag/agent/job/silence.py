@@ -1,16 +1,18 @@
-"""A node that goes silent during a death is the suspect, pure: which of the peers this node
-knows stopped answering (and for how long), whether a death's verdict waits for them, and the
+"""A node that goes silent during an incident is the suspect, pure: which of the peers this node
+knows stopped answering (and for how long), whether the job verdict waits for them, and the
 culprit it then names.
 
 Why: when a whole node is lost (power, kernel, its pod evicted with everything in it), its
 agent files nothing and its ranks vanish. The ranks of the other nodes fail a moment later,
-because their peer vanished: their own agents see a death and blame their own rank first-hand,
-and the job verdict used to name a survivor. So, before a death's verdict is concluded, the
-claimant asks the peers it knows (those it exchanges replicas with, `--replica-nodes`) whether
-their agents answer. A peer whose agent answers is alive: the death stands as its node saw it.
-A peer silent for `lost_after` seconds is lost: it is the culprit, and the ranks that died on
-the other nodes are its victims. The wait is bounded: `lost_after` after the first probe that
-found the peer silent, and a claimant waits no longer than `lost_after` + `slack` in all.
+because their peer vanished: their agents see a death and blame their own rank first-hand, and
+the job verdict used to name a survivor. (With NCCL, or when the sockets did not close, the
+survivors' ranks wait instead, for ranks no node's view holds.) So, before a job verdict is
+concluded, its claimant asks the peers it knows (those it exchanges replicas with,
+`--replica-nodes`) whether their agents answer. A peer whose agent answers is there: the
+incident stands as the reports say. A peer silent for `lost_after` seconds is lost: it is the
+culprit; the ranks that died on the other nodes are its victims, and those that waited waited
+for it. The wait is bounded: `lost_after` after the first probe that found the peer silent, and
+`lost_after` + `slack` from the claimant's first look in all.
 
 Times are one clock's (the caller's), passed in.
 """
@@ -82,6 +84,8 @@ def blame_lost(
     first = lost[0]
     rank = first.ranks[0] if first.ranks else None
     hurt = victims(names, lost)
+    gone = {n.node for n in lost}
+    waited = sorted({n.node for n in names if n.where == Where.REMOTE and n.node not in gone})
     others = [n.node for n in lost[1:]]
     ranks = f"ranks {_span(first.ranks)}" if first.ranks else "its ranks"
     basis = (
@@ -91,6 +95,8 @@ def blame_lost(
     if hurt:
         died = ", ".join(f"rank {n.culprit} on {n.node}" for n in hurt)
         basis += f"; {died} died after it (victims: their peer vanished)"
+    if waited:
+        basis += f"; the ranks of {', '.join(waited)} waited for it"
     if others:
         basis += f"; also silent: {', '.join(others)}"
     return rank, first.node, basis

@@ -17,6 +17,9 @@ from diag.agent.replica.transport import ask_offer
 from diag.formats.untrusted import UntrustedInput
 
 PROBE_TIMEOUT_S = 5.0  # a peer's agent that does not accept within this is silent
+# A reach not probed for this long is forgotten: the peer may have come back and gone again
+# since, and its silence counts from the next probe that finds it so.
+STALE_S = 30.0
 
 
 def agent_answers(replicator: Replicator, peer: str) -> bool:
@@ -48,6 +51,7 @@ class PeerWatch:
         self.probe = probe or (lambda peer: agent_answers(replicator, peer))
         self.clock = clock
         self._reach: dict[str, Reach] = {}
+        self._probed: dict[str, float] = {}
 
     def neighbours(self) -> list[str]:
         r = self.replicator
@@ -62,6 +66,11 @@ class PeerWatch:
             held = store.held(peer) if store is not None else None
             ranks = tuple(held.manifest.ranks) if held is not None else ()
             answers = self.probe(peer)
-            reach = self._reach[peer] = next_reach(self._reach.get(peer), answers, self.clock())
+            now = self.clock()
+            before = self._reach.get(peer)
+            if now - self._probed.get(peer, now) > STALE_S:
+                before = None
+            reach = self._reach[peer] = next_reach(before, answers, now)
+            self._probed[peer] = now
             out.append(PeerLook(peer, ranks, reach.answers, reach.since))
         return out

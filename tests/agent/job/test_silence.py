@@ -59,12 +59,14 @@ def _name(node: str, rank: int | None, where: Where) -> ReportName:
 
 
 def test_the_lost_node_is_the_culprit_and_the_deaths_elsewhere_its_victims() -> None:
-    names = [_name("node-a", 0, Where.LOCAL), _name("node-c", 5, Where.LOCAL)]
+    names = [_name("node-a", 0, Where.LOCAL), _name("node-c", 5, Where.LOCAL),
+             _name("node-d", None, Where.REMOTE)]  # fmt: skip
     lost = [LostNode("node-b", (2, 3), 6.2)]
     rank, node, basis = blame_lost(names, lost)
     assert (rank, node) == (2, "node-b")
     assert "node node-b went silent" in basis and "ranks 2,3 vanished" in basis, basis
     assert "rank 0 on node-a, rank 5 on node-c died after it (victims" in basis, basis
+    assert "the ranks of node-d waited for it" in basis, basis
     assert [n.node for n in victims(names, lost)] == ["node-a", "node-c"]
     # Its ranks unknown (no replica of it held): the node is still named, no rank.
     assert blame_lost(names, [LostNode("node-b", (), 6.0)])[:2] == (None, "node-b")
