@@ -41,7 +41,7 @@ def main() -> int:
     p.add_argument("--out", help="write every loss's record here (JSON)")
     p.add_argument(
         "--max-rate", default="",
-        help="--replica-max-rate of the agents, e.g. 20KB: pushes longer than a step",
+        help="--replica-max-rate of the agents, e.g. 4MB (with --hidden 512: pushes longer than a step)",
     )  # fmt: skip
     p.add_argument("--hidden", type=int, default=0, help="the model's width (elastic_job.py)")
     args = p.parse_args()

@@ -87,8 +87,12 @@ def replica_ranks(facts: Sequence[WriterFacts]) -> set[int]:
 
 def fell_back(plan: ResumePlan, facts: Sequence[RankFacts]) -> bool:
     """The ranks resume from storage (or from nothing) although some rank held a complete step
-    in memory: its own, or one its agent pulled from a peer's replica."""
-    return plan.source != Source.MEMORY and any(f.memory_steps for f in facts)
+    in memory, its own or one its agent pulled from a peer's replica, at least as new as the
+    one they resume from (a resume from a newer storage step lost nothing: no fallback)."""
+    if plan.source == Source.MEMORY:
+        return False
+    floor = plan.step if plan.step is not None else -1
+    return any(s >= floor for f in facts for s in f.memory_steps)
 
 
 def held_text(facts: Sequence[RankFacts], most: int = 8) -> str:
