@@ -10,7 +10,9 @@
    first-hand report or verdict covers the incident (the fallback). A claimant of views reads
    them as they come and concludes once they hold every rank of the job (no first-hand report
    can then be on its way), or, with a view missing, once the settle time since it filed its
-   own has run out (`fallback.py`).
+   own has run out (`fallback.py`). Before it concludes, a claimant with replication on asks
+   its ring neighbours' agents whether they answer: one silent for `lost_after` seconds is a
+   node lost whole, and the verdict names it (`silence.py`).
 """
 
 from __future__ import annotations
@@ -188,7 +190,7 @@ class JobLink:
 
     @property
     def longest_wait(self) -> float:
-        """Settle time, then a fallback claimant's own settle time (and a death's claimant's
+        """Settle time, then a fallback claimant's own settle time (and the claimant's
         look at its peers): what join() may need."""
         peers = self.lost_after + PEER_SLACK if self.peers is not None else 0.0
         return 2 * self.store.settle + 5.0 + peers
