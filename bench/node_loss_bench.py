@@ -7,7 +7,10 @@ nodes. Prints one line per loss and the figures: where the job resumed from, its
 the replica node a held and the newest step trained at the loss.
 
     .venv/bin/python bench/node_loss_bench.py --losses 50 --seed 1 --out /tmp/losses.json
-    .venv/bin/python bench/node_loss_bench.py --losses 10 --max-rate 20KB   # pushes of seconds
+    .venv/bin/python bench/node_loss_bench.py --losses 5 --hidden 512 --max-rate 4MB  # pushes of seconds
+
+(`--max-rate` alone does not slow the default model's pushes: its snapshot, tens of KB, fits in
+the pace's burst of at least 4 MiB many times over.)
 
 tests/system/test_node_loss.py is one loss of it.
 """
@@ -41,12 +44,17 @@ def main() -> int:
     p.add_argument("--out", help="write every loss's record here (JSON)")
     p.add_argument(
         "--max-rate", default="",
-        help="--replica-max-rate of the agents, e.g. 20KB: pushes longer than a step",
+        help="--replica-max-rate of the agents, e.g. 4MB (with --hidden 512: pushes longer than a step)",
     )  # fmt: skip
+    p.add_argument("--hidden", type=int, default=0, help="the model's width (elastic_job.py)")
     args = p.parse_args()
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="diag-bench-nodeloss-"))
-    c = TwoNodes(root, ("--replica-max-rate", args.max_rate) if args.max_rate else ())
+    c = TwoNodes(
+        root,
+        ("--replica-max-rate", args.max_rate) if args.max_rate else (),
+        ("--hidden", str(args.hidden)) if args.hidden else (),
+    )
     losses: list[Loss] = []
     t0 = time.monotonic()
     try:

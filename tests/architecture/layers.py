@@ -49,6 +49,7 @@ PURE = (
     "diag.agent.job.fallback",  # the claimant of a fallback: when it concludes
     "diag.agent.job.jobstop",  # whether a node stops its ranks for another node's incident
     "diag.agent.job.nodeview",  # the node's view as plain data, parsed by checkedjson
+    "diag.agent.job.silence",  # a peer silent at a death: the suspect
     "diag.agent.job.waiters",  # the compact rows of a view's waiting ranks
     "diag.agent.metrics.collectives",
     "diag.agent.metrics.rankstate",

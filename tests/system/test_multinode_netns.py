@@ -9,7 +9,10 @@ a volume.
 - Rank 1 dies on node-a while node-b's ranks wait for it in a collective: one incident (node-b's
   hang is recognised as a consequence of the death), one job verdict naming rank 1 on node-a.
 - Rank 3 hangs on node-b; node-a's agent (`--on-hang stop`) stops node-a's ranks, once, on
-  node-b's first-hand report, without a verdict of its own."""
+  node-b's first-hand report, without a verdict of its own.
+- node-b is lost whole (its agent, launcher and ranks SIGKILLed): node-a's ranks die when their
+  peers vanish, and the job verdict names node-b, whose agent went silent, not node-a; node-a's
+  taint plan leaves it alone."""
 
 from __future__ import annotations
 
@@ -21,14 +24,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 from children import stop_jobs_and_agents
-from netlab import NetLab, netns_unavailable
+from netlab import SUBNET, NetLab, netns_unavailable
 from test_multinode import _taint_plans
 
 from diag.viewer.merge import merge_incident
@@ -86,9 +89,12 @@ def two_nodes(
     fault_rank: int,
     hang_floor: str = "3",
     agent_args: dict[str, list[str]] | None = None,
+    job_args: list[str] | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> Iterator[Cluster]:
     """Agents and launchers on two namespaces; rank `fault_rank` hangs at step 4. `agent_args`:
-    a node's agent options after the common ones (the last of an option wins)."""
+    a node's agent options after the common ones (the last of an option wins); `job_args`:
+    the job's options instead of the fault's."""
     reason = netns_unavailable()
     if reason:
         pytest.skip(reason)
@@ -104,6 +110,7 @@ def two_nodes(
                 DIAG_JOB="mn",
                 DIAG_NODE=node,
                 OMP_NUM_THREADS="1",
+                **(env_extra or {}),
             )
             log = open(tmp_path / f"agent-{node}.log", "wb")  # noqa: SIM115
             c.agents.append(subprocess.Popen(
@@ -124,8 +131,8 @@ def two_nodes(
                     sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                     "--node-rank", str(node_rank), "--nproc-per-node", "2", "--master-addr",
                     c.lab.addr(0), "--master-port", str(PORT), "-m", "diag.trainer.demo_job",
-                    "--fault", "hang", "--fault-rank", str(fault_rank), "--fault-step", "4",
-                    "--steps", "40"]),
+                    *(job_args or ["--fault", "hang", "--fault-rank", str(fault_rank),
+                                   "--fault-step", "4", "--steps", "40"])]),
                 env=job_env, stdout=job_log, stderr=subprocess.STDOUT,
                 start_new_session=True))  # fmt: skip
         for p in (*c.agents, *c.jobs):
@@ -269,3 +276,87 @@ def test_a_death_and_the_hang_it_causes_elsewhere_make_one_incident(tmp_path: Pa
         merged = merge_incident(c.timeline)
         assert sorted(merged.sources) == sorted([a_dir, b_dir])
         assert merged.world_size == 4
+
+
+REPLICA_PORT = 7070  # each agent listens in its own namespace: any port is free there
+
+
+def test_a_node_lost_whole_is_the_culprit_and_the_survivor_is_not_tainted(tmp_path: Path) -> None:
+    """node-b goes away whole. node-a's ranks die a moment later (gloo: their peers' sockets
+    closed), so node-a's agent sees a death of its own rank first-hand and claims the job's
+    incident (or, where gloo missed the close, they wait for node-b's ranks and node-a files
+    its view); node-b's agent files nothing. Before concluding, node-a's agent asks its replica
+    neighbour's agent whether it answers: node-b is silent for --replica-lost-after seconds, so
+    the job verdict names node-b (its ranks 2-3, the replica node-a holds says so), node-a's
+    death is its victim, and `diag taint` plans a taint for node-b only."""
+    lab_addrs = [f"{SUBNET}.{i + 1}" for i in range(2)]  # NetLab's own, checked below
+    spec = ",".join(f"{n}={a}:{REPLICA_PORT}" for n, a in zip(NODES, lab_addrs, strict=True))
+    save = tmp_path / "save"
+    common = ["--replica-nodes", spec, "--replica-lost-after", "2", "--save-dir", str(save),
+              "--native-stacks", "false"]  # fmt: skip
+    args = {n: [*common, "--replica-dir", str(tmp_path / f"run-{n}" / ".replicas")] for n in NODES}
+    # node-a's own taint step, as an agent runs it (a dry run: no API server here).
+    args["node-a"] += ["--taint-mode", "dry-run", "--taint-culprit-threshold", "1",
+                       "--taint-gpu-watch", "false"]  # fmt: skip
+    job = ["--fault", "none", "--steps", "100000", "--flash-every", "1", "--save-dir", str(save)]
+    with two_nodes(tmp_path, fault_rank=0, agent_args=args, job_args=job,
+                   env_extra={"DIAG_REPLICA_TOKEN": "job-secret-replica-token"}) as c:  # fmt: skip
+        assert [c.lab.addr(i) for i in range(2)] == lab_addrs
+        # node-a holds node-b's replica: it knows node-b's ranks, and node-b's agent answered.
+        replicas = tmp_path / "run-node-a" / ".replicas"
+        deadline = time.monotonic() + 200
+        while not list(replicas.glob("node-b-*/replica.json")):
+            assert all(j.poll() is None for j in c.jobs), c.logs()
+            assert time.monotonic() < deadline, f"no replica of node-b on node-a:\n{c.logs()}"
+            time.sleep(0.25)
+        _lose_whole(c, 1)
+        # The verdict is in place within --replica-lost-after of node-a's claim; its agent then
+        # waits out the settle time for late reports, which this test does not need.
+        deadline = time.monotonic() + 120
+        while not (job_verdicts := list((c.timeline / ".jobs").glob("*/*/job-verdict.json"))):
+            assert time.monotonic() < deadline, f"no job verdict:\n{c.logs()}"
+            time.sleep(0.25)
+        a_dir, a = c.verdicts()["node-a"]
+        # node-a's own verdict: its rank died (it cannot know why, yet), or, where gloo did not
+        # see the sockets close, its ranks wait for ranks on another node.
+        died = a["kind"] == "rank_exited"
+        assert (a["kind"], a["culprit"]) in (("rank_exited", 0), ("rank_exited", 1),
+                                             ("hang", None)), a["summary"]  # fmt: skip
+        assert len(job_verdicts) == 1, c.logs()
+        jv = json.loads(job_verdicts[0].read_text())
+        assert (jv["culprit_node"], jv["lost_nodes"]) == ("node-b", ["node-b"]), jv
+        assert jv["culprit"] in (2, 3), jv
+        assert "node node-b went silent" in jv["basis"], jv["basis"]
+        if died:
+            victim = f"rank {a['culprit']} on node-a died after it (victims"
+            assert victim in jv["basis"] and jv["evidence"] == [str(a_dir)], jv
+        else:
+            assert "the ranks of node-a waited for it" in jv["basis"], jv
+        log_a = tmp_path / "agent-node-a.log"
+        assert "node node-b went silent" in log_a.read_text(), c.logs()
+        # node-a's agent counts its rank's death against node-b, not against its own node.
+        spared = (
+            "this incident counts against node-b, not this node"
+            if died
+            else "names rank {} on node node-b, not this node".format(jv["culprit"])
+        )
+        while spared not in log_a.read_text():
+            assert time.monotonic() < deadline, f"node-a's taint step:\n{c.logs()}"
+            time.sleep(0.25)
+
+        plans = _taint_plans(tmp_path, c.timeline, "node-b")
+        assert "+ taint" in plans["node-b"], plans
+        assert "+ taint" not in plans["node-a"], plans
+
+
+def _lose_whole(c: Cluster, index: int) -> None:
+    """Node `index` is gone: its agent, launcher and ranks SIGKILLed at once."""
+    procs = []
+    for p in (c.jobs[index], c.agents[index]):
+        with suppress(psutil.NoSuchProcess):
+            root = psutil.Process(p.pid)
+            procs += [root, *root.children(recursive=True)]
+    for p in procs:
+        with suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=30)

@@ -275,7 +275,8 @@ OPTIONS = OptionTable(
             5.0,
             "seconds a peer's agent must stay silent, once this node's ranks were stopped, before "
             "this node writes the replica it holds for that peer to storage (a lost node: the "
-            "job can resume at a smaller size from that newer step)",
+            "job can resume at a smaller size from that newer step); also, at most 10 s, before "
+            "the job verdict names that peer as a node lost whole",
         ),
         Option(
             "replica_pull_deadline",

@@ -69,6 +69,7 @@ def assemble(
     now_wall: float,
     pick: tuple[int | None, str, str] | None = None,
     evidence_glob: str = "",
+    lost_nodes: tuple[str, ...] = (),
 ) -> JobVerdict:
     """The verdict names the first-hand reports and the culprit's node's, not every node that
     filed (in a fallback, all of them): the rest are found through `evidence_glob`."""
@@ -96,4 +97,5 @@ def assemble(
         decided_wall=now_wall,
         evidence_glob=evidence_glob,
         reports=len({n.node for n in names}),
+        lost_nodes=lost_nodes,
     )

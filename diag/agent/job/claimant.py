@@ -21,6 +21,7 @@ from typing import Protocol
 from diag.agent.job.assembly import assemble, pick_culprit, ready
 from diag.agent.job.decisions import DEATH, JobVerdict, NodeReport, ReportName, Where, kind_of
 from diag.agent.job.fallback import Progress, Step, Views, first_hand_in, from_views, step, wake_in
+from diag.agent.job.silence import LostNode, blame_lost
 from diag.formats.untrusted import UntrustedInput
 
 log = logging.getLogger(__name__)
@@ -73,11 +74,13 @@ def conclude(
     names: list[ReportName] | None = None,
     cached: dict[str, NodeReport] | None = None,
     pick: tuple[int | None, str, str] | None = None,
+    lost: tuple[LostNode, ...] = (),
 ) -> JobVerdict | None:
     """One attempt: lists the reports, and when `ready` (or `force`) reads the first-hand
     ones (those of the suspects' nodes; in a fallback, every report and its view) and puts
     the job verdict in place (once: link(2) refuses a second). `pick`: in a fallback, the
-    culprit the analysis of the views `cached` already found."""
+    culprit the analysis of the views `cached` already found. `lost`: peers whose agents went
+    silent (silence.py): the first is the culprit, whatever the reports say."""
     if names is None:
         names = store.names(job, incident_id)
     cascade = store.cascade if kind_of(incident_id) == DEATH else 0.0
@@ -94,6 +97,8 @@ def conclude(
         pick = pick_culprit(names, read)
         if not first_hand:
             pick = from_views(list(read.values()), now_wall) or pick
+    if lost:
+        pick = blame_lost(names, lost)
     # Evidence directories sit in the timeline, named in each report's name.
     evidence = {
         n.file: (read[n.file].evidence if n.file in read else str(store.timeline / n.evidence_name))
@@ -102,6 +107,7 @@ def conclude(
     verdict = assemble(
         incident_id, job, names, read, evidence, now_wall, pick,
         evidence_glob=store.evidence_glob(job, incident_id),
+        lost_nodes=tuple(n.node for n in lost),
     )  # fmt: skip
     if store.publish(store.incident_dir(job, incident_id), verdict):
         return verdict
@@ -118,6 +124,7 @@ def wait_and_conclude(
     incident_id: str,
     first_seen: float,
     on_verdict: Callable[[JobVerdict], None] | None = None,
+    lost: tuple[LostNode, ...] = (),
 ) -> JobVerdict | None:
     """The claimant's loop: one listing per `poll` seconds until ready, at most `settle`.
     A verdict reached early (a first-hand report) gets the nodes that report first-hand
@@ -151,7 +158,7 @@ def wait_and_conclude(
             force = now - first_seen >= store.settle
             v = conclude(
                 store, job, incident_id, first_seen=first_seen, now_wall=now, force=force,
-                cached=got.reports,
+                cached=got.reports, lost=lost,
             )  # fmt: skip
             if v is not None or force:
                 break
@@ -162,7 +169,7 @@ def wait_and_conclude(
             names, pick = covered if covered is not None else (None, None)
             v = conclude(
                 store, job, incident_id, first_seen=first_seen, now_wall=now, force=True,
-                names=names, cached=got.reports, pick=pick,
+                names=names, cached=got.reports, pick=pick, lost=lost,
             )  # fmt: skip
             force = True
             break

@@ -104,6 +104,9 @@ class JobVerdict:
     # included: one listing of the timeline (incident.py names them after the incident).
     evidence_glob: str = ""
     reports: int = 0  # how many nodes filed a report
+    # Nodes whose agents went silent as their ranks vanished (silence.py): the culprit is the
+    # first; a death first-hand elsewhere was their victim, and no survivor counts against.
+    lost_nodes: tuple[str, ...] = ()
 
 
 # -- which incident, and whether to file ---------------------------------------------------

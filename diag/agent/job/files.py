@@ -118,6 +118,7 @@ def verdict_from(doc: object, source: str, timeline: Path) -> JobVerdict:
         decided_wall=f.float("decided_wall"),
         evidence_glob=f.str("evidence_glob", "", 4096),
         reports=f.int("reports", 0, MAX_NODES, len(nodes)),
+        lost_nodes=f.strs("lost_nodes", MAX_NODES, NAME) if "lost_nodes" in f.d else (),
     )
 
 

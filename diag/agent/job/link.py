@@ -10,7 +10,9 @@
    first-hand report or verdict covers the incident (the fallback). A claimant of views reads
    them as they come and concludes once they hold every rank of the job (no first-hand report
    can then be on its way), or, with a view missing, once the settle time since it filed its
-   own has run out (`fallback.py`).
+   own has run out (`fallback.py`). Before it concludes, a claimant with replication on asks
+   its ring neighbours' agents whether they answer: one silent for `lost_after` seconds is a
+   node lost whole, and the verdict names it (`silence.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ from diag.agent.job.decisions import (
     filing,
 )
 from diag.agent.job.jobstop import needs_settled
+from diag.agent.job.silence import LostNode, PeerLook, judge
 from diag.agent.job.verdict import JobVerdict, JobVerdictStore
 from diag.formats.incidentdir import retag
 from diag.formats.untrusted import UntrustedInput
@@ -90,10 +94,27 @@ class _Open:
     captured: threading.Event
 
 
+# How long past `lost_after` a claimant waits for its peers' probes at most (a probe's own
+# timeout): a peer that cannot be judged by then counts as there.
+PEER_SLACK = 6.0
+
+
 class JobLink:
-    def __init__(self, store: JobVerdictStore, node: str, *, window: float | None = None) -> None:
+    def __init__(
+        self,
+        store: JobVerdictStore,
+        node: str,
+        *,
+        window: float | None = None,
+        peers: Callable[[], Sequence[PeerLook]] | None = None,
+        lost_after: float = 5.0,
+    ) -> None:
         self.store = store
         self.node = node
+        # The peers this node exchanges replicas with, probed (silence.py): a claimant asks
+        # whether their agents still answer before it concludes.
+        self.peers = peers
+        self.lost_after = lost_after
         # How long before this node's verdict another node's claim may be and still be the
         # same stall (ranks of one job see it within their hang limits of each other).
         self.window = window if window is not None else 2 * store.settle
@@ -169,8 +190,10 @@ class JobLink:
 
     @property
     def longest_wait(self) -> float:
-        """Settle time, then a fallback claimant's own settle time: what join() may need."""
-        return 2 * self.store.settle + 5.0
+        """Settle time, then a fallback claimant's own settle time (and the claimant's
+        look at its peers): what join() may need."""
+        peers = self.lost_after + PEER_SLACK if self.peers is not None else 0.0
+        return 2 * self.store.settle + 5.0 + peers
 
     def _start(self, fn: Any, *args: Any) -> None:
         t = threading.Thread(target=fn, args=args, name="diag-job-verdict", daemon=True)
@@ -225,6 +248,31 @@ class JobLink:
             )  # fmt: skip
 
         try:
-            self.store.wait_and_conclude(job, incident_id, first_seen, announce)
+            lost = self._lost_peers()
+            self.store.wait_and_conclude(job, incident_id, first_seen, announce, lost)
         except (OSError, UntrustedInput) as e:
             log.error("could not write the job verdict under %s: %s", self.store.root, e)
+
+    def _lost_peers(self) -> tuple[LostNode, ...]:
+        """The peers whose agents went silent, probed until each answers or is lost (at most
+        `lost_after` + PEER_SLACK): a whole node lost kills the ranks of the others (their
+        deaths then come first-hand from nodes that are still there), or leaves them waiting
+        for ranks no view holds."""
+        if self.peers is None:
+            return ()
+        started = time.time()
+        while True:
+            try:
+                looks = self.peers()
+            except Exception:  # the probes are the replication's: their failure is logged
+                log.exception("cannot probe the peers' agents for the job verdict")
+                return ()
+            now = time.time()
+            s = judge(looks, now=now, lost_after=self.lost_after, started=started,
+                      slack=PEER_SLACK)  # fmt: skip
+            if s.wait_until is None:
+                for n in s.lost:
+                    log.warning("node %s went silent: its agent has not answered for %.1f s "
+                                "(ranks %s)", n.node, n.silent_for, list(n.ranks))  # fmt: skip
+                return s.lost
+            time.sleep(max(0.05, min(self.store.poll, s.wait_until - now)))

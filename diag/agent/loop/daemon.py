@@ -29,6 +29,7 @@ from diag.agent.health.watch import HealthWatch
 from diag.agent.job.link import JobLink
 from diag.agent.job.verdict import JobVerdictStore
 from diag.agent.loop.cycle import Cycle, Executor
+from diag.agent.loop.peerwatch import PeerWatch
 from diag.agent.loop.replication import (
     Handoff,
     connect_ranks,
@@ -313,6 +314,12 @@ class Agent:
             self.handoff = Handoff(self.replicator, self.checkpoints)
             self.checkpoints.stopped_hooks.append(self.handoff.ranks_stopped)
             connect_ranks(self.replicator, self.notes)
+            # A death's claimant asks its neighbours whether their agents answer: a node lost
+            # whole is the culprit, not the survivor whose rank died when its peer vanished.
+            self.job_link.peers = PeerWatch(self.replicator)
+            self.job_link.lost_after = min(
+                self.replicator.settings.lost_after, self.job_verdicts.settle
+            )
 
     def _time_left(self) -> float:
         d = self.drained

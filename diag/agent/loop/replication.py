@@ -28,6 +28,7 @@ from diag.agent.checkpoint.persist import PersistResult, persist_slot
 from diag.agent.checkpoint.ranknotes import RankNotes, ReplicaState
 from diag.agent.checkpoint.savedir import SaveDirRule, rule_for
 from diag.agent.config.agentconfig import AgentSettings
+from diag.agent.loop.peerwatch import PROBE_TIMEOUT_S, agent_answers
 from diag.agent.metrics.replicastats import ReplicaFacts
 from diag.agent.replica.handover import (
     Handover,
@@ -41,19 +42,16 @@ from diag.agent.replica.handover import (
     next_reach,
     wants_reach,
 )
-from diag.agent.replica.handshake import NotAuthenticated
 from diag.agent.replica.replicator import Replicator
 from diag.agent.replica.ring import RingError
 from diag.agent.replica.store import Replica
-from diag.agent.replica.transport import ask_offer
 from diag.formats.exitcodes import UsageError
 from diag.formats.journalmeta import safe_job_name
 from diag.formats.snapshot import read_latest_step
-from diag.formats.untrusted import Owners, UntrustedInput
+from diag.formats.untrusted import Owners
 
 log = logging.getLogger(__name__)
 
-PROBE_TIMEOUT_S = 5.0  # a peer's agent that does not accept within this is silent
 GIVE_UP_S = 300.0  # past `lost_after`: how long a peer that answers is watched for its parts
 
 
@@ -279,16 +277,7 @@ class Handoff:
         return out
 
     def _answers(self, peer: str) -> bool:
-        timeout = min(PROBE_TIMEOUT_S, self.replicator.settings.timeout)
-        try:
-            ask_offer(self.replicator.peers, peer, timeout=timeout)
-        except NotAuthenticated:
-            return False  # whatever answers there is not an agent of the job
-        except UntrustedInput:
-            return True  # the peer's agent answered, if only to refuse
-        except OSError:
-            return False
-        return True
+        return agent_answers(self.replicator, peer)
 
     def _target(self) -> tuple[Path | None, SaveDirRule | None]:
         """Where a peer's replica goes, and whose directory that may be: --save-dir, else the

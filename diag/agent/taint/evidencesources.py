@@ -215,13 +215,12 @@ def from_job_verdict(
     )
 
 
-def from_job_verdicts(timeline: Path, node: str, since: float) -> list[Evidence]:
-    """One CULPRIT per job verdict under `<timeline>/.jobs/<job>/` decided since `since` (by
-    its directory's time) that names `node`; the evidence path is the job verdict's directory.
-    The job is the directory's name (a job's name with only the characters file names take)."""
+def _job_verdicts(timeline: Path, since: float) -> Iterator[tuple[JobVerdict, str, float, str]]:
+    """(verdict, job, its directory's time, its directory) of each job verdict under
+    `<timeline>/.jobs/<job>/` decided since `since`. The job is the directory's name (a job's
+    name with only the characters file names take)."""
     root = timeline / JOB_VERDICTS_DIR
     store = JobVerdictStore(root)
-    out = []
     with _dirs(root) as jobs:
         for job, _ in jobs:
             with _dirs(root / job) as incidents:
@@ -234,18 +233,36 @@ def from_job_verdicts(timeline: Path, node: str, since: float) -> list[Evidence]
                     except (OSError, UntrustedInput) as e:
                         log.warning("skipping the job verdict in %s: %s", root / job / incident, e)
                         continue
-                    if verdict is None:
-                        continue
-                    ev = from_job_verdict(verdict, job, node, at, str(root / job / incident))
-                    if ev is not None:
-                        out.append(ev)
+                    if verdict is not None:
+                        yield verdict, job, at, str(root / job / incident)
+
+
+def from_job_verdicts(timeline: Path, node: str, since: float) -> list[Evidence]:
+    """One CULPRIT per job verdict decided since `since` (by its directory's time) that names
+    `node`; the evidence path is the job verdict's directory."""
+    out = []
+    for verdict, job, at, where in _job_verdicts(timeline, since):
+        ev = from_job_verdict(verdict, job, node, at, where)
+        if ev is not None:
+            out.append(ev)
     return out
+
+
+def a_victim(verdict: JobVerdict, node: str) -> bool:
+    """The job verdict blames a node that went silent, not `node`: a rank of `node` that died
+    then died because its peer vanished, whatever `node`'s own verdict said."""
+    return bool(verdict.lost_nodes) and verdict.culprit_node != node
 
 
 def culprit_history(timeline: Path, node: str, since: float) -> list[Evidence]:
     """Every incident since `since` that names `node`'s rank, from its own incident directories
-    and from the job verdicts, one piece of evidence per incident (its own directory first)."""
+    and from the job verdicts, one piece of evidence per incident (its own directory first);
+    not an incident whose job verdict names a lost node instead (`a_victim`)."""
+    verdicts = list(_job_verdicts(timeline, since))
+    spared = {incident_id_of(job, v.incident_id) for v, job, _, _ in verdicts if a_victim(v, node)}
+    own = [ev for ev in from_timeline(timeline, node, since) if ev.incident_id not in spared]
+    named = [from_job_verdict(v, job, node, at, where) for v, job, at, where in verdicts]
     out: dict[str, Evidence] = {}
-    for ev in [*from_timeline(timeline, node, since), *from_job_verdicts(timeline, node, since)]:
+    for ev in [*own, *(ev for ev in named if ev is not None)]:
         out.setdefault(ev.incident_id, ev)
     return sorted(out.values(), key=lambda e: e.at)

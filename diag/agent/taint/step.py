@@ -21,8 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from diag.agent.evidence.collection import IncidentReport
+from diag.agent.job.decisions import DEATH
 from diag.agent.job.verdict import JobVerdict, JobVerdictStore
-from diag.agent.taint.evidencesources import JOB_VERDICTS_DIR, culprit_history, from_job_verdict
+from diag.agent.taint.evidencesources import (
+    JOB_VERDICTS_DIR,
+    a_victim,
+    culprit_history,
+    from_job_verdict,
+)
 from diag.agent.taint.flow import TaintOutcome, taint
 from diag.agent.taint.kube import KubeError
 from diag.agent.taint.ledger import LedgerBusy
@@ -96,6 +102,8 @@ class NodeTainter:
         path = str(report.evidence.path)
         local = {d.rank for d in report.evidence.dumps}
         if v.culprit is not None and v.culprit in local:
+            if v.kind.value == DEATH and self._victim(report.job, v.incident_id):
+                return None
             return Evidence(
                 Signal.CULPRIT,
                 self.clock(),
@@ -120,6 +128,20 @@ class NodeTainter:
                 verdict.culprit_node or "?",
             )
         return ev
+
+    def _victim(self, job: str, incident_id: str) -> bool:
+        """A death of this node's rank that the job verdict puts on a node that went silent
+        (a whole node lost: this rank died because its peer vanished). Without a job verdict
+        in time, the death counts against this node as its own verdict says."""
+        verdict = self.await_job_verdict(job, incident_id)
+        if verdict is None or not a_victim(verdict, self.node):
+            return False
+        log.warning(
+            "taint: rank of this node died after node %s went silent (job verdict of %s): "
+            "this incident counts against %s, not this node",
+            verdict.culprit_node, incident_id, verdict.culprit_node,
+        )  # fmt: skip
+        return True
 
     def await_job_verdict(self, job: str, incident_id: str) -> JobVerdict | None:
         """The job verdict of the incident, read until it is there, at most `job_verdict_wait`

@@ -86,9 +86,14 @@ def replica_ranks(facts: Sequence[WriterFacts]) -> set[int]:
 
 
 def fell_back(plan: ResumePlan, facts: Sequence[RankFacts]) -> bool:
-    """The ranks resume from storage (or from nothing) although some rank held a complete step
-    in memory: its own, or one its agent pulled from a peer's replica."""
-    return plan.source != Source.MEMORY and any(f.memory_steps for f in facts)
+    """The ranks resume from storage (or from nothing) although every rank held a complete
+    step in memory (its own, or one its agent pulled from a peer's replica) at least as new as
+    the one they resume from, only not the same one. A rank whose memory holds only older steps
+    (a replica that trailed a persist) leaves storage the newest step the job has: no fallback."""
+    if plan.source == Source.MEMORY or not facts:
+        return False
+    floor = plan.step if plan.step is not None else -1
+    return all(any(s >= floor for s in f.memory_steps) for f in facts)
 
 
 def held_text(facts: Sequence[RankFacts], most: int = 8) -> str:

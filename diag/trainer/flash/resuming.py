@@ -49,7 +49,7 @@ class Resumed:
     client_state: Any = None
     resharded_from: int | None = None  # data-parallel size of the step loaded, when it differed
     reshard_seconds: float = 0.0
-    fell_back: bool = False  # from storage although some rank held a step in memory
+    fell_back: bool = False  # from storage although every rank held a step as new in memory
     held: str = ""  # which steps each rank held in memory (resume.held_text)
 
 

@@ -8,6 +8,7 @@ before its parts are on storage."""
 from __future__ import annotations
 
 import logging
+import time
 import zipfile
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from replica_helpers import JOB, OWNERS, fill
 from diag.agent.checkpoint.manager import CheckpointManager, CheckpointSettings
 from diag.agent.checkpoint.persist import persist_slot
 from diag.agent.checkpoint.storage import marker_runs
+from diag.agent.job.link import JobLink
+from diag.agent.job.verdict import JobVerdictStore, NodeReport, Where
+from diag.agent.loop.peerwatch import PeerWatch
 from diag.agent.loop.replication import Handoff
 from diag.agent.replica.replicator import NodeAddress, ReplicaSettings, Replicator
 from diag.formats.snapshot import read_latest_step, slot_path, writing_marker_path
@@ -122,3 +126,36 @@ def test_a_peer_that_answered_then_goes_silent_is_written(ring, caplog):
     handoff.join(30)
     assert read_latest_step(save) == 4
     assert handoff.stats().steps == {"b": 4}
+
+
+def test_the_job_verdict_names_a_peer_whose_agent_went_silent(ring, tmp_path):
+    """The claimant's side of a whole-node loss, with the agent's real parts (no job): node a's
+    rank died and a claims the job's incident first-hand; before it concludes it probes its
+    neighbour b, whose agent is gone. The verdict names b (its ranks from the replica a holds),
+    lists it as lost, and a's own death is its victim."""
+    a, b, _, _, _ = ring
+    watch = PeerWatch(a)
+    (look,) = watch()
+    assert (look.node, look.ranks, look.answers) == ("b", (2, 3), True)
+    b.close()  # node b is lost: its agent answers no more
+    store = JobVerdictStore(tmp_path / "timeline" / ".jobs", settle=2.0, poll=0.05, cascade=0.0)
+    link = JobLink(store, "a", peers=watch, lost_after=a.settings.lost_after)
+    report = NodeReport("a", 0, Where.LOCAL, str(tmp_path / "timeline" / "e-a"),
+                        kind="rank_exited", first_sign_wall=time.time())  # fmt: skip
+    assert store.file(JOB, "a0-rank_exited", report)
+    link._conclude(JOB, "a0-rank_exited", time.time())
+    v = store.load(JOB, "a0-rank_exited")
+    assert v is not None
+    assert (v.culprit, v.culprit_node, v.lost_nodes) == (2, "b", ("b",)), v
+    assert "rank 0 on a died after it (victims" in v.basis, v.basis
+
+
+def test_the_job_verdict_stands_while_the_peer_answers(ring, tmp_path):
+    a, _, _, _, _ = ring
+    store = JobVerdictStore(tmp_path / "timeline" / ".jobs", settle=0.5, poll=0.05, cascade=0.0)
+    link = JobLink(store, "a", peers=PeerWatch(a), lost_after=a.settings.lost_after)
+    report = NodeReport("a", 0, Where.LOCAL, str(tmp_path / "timeline" / "e-a"))
+    assert store.file(JOB, "a0-rank_exited", report)
+    link._conclude(JOB, "a0-rank_exited", time.time())
+    v = store.load(JOB, "a0-rank_exited")
+    assert v is not None and (v.culprit, v.culprit_node, v.lost_nodes) == (0, "a", ()), v

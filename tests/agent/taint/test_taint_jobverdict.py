@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from repo import SUPPORT
 
 from diag.agent.detect.hang import Verdict, VerdictKind
 from diag.agent.evidence.collection import EvidenceResult, IncidentReport
+from diag.agent.job.silence import LostNode
 from diag.agent.job.verdict import JobVerdictStore, NodeReport, Where
 from diag.agent.taint.evidencesources import culprit_history, from_job_verdicts
 from diag.agent.taint.planner import RECORD_ANNOTATION, TAINT_KEY, Signal, TaintPolicy
@@ -141,6 +143,52 @@ def test_history_counts_each_incident_once(tmp_path: Path) -> None:
         f"{JOB}-a0-hang-pg0-seq12"
     ]
     assert culprit_history(timeline, "node-b", since=time.time() + 60) == []
+
+
+def _death(tmp: Path, node: str, rank: int) -> IncidentReport:
+    """node's own verdict of a death: its rank died (first-hand), its stack dump is there."""
+    report = _report(tmp, node, (rank,), culprit=rank)
+    verdict = replace(report.verdict, kind=VerdictKind.RANK_EXITED, incident_id=DEATH_ID,
+                      summary=f"rank {rank} exited")  # fmt: skip
+    assert report.evidence is not None
+    (report.evidence.path / "verdict.json").write_text(json.dumps({
+        "incident_id": f"{JOB}-{DEATH_ID}", "node": node, "culprit": rank, "summary": "",
+    }))  # fmt: skip
+    (report.evidence.path / f"{rank:05d}-00004.stack.json").write_text("{}")
+    return replace(report, verdict=verdict)
+
+
+DEATH_ID = "a0-rank_exited"
+
+
+def test_a_death_after_a_node_went_silent_counts_against_the_lost_node_only(
+    tmp_path: Path,
+) -> None:
+    """node-a's rank died when node-b vanished whole: node-a's own verdict blames its rank
+    first-hand, but the job verdict names node-b, whose agent went silent. node-a is not
+    tainted for it: neither the incident nor its own directory counts against it."""
+    report = _death(tmp_path, "node-a", 0)
+    store = JobVerdictStore(tmp_path / "timeline" / ".jobs", settle=0.2, poll=0.05, cascade=0.0)
+    store.file(JOB, DEATH_ID, NodeReport("node-a", 0, Where.LOCAL, str(report.evidence.path)))
+    v = store.wait_and_conclude(JOB, DEATH_ID, time.time(), None, (LostNode("node-b", (2,), 5.0),))
+    assert v is not None and v.culprit_node == "node-b"
+    assert _tainter(tmp_path, "node-a").incident_evidence(report) is None
+    timeline = tmp_path / "timeline"
+    assert culprit_history(timeline, "node-a", since=0) == []
+    # The lost node, should its agent come back, finds the incident against it.
+    assert [e.incident_id for e in culprit_history(timeline, "node-b", 0)] == [f"{JOB}-{DEATH_ID}"]
+
+
+def test_a_death_without_a_lost_node_still_counts_against_its_own_node(tmp_path: Path) -> None:
+    report = _death(tmp_path, "node-a", 0)
+    store = JobVerdictStore(tmp_path / "timeline" / ".jobs", settle=0.2, poll=0.05, cascade=0.0)
+    store.file(JOB, DEATH_ID, NodeReport("node-a", 0, Where.LOCAL, str(report.evidence.path)))
+    assert store.wait_and_conclude(JOB, DEATH_ID, time.time()) is not None
+    ev = _tainter(tmp_path, "node-a").incident_evidence(report)
+    assert ev is not None and ev.signal == Signal.CULPRIT
+    assert [e.incident_id for e in culprit_history(tmp_path / "timeline", "node-a", 0)] == [
+        f"{JOB}-{DEATH_ID}"
+    ]
 
 
 @pytest.mark.slow

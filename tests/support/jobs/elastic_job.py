@@ -52,6 +52,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-file", default=None)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to idle per step")
     p.add_argument(
+        "--hidden", type=int, default=HIDDEN,
+        help="the model's width (a larger snapshot: 512 makes a push of about 12 MB per rank)",
+    )  # fmt: skip
+    p.add_argument(
         "--persist-every", type=int, default=0,
         help="also ask the agent to persist every Nth step (0: the last step only)",
     )  # fmt: skip
@@ -96,7 +100,7 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
     config, plan = apply_elastic(base)
     assert plan is not None
     torch.manual_seed(args.seed)
-    engine = tiny_engine(HIDDEN, config)
+    engine = tiny_engine(args.hidden, config)
     no_flash = args.no_flash or args.drain
     ckpt = None if no_flash else diag.trainer.FlashCheckpointer(engine, save_dir, job=job)
     start = (ckpt.load() or 0) if ckpt is not None else 0
@@ -138,7 +142,7 @@ def run_stage(args: argparse.Namespace, zero: int) -> None:
     mb, gas = plan.micro_batch_size, plan.gradient_accumulation_steps
     for step in range(start + 1, args.steps + 1):
         batch = torch.randn(
-            plan.train_batch_size, HIDDEN, generator=torch.Generator().manual_seed(step)
+            plan.train_batch_size, args.hidden, generator=torch.Generator().manual_seed(step)
         )
         total = torch.zeros(())
         for j in range(gas):

@@ -84,7 +84,9 @@ class Launcher:
             "--native-stacks", "false", "--interval", "0.5", "--keep-last", "3", "-v",
         ]  # fmt: skip
         if self.ring:
-            cmd += ["--replica-nodes", self.ring, "--replica-interval", "0.05"]
+            # The default --replica-interval: the ranks' notes of each completed snapshot wake
+            # the pushes (replication rounds), not the timer.
+            cmd += ["--replica-nodes", self.ring]
             # In the node's memory (its run directory), where the suite looks and a wipe reaches.
             cmd += ["--replica-dir", str(self.run_dir / ".replicas")]
         return self._popen(NODE_NS, cmd, self.env, "agent.log")

@@ -40,9 +40,12 @@ def wait_for(
 
 
 class TwoNodes:
-    def __init__(self, root: Path, agent_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, root: Path, agent_args: tuple[str, ...] = (), job_args: tuple[str, ...] = ()
+    ) -> None:
         self.root = root
         self.agent_args = agent_args  # more `diag agent` flags, e.g. --replica-max-rate
+        self.job_args = job_args  # more elastic_job.py flags, e.g. --hidden
         self.job = "loss-z2"
         self.save = root / "ckpt" / "z2"
         self.runs = {n: Path(tempfile.mkdtemp(prefix=f"diag-loss-{n}-", dir="/dev/shm"))
@@ -77,7 +80,8 @@ class TwoNodes:
                "--master-port", str(master_port), "--max-restarts", "0", str(JOB_SCRIPT),
                "--zero", "2", "--job-prefix", "loss", "--save-dir", str(self.root / "ckpt"),
                "--out", str(self.root / out), "--steps", "10000",
-               "--persist-every", str(PERSIST_EVERY), "--step-sleep", str(STEP_SLEEP)]  # fmt: skip
+               "--persist-every", str(PERSIST_EVERY), "--step-sleep", str(STEP_SLEEP),
+               *self.job_args]  # fmt: skip
         self.trainers[node] = jobrun.start(cmd, self.root / f"trainer-{node}-{out}.log",
                                            self.env(node))  # fmt: skip
 

@@ -118,6 +118,14 @@ def test_a_fallback_to_storage_with_steps_in_memory_names_what_each_rank_held() 
     assert held_text(facts) == "ranks 0,2: 46, 47; rank 1: 45"
     assert not fell_back(ResumePlan(Source.MEMORY, 47, "newest common"), facts)
     assert not fell_back(plan, [RankFacts(0, (), 40), RankFacts(1, (), 40)])
+    # Storage newer than every step in memory (a replica behind a persist): no fallback.
+    behind = [RankFacts(0, (17, 18), 20), RankFacts(1, (17,), 20)]
+    assert not fell_back(ResumePlan(Source.STORAGE, 20, "no step in memory on every rank"), behind)
+    assert fell_back(ResumePlan(Source.STORAGE, None, "nothing"), behind)
+    # One rank newer than storage, the other's only step older (node a's own steps, node b's
+    # replica behind the persist): storage's step is the newest the job has.
+    split = [RankFacts(0, (22, 23), 20), RankFacts(1, (12,), 20)]
+    assert not fell_back(ResumePlan(Source.STORAGE, 20, "no step in memory on every rank"), split)
     many = [RankFacts(r, (1, 2, 3, 4, 5, 6), None) for r in range(4)]
     assert held_text(many) == "ranks 0-3: ..., 3, 4, 5, 6"
 
