@@ -111,6 +111,8 @@ def stage(args: argparse.Namespace, zero: int, out: Path, name: str, hangs: list
         t0 = time.monotonic()
         torch.manual_seed(args.seed)
         h = args.hidden
+        # The ranks start the engine together: its groups connect within the short timeout.
+        torch.distributed.barrier()
         engine = tiny_engine(h, tiny_config(zero))
         ckpt = diag.trainer.FlashCheckpointer(engine, save_dir, job=job, control=False)
         start = ckpt.load() or 0
@@ -157,7 +159,12 @@ def plain(args: argparse.Namespace, train):  # type: ignore[no-untyped-def]
 
     from diag.trainer.resilient import World
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    timeout = datetime.timedelta(seconds=args.timeout)
+    # As the wrapper does: the engine's groups time out after `timeout` (DeepSpeed passes none
+    # to new_group), the ranks of a (re)started launch meet with time to spare (one was stopped
+    # late): the same detection in both stacks of the bench.
+    dist.distributed_c10d.default_pg_timeout = timeout
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     world = World(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]), restarts,
                   restarts, "", 0.0)  # fmt: skip
