@@ -74,6 +74,7 @@ PURE = (
     "diag.trainer.elastic.search",
     "diag.trainer.flash.resume",
     "diag.trainer.flash.replicarounds",
+    "diag.trainer.resilient.recovery",
     # The formats the cores work on: types and value checks, no I/O.
     "diag.formats.checkedjson",
     "diag.formats.exitcodes",
@@ -159,6 +160,8 @@ SUB_ROOMS: dict[str, dict[str, tuple[str, ...]]] = {
         "flash": ("diag.trainer.flash.*",),
         "graceful": ("diag.trainer.graceful.*",),
         "elastic": ("diag.trainer.elastic.*",),
+        # In-place recovery: the training function run again in the same process after a fault.
+        "resilient": ("diag.trainer.resilient.*",),
         # The one patch of a DeepSpeed engine's `step` that attach, flash and graceful run in.
         "stephooks": ("diag.trainer.stephooks",),
         # attach, steps and phases: the collector installed in the rank.
@@ -243,6 +246,7 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
         "attach": frozenset({"control", "graceful", "stephooks"}),
         "elastic": frozenset({"attach", "graceful"}),
         "flash": frozenset({"attach", "control", "elastic", "graceful", "stephooks"}),
+        "resilient": frozenset({"flash"}),
         # The re-exports: nothing of the trainer imports the package itself.
         "api": frozenset({"attach", "flash", "graceful"}),
         "hf": frozenset({"control", "elastic", "graceful"}),

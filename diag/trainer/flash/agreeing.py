@@ -1,11 +1,13 @@
 """What the ranks of a flash checkpointer agree on together, each in one collective over the
-checkpointer's CPU group: whether every rank can save, the replication rounds, the launch."""
+checkpointer's CPU group: whether every rank can save, the replication rounds, the launch, which
+ranks keep a node-local copy of the model states."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from diag.trainer.flash.replicarounds import Agreed, Vote
+from diag.trainer.flash.resume import WriterFacts, replica_ranks
 from diag.trainer.flash.slots import SlotOwner
 
 
@@ -44,3 +46,22 @@ def launch_id(node: str, owner: SlotOwner, group: Any, world_size: int) -> str:
 
         dist.broadcast_object_list(mine, src=0, group=group)
     return str(mine[0])
+
+
+def plan_replicas(
+    engine: Any, rank: int, node: str, local_rank: int, world_size: int, group: Any
+) -> set[int]:
+    """The ranks that keep a node-local copy of the model states (resume.replica_ranks), from
+    every rank's facts (collective)."""
+    import torch.distributed as dist
+
+    mine = WriterFacts(
+        rank,
+        node,
+        local_rank,
+        int(getattr(engine, "checkpoint_mp_rank", 0) or 0),
+        bool(engine.save_non_zero_checkpoint),
+    )
+    facts: list[Any] = [None] * world_size
+    dist.all_gather_object(facts, mine, group=group)
+    return replica_ranks(facts)

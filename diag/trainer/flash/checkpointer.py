@@ -41,16 +41,16 @@ from diag.trainer.control.commands import Agreement, CommandBox, Pending, agree,
 from diag.trainer.control.identity import ClientIdentity, ResumeNote
 from diag.trainer.control.period import AgreementPeriod, PeriodPolicy
 from diag.trainer.control.shared import shared_client
-from diag.trainer.flash import failwatch
+from diag.trainer.flash import failwatch, live
 from diag.trainer.flash import slotlayout as layout
-from diag.trainer.flash.agreeing import agree_save, everyone, launch_id
+from diag.trainer.flash.agreeing import agree_save, everyone, launch_id, plan_replicas
 from diag.trainer.flash.capture import CapturedFile, capture_checkpoint
 from diag.trainer.flash.copier import Copier, Copy
 from diag.trainer.flash.flashstats import FlashStats as FlashStats
 from diag.trainer.flash.replicating import Replication
 from diag.trainer.flash.restore import FlashCheckpointError as FlashCheckpointError
 from diag.trainer.flash.restore import Place, agent_wait_from_env
-from diag.trainer.flash.resume import Source, WriterFacts, replica_ranks
+from diag.trainer.flash.resume import Source
 from diag.trainer.flash.resuming import resume
 from diag.trainer.flash.slots import RankSlots, SlotOwner
 from diag.trainer.graceful.teardown import quiesce_at_exit
@@ -127,7 +127,9 @@ class FlashCheckpointer:
         self._group = command_group(dist)
         self._run = launch_id(self.node, self._slots.owner, self._group, self.world_size)
         self._replication = Replication(self._slots, self._run)
-        self._replica = self.rank in self._plan_replicas(dist)
+        self._replica = self.rank in plan_replicas(
+            engine, self.rank, self.node, self.local_rank, self.world_size, self._group
+        )
         self._box = CommandBox()
         self._client: ControlClient | None = None
         if control:
@@ -150,6 +152,7 @@ class FlashCheckpointer:
         failwatch.watch()
         quiesce_at_exit()
         atexit.register(self.close)
+        live.opened(self)  # in-place recovery closes it after a fault (trainer.resilient)
 
     # -- save ----------------------------------------------------------------------------------
 
@@ -388,16 +391,3 @@ class FlashCheckpointer:
         self._slots.close(remove=remove, failed=failwatch.failed())
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
-
-    def _plan_replicas(self, dist: Any) -> set[int]:
-        e = self.engine
-        mine = WriterFacts(
-            self.rank,
-            self.node,
-            self.local_rank,
-            int(getattr(e, "checkpoint_mp_rank", 0) or 0),
-            bool(e.save_non_zero_checkpoint),
-        )
-        facts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(facts, mine, group=self._group)
-        return replica_ranks(facts)

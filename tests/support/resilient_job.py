@@ -1,0 +1,190 @@
+"""The job of the in-place recovery tests: a small DeepSpeed model trained under
+`diag.trainer.resilient`, whose data depends only on the step, so the steps trained after a
+recovery can be compared with an uninterrupted run.
+
+    torchrun --nproc-per-node 2 tests/support/resilient_job.py --zero 1,2,3 --steps 8 \
+        --save-dir D --out O --hang-steps 3,5 --hang-rank 1 --timeout 3
+
+For each ZeRO stage, in the same processes: an uninterrupted run (O/z<stage>/reference.jsonl,
+unless --no-reference), then the run with faults: --hang-rank hangs in Python right after the
+flash save of step K_i for its i-th hang (--hang-mode sleep: a long time.sleep; spin: a busy
+Python loop; --hang-modes gives one per stage); its peers' next collective times out after
+--timeout seconds and every rank recovers in place. Rank 0 appends each step's loss (with the
+generation) to O/z<stage>/loss.jsonl; every rank appends to O/z<stage>/attempts-<rank>.jsonl, at
+the start of each attempt, where it started from and what the process holds (threads, fds,
+sockets, shared-memory entries, RSS), and writes O/z<stage>/result-<rank>.json at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--zero", default="2", help="ZeRO stages, comma-separated")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--job", default="resilient")
+    p.add_argument("--hang-steps", default="", help="comma-separated, the i-th for the i-th hang")
+    p.add_argument("--hang-rank", type=int, default=1)
+    p.add_argument("--hang-modes", default="sleep", help="sleep or spin, one per stage (cycled)")
+    p.add_argument("--timeout", type=float, default=3.0, help="collective timeout, seconds")
+    p.add_argument("--no-reference", action="store_true")
+    p.add_argument(
+        "--plain", action="store_true",
+        help="no wrapper: the script forms its group and a fault ends the process (the launcher "
+        "restarts every rank; no hang after a restart): the baseline of bench/resilient_bench.py",
+    )  # fmt: skip
+    return p.parse_args(argv)
+
+
+def probe(path: Path, record: dict) -> None:
+    """What the process holds now, appended to `path`."""
+    import threading
+
+    import psutil
+
+    proc = psutil.Process()
+    with open("/proc/self/maps") as f:  # shared memory this process maps (its slots among them)
+        shm_maps = {line.split()[-1] for line in f if "/dev/shm/" in line}
+    run_dir = os.environ.get("DIAG_RUN_DIR", "")
+    names: dict[str, int] = {}  # the OS threads by name: what a leak is made of
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
+            name = f.read().strip()
+            names[name] = names.get(name, 0) + 1
+    record.update(
+        threads=threading.active_count(),
+        os_threads=proc.num_threads(),
+        fds=proc.num_fds(),
+        sockets=len(proc.net_connections(kind="all")),
+        shm_maps=len(shm_maps),
+        run_dir_entries=len(os.listdir(run_dir)) if run_dir else 0,
+        rss=proc.memory_info().rss,
+        thread_names=names,
+    )
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from dsengine import no_jit_ops
+
+    no_jit_ops()
+    modes = args.hang_modes.split(",")
+    if args.plain and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        args.hang_steps = ""  # a restarted launch of the baseline does not hang again
+    for i, zero in enumerate(int(z) for z in args.zero.split(",")):
+        out = Path(args.out) / f"z{zero}"
+        out.mkdir(parents=True, exist_ok=True)
+        if not args.no_reference:
+            stage(args, zero, out, "reference", [], "sleep")
+        hangs = [int(s) for s in args.hang_steps.split(",") if s]
+        stage(args, zero, out, "loss", hangs, modes[i % len(modes)])
+    return 0
+
+
+def stage(args: argparse.Namespace, zero: int, out: Path, name: str, hangs: list[int],
+          mode: str) -> None:  # fmt: skip
+    from diag.trainer.resilient import resilient
+
+    hung: list[int] = []  # this process's hangs so far (a spurious recovery uses none)
+    job = f"{args.job}-z{zero}-{name}"
+    save_dir = Path(args.save_dir) / job
+
+    def train(world):  # type: ignore[no-untyped-def]
+        import torch
+        from dsengine import tiny_config, tiny_engine
+
+        import diag.trainer
+
+        t0 = time.monotonic()
+        torch.manual_seed(args.seed)
+        h = args.hidden
+        # The ranks start the engine together: its groups connect within the short timeout.
+        torch.distributed.barrier()
+        engine = tiny_engine(h, tiny_config(zero))
+        ckpt = diag.trainer.FlashCheckpointer(engine, save_dir, job=job, control=False)
+        start = ckpt.load() or 0
+        if hangs:
+            probe(out / f"attempts-{world.rank}.jsonl", {
+                "generation": world.generation, "start": start,
+                "restored_s": time.monotonic() - t0, "recovery_s": world.last_recovery_seconds,
+                "fault": world.last_fault, "loaded_from": ckpt.stats.loaded_from,
+            })  # fmt: skip
+        for step in range(start + 1, args.steps + 1):
+            gen = torch.Generator().manual_seed(args.seed * 1000 + step * 10 + world.rank)
+            x = torch.randn(4, h, generator=gen)
+            loss = (engine(x) - x).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            if world.rank == 0:
+                with open(out / f"{name}.jsonl", "a") as f:
+                    f.write(json.dumps({"step": step, "loss": loss.item().hex(),
+                                        "gen": world.generation, "t": time.time()}) + "\n")  # fmt: skip
+            ckpt.save(step)
+            due = hangs[len(hung)] if len(hung) < len(hangs) else 0
+            if step == due and world.rank == args.hang_rank:
+                hung.append(step)
+                (out / "hang.json").write_text(json.dumps({"step": step, "t": time.time()}))
+                ckpt.wait()  # step K is in memory on this rank: the recovery restores it
+                hang(mode)
+        ckpt.close()
+        return world
+
+    world = plain(args, train) if args.plain else resilient(timeout_s=args.timeout)(train)()
+    if hangs:
+        (out / f"result-{world.rank}.json").write_text(json.dumps({
+            "generation": world.generation, "recoveries": world.recoveries,
+            "last_fault": world.last_fault, "hung": hung,
+        }))  # fmt: skip
+
+
+def plain(args: argparse.Namespace, train):  # type: ignore[no-untyped-def]
+    """The script as it is without the wrapper: under torchrun's restarts, from the launch's
+    environment; a restarted launch does not hang again."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from diag.trainer.resilient import World
+
+    timeout = datetime.timedelta(seconds=args.timeout)
+    # As the wrapper does: the engine's groups time out after `timeout` (DeepSpeed passes none
+    # to new_group), the ranks of a (re)started launch meet with time to spare (one was stopped
+    # late): the same detection in both stacks of the bench.
+    dist.distributed_c10d.default_pg_timeout = timeout
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    world = World(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]), restarts,
+                  restarts, "", 0.0)  # fmt: skip
+    try:
+        return train(world)
+    finally:
+        dist.destroy_process_group()
+
+
+def hang(mode: str) -> None:
+    """Hung in Python: interruptible only by a signal handler (sleep) or between bytecodes."""
+    if mode == "sleep":
+        time.sleep(3600)
+    else:
+        n = 0
+        while True:
+            n += 1
+
+
+if __name__ == "__main__":
+    from diag.trainer import exit_process
+
+    exit_process(main())
