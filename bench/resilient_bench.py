@@ -1,7 +1,7 @@
 """One hung rank's cost: recovered in place (diag.trainer.resilient) against a full restart by
 torchrun (the default stack: the peers' collective times out, every process exits, torchrun
 starts new ones, which import torch and DeepSpeed, build the engine, meet and restore from the
-node's memory). The same 2-rank ZeRO-2 CPU job (tests/support/resilient_job.py), the same
+node's memory). The same 2-rank ZeRO-2 CPU job (tests/support/jobs/resilient_job.py), the same
 collective timeout, the same hang (rank 1 in time.sleep right after the flash save of a step),
 the two stacks alternating, side by side in one run.
 
@@ -26,8 +26,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SUPPORT = REPO / "tests" / "support"
-JOB = SUPPORT / "resilient_job.py"
+JOB = SUPPORT / "jobs" / "resilient_job.py"
 sys.path.insert(0, str(SUPPORT))
+import repo  # noqa: E402  (tests/support: where every helper folder is)
+
+repo.on_sys_path()
 
 from jobrun import free_port  # noqa: E402
 
@@ -47,7 +50,7 @@ def one(stack: str, timeout: float, steps: int, hang_step: int) -> dict[str, flo
         *(["--plain"] if plain else []),
     ]  # fmt: skip
     env = dict(os.environ, DIAG_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1",
-               PYTHONPATH=str(SUPPORT))  # fmt: skip
+               PYTHONPATH=repo.pythonpath())  # fmt: skip
     try:
         with open(root / "job.log", "wb") as log:
             rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

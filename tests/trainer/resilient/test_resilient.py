@@ -23,7 +23,7 @@ from repo import SUPPORT
 
 from diag.agent.observe.procs import stop_tree
 
-JOB = SUPPORT / "resilient_job.py"
+JOB = SUPPORT / "jobs" / "resilient_job.py"
 TIMEOUT_S = "3"  # the collective timeout that notices the hung rank (no agent here)
 RSS_NOISE = 32 << 20  # allocator noise a recovery may leave; a leaked engine is far more
 HELD = ("threads", "os_threads", "fds", "sockets", "shm_maps", "run_dir_entries")

@@ -2,7 +2,7 @@
 `diag.trainer.resilient`, whose data depends only on the step, so the steps trained after a
 recovery can be compared with an uninterrupted run.
 
-    torchrun --nproc-per-node 2 tests/support/resilient_job.py --zero 1,2,3 --steps 8 \
+    torchrun --nproc-per-node 2 tests/support/jobs/resilient_job.py --zero 1,2,3 --steps 8 \
         --save-dir D --out O --hang-steps 3,5 --hang-rank 1 --timeout 3
 
 For each ZeRO stage, in the same processes: an uninterrupted run (O/z<stage>/reference.jsonl,
