@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-JOB = REPO / "tests" / "support" / "drain_job.py"
+JOB = REPO / "tests" / "support" / "jobs" / "drain_job.py"
 VARIANTS = {"plain": ("--no-drain",), "graceful": ("--flash",)}
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from scratch import private_tmpdir
 
 ROOT = Path(__file__).resolve().parent.parent
-JOB_SCRIPT = ROOT / "tests" / "support" / "pod_job.py"
+JOB_SCRIPT = ROOT / "tests" / "support" / "jobs" / "pod_job.py"
 JOB = "drainbench"
 
 

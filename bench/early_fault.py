@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-JOB = HERE.parent / "tests" / "support" / "early_hang_job.py"
+JOB = HERE.parent / "tests" / "support" / "jobs" / "early_hang_job.py"
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from diag.agent.observe.procs import stop_tree
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SOAK_JOB = HERE / "soak_job.py"
-WAIT_JOB = REPO / "tests" / "support" / "wait_job.py"
+WAIT_JOB = REPO / "tests" / "support" / "jobs" / "wait_job.py"
 JOB = "soak"
 
 
