@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import jobrun
 import torch
-from jobrun import free_port
-
-from diag.agent.observe.procs import stop_tree
 
 JOB_SCRIPT = Path(__file__).with_name("flash_job.py")
 STEPS = 6
@@ -44,28 +40,13 @@ class Workspace:
         return dict(os.environ, DIAG_RUN_DIR=str(self.run_dir), OMP_NUM_THREADS="1")
 
     def command(self, *args: str) -> list[str]:
-        return [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            "--max-restarts", "0", str(JOB_SCRIPT), "--steps", str(STEPS),
-            "--save-dir", str(self.save), *args,
-        ]  # fmt: skip
+        return jobrun.command(
+            self.nproc, JOB_SCRIPT, "--steps", str(STEPS), "--save-dir", str(self.save), *args
+        )
 
     def launch(self, name: str, *args: str, timeout: float = 240) -> int:
-        with open(self.root / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen(
-                self.command("--out", str(self.root / name), *args),
-                env=self.env(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            try:
-                return proc.wait(timeout)
-            finally:
-                if proc.poll() is None:
-                    stop_tree(proc.pid, grace=5)
-                    proc.wait(10)
+        cmd = self.command("--out", str(self.root / name), *args)
+        return jobrun.run(cmd, self.root / f"{name}.log", self.env(), timeout)
 
     def losses(self, name: str, zero: int) -> dict[int, str]:
         lines = (self.root / name / f"z{zero}" / "loss.jsonl").read_text().splitlines()

@@ -10,18 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jobrun
 import pytest
-from jobrun import free_port
 from repo import SUPPORT
-
-from diag.agent.observe.procs import stop_tree
 
 JOB = SUPPORT / "jobs" / "resilient_job.py"
 TIMEOUT_S = "3"  # the collective timeout that notices the hung rank (no agent here)
@@ -36,24 +32,13 @@ class Run:
     run_dir: Path
 
     def launch(self, *args: str, timeout: float) -> int:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            "--max-restarts", "0", str(JOB), "--save-dir", str(self.root / "ckpt"),
-            "--out", str(self.root / "out"), "--timeout", TIMEOUT_S, *args,
-        ]  # fmt: skip
+        cmd = jobrun.command(
+            2, JOB, "--save-dir", str(self.root / "ckpt"), "--out", str(self.root / "out"),
+            "--timeout", TIMEOUT_S, *args,
+        )  # fmt: skip
         env = dict(os.environ, DIAG_RUN_DIR=str(self.run_dir), OMP_NUM_THREADS="1",
                    PYTHONPATH=str(SUPPORT))  # fmt: skip
-        with open(self.root / "job.log", "wb") as log:
-            proc = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            try:
-                return proc.wait(timeout)
-            finally:
-                if proc.poll() is None:
-                    stop_tree(proc.pid, grace=5)
-                    proc.wait(10)
+        return jobrun.run(cmd, self.root / "job.log", env, timeout)
 
     def stage(self, zero: int) -> Path:
         return self.root / "out" / f"z{zero}"
