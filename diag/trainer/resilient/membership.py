@@ -184,11 +184,10 @@ class Membership:
 
     def _read_reason(self, generation: int) -> str:
         try:
-            return bytes(self._watch_store.get(self.spec.key(generation, "fault"))).decode(
-                errors="replace"
-            )
+            raw = bytes(self._watch_store.get(self.spec.key(generation, "fault")))
         except Exception as e:
             return f"the store did not answer ({e})"
+        return reason_text(raw)
 
     def _fault(self, generation: int, reason: str) -> None:
         with self._lock:
@@ -232,3 +231,13 @@ def _settle_cuda() -> None:
     if torch.cuda.is_available():
         with contextlib.suppress(Exception):
             torch.cuda.synchronize()
+
+
+REASON_MAX = 500  # a reason is one line of a log: anyone who reaches the store may write it
+
+
+def reason_text(raw: bytes) -> str:
+    """A fault's reason as another rank posted it, bounded and printable."""
+    text = raw[: REASON_MAX * 4].decode(errors="replace")
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text[:REASON_MAX] + (" [cut]" if len(text) > REASON_MAX else "")

@@ -94,3 +94,12 @@ def test_a_generation_that_cannot_form_is_a_full_restart() -> None:
     d = reform_failed(History(generation=3), "DistStoreError: timed out")
     assert d.action is Action.GIVE_UP and d.generation == 3
     assert "generation 3" in d.reason and "full restart" in d.reason
+
+
+def test_a_posted_reason_is_bounded_and_printable() -> None:
+    from diag.trainer.resilient.membership import REASON_MAX, reason_text
+
+    assert reason_text(b"rank 1 hung") == "rank 1 hung"
+    assert reason_text(b"a\x1b[2Jb\nc\xff") == "a?[2Jb?c\ufffd"
+    long = reason_text(b"x" * 100_000)
+    assert len(long) == REASON_MAX + len(" [cut]") and long.endswith(" [cut]")
