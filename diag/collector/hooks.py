@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -65,12 +66,20 @@ _METHODS: dict[str, OpCode] = {
 class _Group:
     index: int
     ranks: tuple[int, ...]
+    pg: Any = None  # a weak reference: a freed group's id may name a new group later
     seq: int = 0
     p2p_seq: dict[int, int] = field(default_factory=dict)
 
 
 _P2P = frozenset(c for c in OpCode if c.is_p2p)
 _DTYPES: dict[Any, DType] = {}  # torch dtype -> our code, filled on first sight
+
+
+def _weak(pg: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(pg)
+    except TypeError:  # a group object without weak references: held instead
+        return lambda: pg
 
 
 def _dtype_code(dtype: Any) -> DType:
@@ -134,6 +143,7 @@ class Instrumentation:
         self.writer = writer
         self._on_new_group = on_new_group
         self._groups: dict[int, _Group] = {}
+        self._next_index = 0  # group indices are never reused within the journal
         self._lock = threading.Lock()
         self._originals: dict[tuple[type, str], Any] = {}
         self._cuda: CudaEventTracker | None = None  # created on the first CUDA op
@@ -166,6 +176,12 @@ class Instrumentation:
         if self._cuda is not None:
             self._cuda.stop()
 
+    def forget_groups(self) -> None:
+        """The world was formed again (in-place recovery): the groups seen so far are gone, and
+        their successors get new indices, their sequence numbers counted from the start."""
+        with self._lock:
+            self._groups = {}
+
     def _wrap(self, orig: Callable, code: OpCode) -> Callable:
         def op(pg: Any, *args: Any, **kwargs: Any) -> Any:
             return self._run(orig, code, pg, args, kwargs)
@@ -192,16 +208,17 @@ class Instrumentation:
 
     def _group(self, pg: Any) -> _Group:
         g = self._groups.get(id(pg))
-        if g is not None:
+        if g is not None and g.pg() is pg:
             return g
         with self._lock:
             g = self._groups.get(id(pg))
-            if g is None:
+            if g is None or g.pg() is not pg:
                 try:
                     ranks = tuple(self._dist.get_process_group_ranks(pg))
                 except Exception:  # a group torch does not know (e.g. made outside c10d)
                     ranks = ()
-                g = _Group(index=len(self._groups), ranks=ranks)
+                g = _Group(index=self._next_index, ranks=ranks, pg=_weak(pg))
+                self._next_index += 1
                 timeout = _group_timeout_s(pg, self._torch)
                 if not self.pg_timeout_s:
                     self.pg_timeout_s = timeout
@@ -211,7 +228,9 @@ class Instrumentation:
 
     def _run(self, orig: Callable, code: OpCode, pg: Any, args: tuple, kwargs: dict) -> Any:
         t0 = time.monotonic_ns()
-        g = self._groups.get(id(pg)) or self._group(pg)
+        g = self._groups.get(id(pg))
+        if g is None or g.pg() is not pg:
+            g = self._group(pg)
         peer = -1
         flags = OpFlag.NONE
         if code in _P2P:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64iag/proto/control.proto\x12\x0f\x64iag.control.v1\"j\n\x06RankId\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x12\n\nlocal_rank\x18\x04 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x05\x12\x0c\n\x04node\x18\x06 \x01(\t\"\x8a\x01\n\x0fRegisterRequest\x12#\n\x02id\x18\x01 \x01(\x0b\x32\x17.diag.control.v1.RankId\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0f\n\x07journal\x18\x03 \x01(\t\x12\x10\n\x08save_dir\x18\x04 \x01(\t\x12\x12\n\nstart_time\x18\x05 \x01(\x01\x12\x0e\n\x06pid_ns\x18\x06 \x01(\x04\"G\n\rRegisterReply\x12\x11\n\tagent_pid\x18\x01 \x01(\x05\x12\x15\n\ragent_version\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\"D\n\x10SubscribeRequest\x12#\n\x02id\x18\x01 \x01(\x0b\x32\x17.diag.control.v1.RankId\x12\x0b\n\x03pid\x18\x02 \x01(\x05\"v\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\t\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.diag.control.v1.CommandKind\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x64ump_dir\x18\x04 \x01(\t\x12\x11\n\texit_code\x18\x05 \x01(\x05\"h\n\nPersistAck\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x11\n\tcommitted\x18\x06 \x01(\x08\"3\n\nReplicaAck\x12\n\n\x02on\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0b\n\x03run\x18\x03 \x01(\t\"\xab\x01\n\x0c\x41gentMessage\x12+\n\x07\x63ommand\x18\x01 \x01(\x0b\x32\x18.diag.control.v1.CommandH\x00\x12\x32\n\x0bpersist_ack\x18\x02 \x01(\x0b\x32\x1b.diag.control.v1.PersistAckH\x00\x12\x32\n\x0breplica_ack\x18\x03 \x01(\x0b\x32\x1b.diag.control.v1.ReplicaAckH\x00\x42\x06\n\x04\x62ody\"U\n\x0ePersistRequest\x12#\n\x02id\x18\x01 \x01(\x0b\x32\x17.diag.control.v1.RankId\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x10\n\x08save_dir\x18\x03 \x01(\t\"0\n\x0cPersistReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x80\x01\n\rCommandReport\x12#\n\x02id\x18\x01 \x01(\x0b\x32\x17.diag.control.v1.RankId\x12\x12\n\ncommand_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0c\n\x04path\x18\x06 \x01(\t\"\r\n\x0bReportReply\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"g\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x13\n\x0bmemory_step\x18\x04 \x01(\x03\x12\x16\n\x0epersisted_step\x18\x05 \x01(\x03\"c\n\x0bStatusReply\x12*\n\x05ranks\x18\x01 \x03(\x0b\x32\x1b.diag.control.v1.RankStatus\x12\x16\n\x0e\x63ommitted_step\x18\x02 \x01(\x03\x12\x10\n\x08save_dir\x18\x03 \x01(\t\">\n\tSavedNote\x12#\n\x02id\x18\x01 \x01(\x0b\x32\x17.diag.control.v1.RankId\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x0c\n\nSavedReply\"\x92\x01\n\nResumeNote\x12#\n\x02id\x18\x01 \x01(\x0b\x32\x17.diag.control.v1.RankId\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x16\n\x0ememory_offered\x18\x05 \x01(\x08\x12\x0c\n\x04held\x18\x06 \x01(\t\x12\x0b\n\x03run\x18\x07 \x01(\t\"\r\n\x0bResumeReply*q\n\x0b\x43ommandKind\x12\x1c\n\x18\x43OMMAND_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x43OMMAND_KIND_FLUSH\x10\x01\x12\x15\n\x11\x43OMMAND_KIND_EXIT\x10\x02\x12\x15\n\x11\x43OMMAND_KIND_DUMP\x10\x03\x32\x8b\x04\n\x07\x43ontrol\x12L\n\x08Register\x12 .diag.control.v1.RegisterRequest\x1a\x1e.diag.control.v1.RegisterReply\x12O\n\tSubscribe\x12!.diag.control.v1.SubscribeRequest\x1a\x1d.diag.control.v1.AgentMessage0\x01\x12I\n\x07Persist\x12\x1f.diag.control.v1.PersistRequest\x1a\x1d.diag.control.v1.PersistReply\x12\x46\n\x06Report\x12\x1e.diag.control.v1.CommandReport\x1a\x1c.diag.control.v1.ReportReply\x12\x46\n\x06Status\x12\x1e.diag.control.v1.StatusRequest\x1a\x1c.diag.control.v1.StatusReply\x12@\n\x05Saved\x12\x1a.diag.control.v1.SavedNote\x1a\x1b.diag.control.v1.SavedReply\x12\x44\n\x07Resumed\x12\x1b.diag.control.v1.ResumeNote\x1a\x1c.diag.control.v1.ResumeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64iag/proto/control.proto\x12\x0f\x64iag.control.v1\"j\n\x06RankId\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x12\n\nlocal_rank\x18\x04 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x05\x12\x0c\n\x04node\x18\x06 \x01(\t\"\x8a\x01\n\x0fRegisterRequest\x12#\n\x02id\x18\x01 \x01(\x0b\x32\x17.diag.control.v1.RankId\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0f\n\x07journal\x18\x03 \x01(\t\x12\x10\n\x08save_dir\x18\x04 \x01(\t\x12\x12\n\nstart_time\x18\x05 \x01(\x01\x12\x0e\n\x06pid_ns\x18\x06 \x01(\x04\"G\n\rRegisterReply\x12\x11\n\tagent_pid\x18\x01 \x01(\x05\x12\x15\n\ragent_version\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\"D\n\x10SubscribeRequest\x12#\n\x02id\x18\x01 \x01(\x0b\x32\x17.diag.control.v1.RankId\x12\x0b\n\x03pid\x18\x02 \x01(\x05\"\x8c\x01\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\t\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.diag.control.v1.CommandKind\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x64ump_dir\x18\x04 \x01(\t\x12\x11\n\texit_code\x18\x05 \x01(\x05\x12\x14\n\x0cverdict_time\x18\x06 \x01(\x01\"h\n\nPersistAck\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x11\n\tcommitted\x18\x06 \x01(\x08\"3\n\nReplicaAck\x12\n\n\x02on\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0b\n\x03run\x18\x03 \x01(\t\"\xab\x01\n\x0c\x41gentMessage\x12+\n\x07\x63ommand\x18\x01 \x01(\x0b\x32\x18.diag.control.v1.CommandH\x00\x12\x32\n\x0bpersist_ack\x18\x02 \x01(\x0b\x32\x1b.diag.control.v1.PersistAckH\x00\x12\x32\n\x0breplica_ack\x18\x03 \x01(\x0b\x32\x1b.diag.control.v1.ReplicaAckH\x00\x42\x06\n\x04\x62ody\"U\n\x0ePersistRequest\x12#\n\x02id\x18\x01 \x01(\x0b\x32\x17.diag.control.v1.RankId\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x10\n\x08save_dir\x18\x03 \x01(\t\"0\n\x0cPersistReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x80\x01\n\rCommandReport\x12#\n\x02id\x18\x01 \x01(\x0b\x32\x17.diag.control.v1.RankId\x12\x12\n\ncommand_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0c\n\x04path\x18\x06 \x01(\t\"\r\n\x0bReportReply\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"g\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x13\n\x0bmemory_step\x18\x04 \x01(\x03\x12\x16\n\x0epersisted_step\x18\x05 \x01(\x03\"c\n\x0bStatusReply\x12*\n\x05ranks\x18\x01 \x03(\x0b\x32\x1b.diag.control.v1.RankStatus\x12\x16\n\x0e\x63ommitted_step\x18\x02 \x01(\x03\x12\x10\n\x08save_dir\x18\x03 \x01(\t\">\n\tSavedNote\x12#\n\x02id\x18\x01 \x01(\x0b\x32\x17.diag.control.v1.RankId\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x0c\n\nSavedReply\"\x92\x01\n\nResumeNote\x12#\n\x02id\x18\x01 \x01(\x0b\x32\x17.diag.control.v1.RankId\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x16\n\x0ememory_offered\x18\x05 \x01(\x08\x12\x0c\n\x04held\x18\x06 \x01(\t\x12\x0b\n\x03run\x18\x07 \x01(\t\"\r\n\x0bResumeReply*\x8b\x01\n\x0b\x43ommandKind\x12\x1c\n\x18\x43OMMAND_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x43OMMAND_KIND_FLUSH\x10\x01\x12\x15\n\x11\x43OMMAND_KIND_EXIT\x10\x02\x12\x15\n\x11\x43OMMAND_KIND_DUMP\x10\x03\x12\x18\n\x14\x43OMMAND_KIND_RECOVER\x10\x04\x32\x8b\x04\n\x07\x43ontrol\x12L\n\x08Register\x12 .diag.control.v1.RegisterRequest\x1a\x1e.diag.control.v1.RegisterReply\x12O\n\tSubscribe\x12!.diag.control.v1.SubscribeRequest\x1a\x1d.diag.control.v1.AgentMessage0\x01\x12I\n\x07Persist\x12\x1f.diag.control.v1.PersistRequest\x1a\x1d.diag.control.v1.PersistReply\x12\x46\n\x06Report\x12\x1e.diag.control.v1.CommandReport\x1a\x1c.diag.control.v1.ReportReply\x12\x46\n\x06Status\x12\x1e.diag.control.v1.StatusRequest\x1a\x1c.diag.control.v1.StatusReply\x12@\n\x05Saved\x12\x1a.diag.control.v1.SavedNote\x1a\x1b.diag.control.v1.SavedReply\x12\x44\n\x07Resumed\x12\x1b.diag.control.v1.ResumeNote\x1a\x1c.diag.control.v1.ResumeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'diag.proto.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COMMANDKIND']._serialized_start=1651
-  _globals['_COMMANDKIND']._serialized_end=1764
+  _globals['_COMMANDKIND']._serialized_start=1675
+  _globals['_COMMANDKIND']._serialized_end=1814
   _globals['_RANKID']._serialized_start=45
   _globals['_RANKID']._serialized_end=151
   _globals['_REGISTERREQUEST']._serialized_start=154
@@ -41,36 +41,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREPLY']._serialized_end=365
   _globals['_SUBSCRIBEREQUEST']._serialized_start=367
   _globals['_SUBSCRIBEREQUEST']._serialized_end=435
-  _globals['_COMMAND']._serialized_start=437
-  _globals['_COMMAND']._serialized_end=555
-  _globals['_PERSISTACK']._serialized_start=557
-  _globals['_PERSISTACK']._serialized_end=661
-  _globals['_REPLICAACK']._serialized_start=663
-  _globals['_REPLICAACK']._serialized_end=714
-  _globals['_AGENTMESSAGE']._serialized_start=717
-  _globals['_AGENTMESSAGE']._serialized_end=888
-  _globals['_PERSISTREQUEST']._serialized_start=890
-  _globals['_PERSISTREQUEST']._serialized_end=975
-  _globals['_PERSISTREPLY']._serialized_start=977
-  _globals['_PERSISTREPLY']._serialized_end=1025
-  _globals['_COMMANDREPORT']._serialized_start=1028
-  _globals['_COMMANDREPORT']._serialized_end=1156
-  _globals['_REPORTREPLY']._serialized_start=1158
-  _globals['_REPORTREPLY']._serialized_end=1171
-  _globals['_STATUSREQUEST']._serialized_start=1173
-  _globals['_STATUSREQUEST']._serialized_end=1201
-  _globals['_RANKSTATUS']._serialized_start=1203
-  _globals['_RANKSTATUS']._serialized_end=1306
-  _globals['_STATUSREPLY']._serialized_start=1308
-  _globals['_STATUSREPLY']._serialized_end=1407
-  _globals['_SAVEDNOTE']._serialized_start=1409
-  _globals['_SAVEDNOTE']._serialized_end=1471
-  _globals['_SAVEDREPLY']._serialized_start=1473
-  _globals['_SAVEDREPLY']._serialized_end=1485
-  _globals['_RESUMENOTE']._serialized_start=1488
-  _globals['_RESUMENOTE']._serialized_end=1634
-  _globals['_RESUMEREPLY']._serialized_start=1636
-  _globals['_RESUMEREPLY']._serialized_end=1649
-  _globals['_CONTROL']._serialized_start=1767
-  _globals['_CONTROL']._serialized_end=2290
+  _globals['_COMMAND']._serialized_start=438
+  _globals['_COMMAND']._serialized_end=578
+  _globals['_PERSISTACK']._serialized_start=580
+  _globals['_PERSISTACK']._serialized_end=684
+  _globals['_REPLICAACK']._serialized_start=686
+  _globals['_REPLICAACK']._serialized_end=737
+  _globals['_AGENTMESSAGE']._serialized_start=740
+  _globals['_AGENTMESSAGE']._serialized_end=911
+  _globals['_PERSISTREQUEST']._serialized_start=913
+  _globals['_PERSISTREQUEST']._serialized_end=998
+  _globals['_PERSISTREPLY']._serialized_start=1000
+  _globals['_PERSISTREPLY']._serialized_end=1048
+  _globals['_COMMANDREPORT']._serialized_start=1051
+  _globals['_COMMANDREPORT']._serialized_end=1179
+  _globals['_REPORTREPLY']._serialized_start=1181
+  _globals['_REPORTREPLY']._serialized_end=1194
+  _globals['_STATUSREQUEST']._serialized_start=1196
+  _globals['_STATUSREQUEST']._serialized_end=1224
+  _globals['_RANKSTATUS']._serialized_start=1226
+  _globals['_RANKSTATUS']._serialized_end=1329
+  _globals['_STATUSREPLY']._serialized_start=1331
+  _globals['_STATUSREPLY']._serialized_end=1430
+  _globals['_SAVEDNOTE']._serialized_start=1432
+  _globals['_SAVEDNOTE']._serialized_end=1494
+  _globals['_SAVEDREPLY']._serialized_start=1496
+  _globals['_SAVEDREPLY']._serialized_end=1508
+  _globals['_RESUMENOTE']._serialized_start=1511
+  _globals['_RESUMENOTE']._serialized_end=1657
+  _globals['_RESUMEREPLY']._serialized_start=1659
+  _globals['_RESUMEREPLY']._serialized_end=1672
+  _globals['_CONTROL']._serialized_start=1817
+  _globals['_CONTROL']._serialized_end=2340
 # @@protoc_insertion_point(module_scope)

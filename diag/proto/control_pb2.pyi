@@ -13,10 +13,12 @@ class CommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMMAND_KIND_FLUSH: _ClassVar[CommandKind]
     COMMAND_KIND_EXIT: _ClassVar[CommandKind]
     COMMAND_KIND_DUMP: _ClassVar[CommandKind]
+    COMMAND_KIND_RECOVER: _ClassVar[CommandKind]
 COMMAND_KIND_UNSPECIFIED: CommandKind
 COMMAND_KIND_FLUSH: CommandKind
 COMMAND_KIND_EXIT: CommandKind
 COMMAND_KIND_DUMP: CommandKind
+COMMAND_KIND_RECOVER: CommandKind
 
 class RankId(_message.Message):
     __slots__ = ("job", "rank", "world_size", "local_rank", "attempt", "node")
@@ -69,18 +71,20 @@ class SubscribeRequest(_message.Message):
     def __init__(self, id: _Optional[_Union[RankId, _Mapping]] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("id", "kind", "reason", "dump_dir", "exit_code")
+    __slots__ = ("id", "kind", "reason", "dump_dir", "exit_code", "verdict_time")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DUMP_DIR_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_TIME_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: CommandKind
     reason: str
     dump_dir: str
     exit_code: int
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., reason: _Optional[str] = ..., dump_dir: _Optional[str] = ..., exit_code: _Optional[int] = ...) -> None: ...
+    verdict_time: float
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., reason: _Optional[str] = ..., dump_dir: _Optional[str] = ..., exit_code: _Optional[int] = ..., verdict_time: _Optional[float] = ...) -> None: ...
 
 class PersistAck(_message.Message):
     __slots__ = ("step", "ok", "error", "seconds", "bytes", "committed")

@@ -25,7 +25,13 @@ from typing import Any
 
 from diag.collector.frserver import FlightRecorderServer, enable_buffer
 from diag.formats.journal import DEFAULT_CAPACITY, CloseReason, JournalStatus
-from diag.formats.journalmeta import GroupInfo, JournalMeta, journal_path, write_meta
+from diag.formats.journalmeta import (
+    GroupInfo,
+    JournalMeta,
+    group_in_world,
+    journal_path,
+    write_meta,
+)
 from diag.formats.journalwriter import JournalWriter
 from diag.formats.rundir import (
     RankIdentity,
@@ -42,6 +48,7 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _session: Session | None = None
+_world = 0  # the generation of the world (diag.trainer.resilient forms it again after a fault)
 OWN_THREADS_KEPT = 8
 FLIGHT_RECORDER_ENV = "DIAG_FLIGHT_RECORDER"
 
@@ -89,9 +96,12 @@ class Session:
             backend = pg._get_backend_name() if hasattr(pg, "_get_backend_name") else ""
         except Exception:
             backend = ""
+        name = str(getattr(pg, "group_name", index))
         info = GroupInfo(
             index=index,
-            name=str(getattr(pg, "group_name", index)),
+            # torch names groups afresh in each world ("0", "1", ...): the generation tells a
+            # group of this world from its namesake of the last, the same on every member.
+            name=group_in_world(name, _world),
             ranks=ranks,
             backend=str(backend),
             desc=str(getattr(pg, "group_desc", "")),
@@ -229,6 +239,16 @@ def _start_control(session: Session, run_dir: Path, ident: RankIdentity) -> None
 
 def current() -> Session | None:
     return _session
+
+
+def new_world(generation: int) -> None:
+    """The process group was formed again in place (generation `generation`): the journal's
+    groups from here on are new ones, named apart from the last world's."""
+    global _world
+    with _lock:
+        _world = generation
+        if _session is not None:
+            _session.instrumentation.forget_groups()
 
 
 def step(n: int | None = None) -> None:

@@ -246,7 +246,7 @@ SUB_MAY_IMPORT: dict[str, dict[str, frozenset[str]]] = {
         "attach": frozenset({"control", "graceful", "stephooks"}),
         "elastic": frozenset({"attach", "graceful"}),
         "flash": frozenset({"attach", "control", "elastic", "graceful", "stephooks"}),
-        "resilient": frozenset({"flash"}),
+        "resilient": frozenset({"attach", "control", "flash"}),
         # The re-exports: nothing of the trainer imports the package itself.
         "api": frozenset({"attach", "flash", "graceful"}),
         "hf": frozenset({"control", "elastic", "graceful"}),

@@ -23,6 +23,7 @@ class CommandKind:
     FLUSH = 1  # save a flash checkpoint at the next step boundary and persist it
     EXIT = 2  # flush, then leave the training loop (all ranks at the same step)
     DUMP = 3  # write the rank's own Python stacks into a directory
+    RECOVER = 4  # recover in place: abort the process groups, run the function again
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class Sessions:
         reason: str = "",
         dump_dir: str = "",
         exit_code: int = 0,
+        verdict_time: float = 0.0,
     ) -> dict[int, str]:
         """Queues a command for the listed ranks of `job` that are connected (all when None);
         returns rank -> command id of those it was queued for."""
@@ -122,6 +124,7 @@ class Sessions:
                 reason=reason,
                 dump_dir=dump_dir,
                 exit_code=exit_code,
+                verdict_time=verdict_time,
             )
             s.outbox.put(pb.AgentMessage(command=cmd))
             sent[rank] = cid

@@ -144,7 +144,11 @@ OPTIONS = OptionTable(
             choices=tuple(m.value for m in OnHang),
         ),
         Option(
-            "stop_grace", positive, 10.0, "seconds between SIGTERM and SIGKILL when stopping ranks"
+            "stop_grace",
+            positive,
+            10.0,
+            "seconds between SIGTERM and SIGKILL when stopping ranks (and, with --on-hang recover, "
+            "for a rank to answer before it is stopped)",
         ),
         Option("interval", positive, 0.5, "seconds between checks (deaths are seen at once)"),
         Option(

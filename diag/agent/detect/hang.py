@@ -37,12 +37,16 @@ class VerdictKind(enum.Enum):
 class OnHang(enum.Enum):
     NONE = "none"  # evidence only
     STOP = "stop"  # evidence, then SIGTERM the local ranks (SIGKILL after a grace period)
+    # evidence, then the local ranks asked to recover in place (diag.trainer.resilient); those
+    # that cannot are stopped as with STOP
+    RECOVER = "recover"
 
 
 class ActionKind(enum.Enum):
     CAPTURE_EVIDENCE = "capture-evidence"
     PERSIST_CHECKPOINT = "persist-checkpoint"
     STOP_RANKS = "stop-ranks"
+    RECOVER_RANKS = "recover-ranks"
 
 
 class EventKind(enum.Enum):
@@ -140,13 +144,15 @@ def open_incident(
 ) -> Decision:
     """An incident opened under `verdict`, this node's own or one of the job's that another
     node reported (`job/jobstop.py`): evidence, checkpoints, then (`--on-hang stop`) the live
-    ranks stopped. Until progress resumes or the ranks restart, no other incident opens."""
+    ranks stopped, or (`--on-hang recover`) asked to recover in place. Until progress resumes or the ranks restart, no other incident opens."""
     actions = [Action(ActionKind.CAPTURE_EVIDENCE, verdict)]
     if policy.persist_on_incident:
         actions.append(Action(ActionKind.PERSIST_CHECKPOINT, verdict))
     alive = tuple(sorted(r.rank for r in obs.ranks if r.alive))
     if policy.on_hang == OnHang.STOP and alive:
         actions.append(Action(ActionKind.STOP_RANKS, verdict, alive))
+    elif policy.on_hang == OnHang.RECOVER and alive:
+        actions.append(Action(ActionKind.RECOVER_RANKS, verdict, alive))
     state = replace(
         state,
         incident=verdict,

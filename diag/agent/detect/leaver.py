@@ -12,6 +12,8 @@ process group) is a leaver when another rank went on to an op of a group it belo
 never reached: a collective with a higher sequence number on that group, or a point-to-point op
 with it beyond their last exchange. It never joins that op, whatever it was doing before.
 A job that ends normally on every rank has no leaver: every rank reached the same last op.
+Groups of a world formed again since (in-place recovery) are settled history: only the groups
+of the newest world the rank was in count.
 
 Pure: snapshots in, leavers out; no clock, no I/O.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
+from diag.formats.journalmeta import world_of
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,10 @@ def _collective(
     furthest: dict[str, int],
     members: dict[str, frozenset[int]],
 ) -> Leaver | None:
+    world = max((world_of(g) for g in c.last_ops), default=0)
     for g, top in sorted(furthest.items()):
+        if world_of(g) < world:
+            continue  # a world re-formed since: its ops were given up on every rank
         mine = c.last_ops.get(g)
         reached = mine.group_seq if mine is not None else -1
         if top <= reached:

@@ -52,11 +52,13 @@ from diag.agent.evidence.pyspy import DumpTarget, Launcher
 from diag.agent.job.jobstop import Local, StopState, closed, follow, verdict_for, wants_look
 from diag.agent.job.link import JobLink, ranks_since_wall
 from diag.agent.job.nodeview import view_document
+from diag.agent.loop.inplace import Commands, ask_to_recover
 from diag.agent.loop.sinks import Sink, Stage, deliver
 from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.observe.observer import Observer
 from diag.agent.observe.rankproof import RankProof
 from diag.formats.incidentdir import incident_id_of
+from diag.formats.journalmeta import safe_job_name
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +172,10 @@ class Executor:
         dump_parallel: int = 0,
         launcher: Launcher | None = None,
         sinks: Sequence[Sink] = (),
+        commands: Commands | None = None,
     ) -> None:
         self.observer = observer
+        self.commands = commands  # the control channel's sessions (RECOVER); None: stop instead
         self.launcher = launcher  # who starts py-spy (None: this process)
         self.sinks = tuple(sinks)  # what happens after a verdict, in order (sinks.py)
         self.timeline = timeline
@@ -191,6 +195,8 @@ class Executor:
             deliver(self.sinks, Stage.BEFORE_EVIDENCE, report)
         elif action.kind == ActionKind.STOP_RANKS:
             self._stop(action.ranks)
+        elif action.kind == ActionKind.RECOVER_RANKS:
+            self._recover(action.verdict, action.ranks)
 
     def _targets(self) -> list[EvidenceTarget]:
         """Every rank's journal; a stack only of a process shown, now, to be its rank."""
@@ -289,6 +295,29 @@ class Executor:
         thread = threading.Thread(
             target=stop_processes, args=(procs, self.stop_grace), name="diag-stop", daemon=True
         )
+        thread.start()
+        self._stoppers.append(thread)
+
+    def _recover(self, verdict: Verdict, ranks: tuple[int, ...]) -> None:
+        """RECOVER to the ranks, off the watch loop (it waits up to the stop grace for their
+        answers); those that cannot recover in place are stopped."""
+        job = self._job()
+        commands = self.commands
+        if commands is None or not job:
+            self._stop(ranks)
+            return
+        # The verdict's moment on the wall clock, which the ranks on this node share: a rank
+        # whose world formed again after it has recovered from this fault already.
+        at = time.time() - max(0.0, time.monotonic() - verdict.at)
+
+        def run() -> None:
+            outcome = ask_to_recover(
+                commands, safe_job_name(job), ranks, verdict.summary, at, self.stop_grace
+            )
+            if outcome.to_stop:
+                self._stop(outcome.to_stop)
+
+        thread = threading.Thread(target=run, name="diag-recover", daemon=True)
         thread.start()
         self._stoppers.append(thread)
 

@@ -137,6 +137,7 @@ class Agent:
             dump_parallel=cfg.dump_parallel,
             launcher=launcher,
             sinks=incident_sinks(self.sink_parts),
+            commands=self.checkpoints,
         )
         self.cycle = Cycle(
             self.observer,

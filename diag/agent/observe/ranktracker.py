@@ -112,7 +112,10 @@ class RankTracker:
 
     def _apply(self, rec: Record) -> None:
         t = max(rec.t_enqueue_ns, rec.t_start_ns, rec.t_end_ns) * _NS
-        self.last_activity = max(self.last_activity, t)
+        # An op that failed (its group aborted under it, a recovery in place) ended without
+        # progress: its end does not show the rank moving again after an incident.
+        moved = max(rec.t_enqueue_ns, rec.t_start_ns) * _NS if rec.state == OpState.FAILED else t
+        self.last_activity = max(self.last_activity, moved)
         if rec.kind == RecordKind.STEP:
             self._note_step(rec.step, rec.t_end_ns * _NS)
             return

@@ -25,12 +25,12 @@ from typing import Any
 
 from diag.formats.rundir import control_socket_candidates
 from diag.formats.untrusted import UntrustedInput
+from diag.trainer.control import immediate
 from diag.trainer.control.dumpbase import DumpBases
 from diag.trainer.control.grpcthreads import channel_threads_since
 from diag.trainer.control.identity import ClientIdentity, ResumeNote
 from diag.trainer.control.message import (
     AgentCommand,
-    CommandKind,
     PersistAck,
     RefusedCommand,
     ReplicaAck,
@@ -301,8 +301,8 @@ class ControlClient:
                     log.exception("diag: handling a replica acknowledgement failed")
             return
         if isinstance(item, AgentCommand):
-            if item.kind is CommandKind.DUMP:
-                self._dump(item)
+            if immediate.is_immediate(item):  # DUMP, RECOVER: no step boundary needed
+                immediate.run(item, self.ident, self.dump_bases, self)
                 return
             if self.on_command is None:
                 self.report(item.id, False, detail="no handler for commands in this rank")
@@ -317,24 +317,6 @@ class ControlClient:
             handler(item)
         except Exception:
             log.exception("diag: handling %s from the agent failed", type(item).__name__)
-
-    def _dump(self, cmd: AgentCommand) -> None:
-        """DUMP needs no step boundary: it runs here, on the control thread, while the training
-        thread may be stuck in a collective (it cannot run while another thread holds the GIL)."""
-        from diag.trainer.control.selfdump import write_own_dump
-
-        i = self.ident
-        try:
-            path = write_own_dump(
-                cmd.dump_dir, self.dump_bases, rank=i.rank, world_size=i.world_size,
-                local_rank=i.local_rank, node=i.node,
-            )  # fmt: skip
-            self.report(cmd.id, True, path=str(path))
-        except UntrustedInput as e:
-            log.warning("diag: refused to write a stack dump: %s", e)
-            self.report(cmd.id, False, detail=f"refused: {e}")
-        except OSError as e:
-            self.report(cmd.id, False, detail=f"cannot write the dump: {e}")
 
     def _send(self) -> None:
         import grpc

@@ -21,6 +21,7 @@ MAX_PATH = 4096
 INT64_MAX = 2**63 - 1
 MAX_SECONDS = 1e9
 MAX_PID = 2**31 - 1
+MAX_WALL = 1e11  # Unix seconds: past year 5000
 
 
 class CommandKind(enum.IntEnum):
@@ -29,6 +30,7 @@ class CommandKind(enum.IntEnum):
     FLUSH = 1
     EXIT = 2
     DUMP = 3
+    RECOVER = 4
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class AgentCommand:
     reason: str = ""
     dump_dir: str = ""  # DUMP: where the agent wants the stack file (checked again on writing)
     exit_code: int = 0  # EXIT
+    verdict_time: float = 0.0  # RECOVER: when the agent reached its verdict (Unix seconds)
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,12 @@ def command_of(cmd: Any, source: str) -> AgentCommand:
             raise UntrustedInput(source, "the dump directory is too long or has a NUL byte")
         if kind is CommandKind.DUMP and not dump_dir:
             raise UntrustedInput(source, "DUMP names no directory")
+        at = float(cmd.verdict_time)
+        if not math.isfinite(at) or not 0.0 <= at <= MAX_WALL:
+            raise UntrustedInput(source, f"verdict time {at!r} is not a time")
     except UntrustedInput as e:
         raise RefusedCommand(source, e.problem, cid) from None
-    return AgentCommand(cid, kind, reason, dump_dir, exit_code)
+    return AgentCommand(cid, kind, reason, dump_dir, exit_code, at)
 
 
 def ack_of(ack: Any, source: str) -> PersistAck:

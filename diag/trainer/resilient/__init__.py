@@ -2,7 +2,7 @@
 generation of the world and run the training function again from the newest step every rank
 holds in memory.
 
-May import: trainer.flash.
+May import: trainer.attach, trainer.control, trainer.flash.
 """
 
 from diag.trainer.resilient.membership import Interrupted, RecoveryError

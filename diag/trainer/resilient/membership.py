@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,7 @@ class Membership:
         self._faulted: int | None = None  # the generation this rank knows had a fault
         self._recovering = False
         self._reason = ""
+        self._formed_at = 0.0  # Unix seconds: when this generation formed
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
         self._previous = signal.signal(INTERRUPT_SIGNAL, self._on_signal)
@@ -124,6 +126,7 @@ class Membership:
         dist.distributed_c10d._set_pg_timeout(timeout)
         with self._lock:
             self.generation = generation
+            self._formed_at = time.time()
             self._faulted = None
             self._recovering = False
             self._reason = ""
@@ -158,6 +161,20 @@ class Membership:
         this rank's groups are aborted and its main thread interrupted. Thread-safe."""
         self.post(reason)
         self._fault(self.generation, reason)
+
+    def on_verdict(self, reason: str, verdict_time: float) -> str:
+        """The agent's hang verdict, reached at `verdict_time` (Unix seconds, 0: unknown): a
+        fault in this generation unless the world formed again after it (the ranks' own
+        timeout came first). Returns what this rank does, in words."""
+        with self._lock:
+            g, formed = self.generation, self._formed_at
+            busy = self._faulted == g or self._recovering
+        if busy:
+            return f"recovering in place already (generation {g})"
+        if g and verdict_time and formed > verdict_time:
+            return f"recovered already: generation {g} formed {formed - verdict_time:.1f} s after the verdict"
+        self.interrupt(reason)
+        return f"recovering in place from generation {g}"
 
     def close(self) -> None:
         self._stop.set()

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from diag.trainer.attach import new_world
+from diag.trainer.control import immediate
 from diag.trainer.resilient.attempt import destroy_engines, end_attempt, forget_deepspeed_state
 from diag.trainer.resilient.membership import Interrupted, Membership, RecoveryError, WorldSpec
 from diag.trainer.resilient.recovery import (
@@ -38,6 +40,7 @@ from diag.trainer.resilient.recovery import (
     recovered,
     reform_failed,
 )
+from diag.trainer.resilient.waiting import interruptible_waits
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,14 @@ def interrupt(reason: str) -> bool:
     return True
 
 
+def _on_verdict(reason: str, verdict_time: float) -> immediate.RecoverAnswer:
+    """The agent's RECOVER (on the control thread)."""
+    m = _current
+    if m is None:
+        return immediate.RecoverAnswer(False, immediate.NOT_RESILIENT)
+    return immediate.RecoverAnswer(True, m.on_verdict(reason, verdict_time))
+
+
 def _run(
     fn: Callable[..., T],
     args: tuple[Any, ...],
@@ -109,6 +120,8 @@ def _run(
     spec, _calls = replace(spec, call=_calls), _calls + 1
     member = Membership(spec)
     _current = member
+    immediate.recover_with(_on_verdict)
+    restore_waits = interruptible_waits(spec.backend)
     history, fault_text, fault_at, seconds = History(), "", 0.0, 0.0
     stale: list[Any] = []  # the failed attempt's engines, destroyed once the next world formed
     try:
@@ -120,6 +133,7 @@ def _run(
                 d = reform_failed(history, f"{type(e).__name__}: {e}")
                 log.error("diag: %s", d.reason)
                 raise RecoveryError(d.reason) from e
+            new_world(history.generation)
             destroy_engines(stale)
             if fault_at:
                 seconds = time.monotonic() - fault_at
@@ -143,6 +157,8 @@ def _run(
             fault_text = f"{d.reason}: {_short(error)}"
             history = recovered(history, d, fault_at)
     finally:
+        restore_waits()
+        immediate.recover_with(None)
         _current = None
         member.close()
         if dist.is_initialized():  # after a return (the function may have destroyed it)

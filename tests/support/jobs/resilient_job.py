@@ -40,6 +40,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3.0, help="collective timeout, seconds")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument(
+        "--attach", action="store_true",
+        help="diag.trainer.attach(engine) in each attempt: the agent watches the job (and its "
+        "hang verdict, with --on-hang recover, is what interrupts the hung rank)",
+    )  # fmt: skip
+    p.add_argument(
         "--plain", action="store_true",
         help="no wrapper: the script forms its group and a fault ends the process (the launcher "
         "restarts every rank; no hang after a restart): the baseline of bench/resilient_bench.py",
@@ -114,6 +119,8 @@ def stage(args: argparse.Namespace, zero: int, out: Path, name: str, hangs: list
         # The ranks start the engine together: its groups connect within the short timeout.
         torch.distributed.barrier()
         engine = tiny_engine(h, tiny_config(zero))
+        if args.attach:
+            diag.trainer.attach(engine, job=job)
         ckpt = diag.trainer.FlashCheckpointer(engine, save_dir, job=job, control=False)
         start = ckpt.load() or 0
         if hangs:
