@@ -39,21 +39,6 @@ MAX_SECONDS = 1e9
 MAX_EPOCH = 1e11  # seconds since 1970: a start time beyond the year 5000 is no start time
 
 
-WORLD_MARK = "@"  # "<torch's name>@<generation>": a group of a world formed again in place
-
-
-def group_in_world(name: str, generation: int) -> str:
-    """The journal's name of torch's group `name` in world `generation` (diag.trainer.resilient
-    forms the world again after a fault, and torch names its groups afresh: "0", "1", ...)."""
-    return f"{name}{WORLD_MARK}{generation}" if generation else name
-
-
-def world_of(group: str) -> int:
-    """The generation of the world a journal's group belongs to (0: the first, or no wrapper)."""
-    _, mark, tail = group.rpartition(WORLD_MARK)
-    return int(tail) if mark and tail.isdigit() and len(tail) < 10 else 0
-
-
 @dataclass(frozen=True)
 class GroupInfo:
     index: int  # what records store in their `group` field

@@ -28,7 +28,6 @@ from diag.formats.journal import DEFAULT_CAPACITY, CloseReason, JournalStatus
 from diag.formats.journalmeta import (
     GroupInfo,
     JournalMeta,
-    group_in_world,
     journal_path,
     write_meta,
 )
@@ -41,6 +40,7 @@ from diag.formats.rundir import (
     node_name,
     pid_namespace,
 )
+from diag.formats.worlds import group_in_world
 from diag.trainer.graceful.teardown import quiesce_at_exit
 from diag.trainer.stephooks import StepHook, add_step_hook
 

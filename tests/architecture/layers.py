@@ -80,6 +80,7 @@ PURE = (
     "diag.formats.exitcodes",
     "diag.formats.records",
     "diag.formats.refusals",
+    "diag.formats.worlds",
 )
 
 # The standard library a pure module may import: computation on values only. `module.Name`

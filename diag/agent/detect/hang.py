@@ -84,6 +84,10 @@ class WatchState:
     activity_at_incident: tuple[tuple[int, float], ...] = ()
     job_ended: bool = False
     warned_no_steps: bool = False
+    # When the last incident ended (progress resumed): no rank is judged on the time before it.
+    # A world recovered in place goes on in the same attempt, each rank only once it has torn
+    # down its last generation and formed the next.
+    resumed_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -124,11 +128,11 @@ def decide(state: WatchState, obs: Observation, policy: Policy) -> Decision:
     if state.incident is not None:
         if _progressed_since(state, obs):
             events.append(Event(EventKind.RECOVERED, "progress resumed after the incident"))
-            state = replace(state, incident=None, activity_at_incident=())
+            state = replace(state, incident=None, activity_at_incident=(), resumed_at=obs.now)
         else:
             return Decision(_job_end(state, obs, events), events=tuple(events))
 
-    verdict = _rank_exit_verdict(obs) or _hang_verdict(obs, policy)
+    verdict = _rank_exit_verdict(obs) or _hang_verdict(_since(obs, state.resumed_at), policy)
     if verdict is None:
         return Decision(_job_end(state, obs, events), events=tuple(events))
 
@@ -297,6 +301,17 @@ def _span(ranks: list[int]) -> str:
     if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
         return f"ranks {ranks[0]}-{ranks[-1]}"
     return "ranks " + ", ".join(map(str, ranks))
+
+
+def _since(obs: Observation, resumed_at: float | None) -> Observation:
+    """The observation with every rank's clock started no earlier than `resumed_at`."""
+    if resumed_at is None or all(r.last_activity >= resumed_at for r in obs.ranks):
+        return obs
+    ranks = tuple(
+        r if r.last_activity >= resumed_at else replace(r, last_activity=resumed_at)
+        for r in obs.ranks
+    )
+    return replace(obs, ranks=ranks)
 
 
 def _hang_verdict(obs: Observation, policy: Policy) -> Verdict | None:

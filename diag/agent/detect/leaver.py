@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diag.agent.detect.observation import Liveness, Observation, OpView, RankSnapshot
-from diag.formats.journalmeta import world_of
+from diag.formats.worlds import world_of
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from diag.trainer.resilient.waiting import Graveyard
+
 log = logging.getLogger(__name__)
 
 INTERRUPT_SIGNAL = signal.SIGRTMIN + 5  # unused by torch, Python and diag's graceful exit
 POLL_S = 0.05
+_UNRELEASED: list[Graveyard] = []  # kept to the process's end: freeing them would block
 FORM_TIMEOUT_S = 300.0  # every rank joins a generation within this (a slow one tears down first)
 
 
@@ -99,6 +102,7 @@ class Membership:
         self._recovering = False
         self._reason = ""
         self._formed_at = 0.0  # Unix seconds: when this generation formed
+        self.graveyard = Graveyard()
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
         self._previous = signal.signal(INTERRUPT_SIGNAL, self._on_signal)
@@ -151,6 +155,8 @@ class Membership:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if self.spec.backend == "gloo":  # freed only once no abandoned work runs in them
+                self.graveyard.keep(list(dist.distributed_c10d._world.pg_map))
             with contextlib.suppress(Exception):
                 dist.distributed_c10d._abort_process_group()
         if self.spec.backend == "nccl":
@@ -180,6 +186,8 @@ class Membership:
         self._stop.set()
         if self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5.0)
+        if self.graveyard.release():  # a work still runs: not freed here, on the main thread
+            _UNRELEASED.append(self.graveyard)
         with contextlib.suppress(ValueError, TypeError):
             signal.signal(INTERRUPT_SIGNAL, self._previous)
         self._watch_store = self._store = None  # their connections close with them
@@ -194,6 +202,7 @@ class Membership:
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
+            self.graveyard.release()
             with self._lock:
                 g, quiet = self.generation, self._faulted is None and not self._recovering
             if quiet and self._posted(self._watch_store, g):

@@ -187,3 +187,51 @@ def test_command_to_a_rank_that_never_listened_is_not_sent(run_dir: Path, agents
     agent.manager.sessions.register(RankKey(JOB, 0), 1234)  # registered, no stream
     assert agent.manager.send_command(JOB, CommandKind.EXIT) == {}
     assert json.dumps(agent.manager.wait_reports([], 0.1)) == "{}"
+
+
+@pytest.mark.timeout(60)
+def test_recover_is_taken_by_a_rank_that_recovers_and_stops_the_rest(
+    run_dir: Path, agents, clients
+) -> None:
+    """--on-hang recover's exchange over the real channel: RECOVER reaches the rank's recovery
+    with the verdict's reason and time; without a recovery the rank says so and is stopped."""
+    from diag.agent.loop.inplace import ask_to_recover
+    from diag.trainer.control import immediate
+
+    agent = agents()
+    clients(0), clients(1)
+    assert wait_for(lambda: agent.manager.connected(JOB) == [0, 1])
+    heard: list[tuple[str, float]] = []
+
+    def recovery(reason: str, verdict_time: float) -> immediate.RecoverAnswer:
+        heard.append((reason, verdict_time))
+        return immediate.RecoverAnswer(True, "recovering in place from generation 0")
+
+    immediate.recover_with(recovery)
+    try:
+        out = ask_to_recover(agent.manager, JOB, (0, 1, 2), "hang: rank 1\x1b[2J", 1234.5, 10)
+    finally:
+        immediate.recover_with(None)
+    assert out.taken == (0, 1) and out.to_stop == ()  # rank 2 is not connected: not asked
+    assert dict(out.answers)[2].startswith("not connected")
+    # Each client took it (both live in this process); the terminal escape was dropped.
+    assert heard == [("the agent's verdict: hang: rank 1", 1234.5)] * 2
+
+    out = ask_to_recover(agent.manager, JOB, (0, 1), "hang", 0.0, 10)
+    assert out.taken == () and out.to_stop == (0, 1), "nobody recovers: every rank is stopped"
+    assert all(immediate.NOT_RESILIENT in said for _, said in out.answers)
+
+
+def test_ranks_that_cannot_recover_or_stay_silent_are_stopped() -> None:
+    from diag.agent.checkpoint.sessions import CommandReport
+    from diag.agent.loop.inplace import judge
+
+    sent = {0: "c1", 1: "c2", 2: "c3"}
+    reports = {
+        "c1": CommandReport("c1", 0, True, "recovering"),
+        "c3": CommandReport("c3", 2, False, "not under it"),
+    }
+    out = judge((0, 1, 2, 3), sent, reports)
+    assert out.taken == (0,) and out.to_stop == (1, 2), "silent (1) and refusing (2) are stopped"
+    assert "no answer" in dict(out.answers)[1] and dict(out.answers)[3].startswith("not connected")
+    assert judge((0, 1), {0: "c1"}, {}).to_stop == (0, 1), "nobody took it: all stopped"

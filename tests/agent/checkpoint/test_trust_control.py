@@ -284,6 +284,8 @@ def test_values_out_of_range_are_not_acted_on(run_dir: Path, clients) -> None:
         cmd("no-kind", pb.COMMAND_KIND_UNSPECIFIED),
         cmd("long-reason", pb.COMMAND_KIND_FLUSH, reason="r" * 100_000),
         cmd("bad\x1b[2Jid", pb.COMMAND_KIND_FLUSH),
+        cmd("nan-time", pb.COMMAND_KIND_RECOVER, verdict_time=float("nan")),
+        cmd("neg-time", pb.COMMAND_KIND_RECOVER, verdict_time=-1.0),
         ack(step=-5, ok=True),
         ack(step=3, ok=True, bytes=-1),
         ack(step=4, ok=True, seconds=float("nan")),
@@ -302,14 +304,17 @@ def test_values_out_of_range_are_not_acted_on(run_dir: Path, clients) -> None:
         client.on_command = got.append
         client.on_ack = acks.append
         assert wait_for(lambda: len(got) == 1 and len(acks) == 1)
-        assert wait_for(lambda: len(script.reports) == 5)
+        assert wait_for(lambda: len(script.reports) == 7)
         time.sleep(0.3)
         assert [(c.id, c.exit_code, c.reason) for c in got] == [("fine", 143, "ok")]
         assert [(a.step, a.bytes) for a in acks] == [(9, 10)]
         refused = {r.command_id: r.detail for r in script.reports}
-        assert sorted(refused) == ["big-exit", "long-reason", "neg-exit", "no-kind", "odd-kind"]
+        assert sorted(refused) == [
+            "big-exit", "long-reason", "nan-time", "neg-exit", "neg-time", "no-kind", "odd-kind",
+        ]  # fmt: skip
         assert all(not r.ok and "refused" in r.detail for r in script.reports)
         assert "exit code" in refused["big-exit"] and "kind 7" in refused["odd-kind"]
+        assert "not a time" in refused["nan-time"] and "not a time" in refused["neg-time"]
     finally:
         server.stop(0)
 

@@ -144,6 +144,16 @@ def test_rank_behind_and_idle_is_the_culprit() -> None:
     assert v.expired_at == pytest.approx(NOW - 10 + 2.5)  # limit 5 x 0.5 s
 
 
+def test_on_hang_recover_asks_the_live_ranks_to_recover_in_place() -> None:
+    waiting = [rank(r, last=NOW - 10, pending=(op(42, NOW - 10),)) for r in (0, 1, 3)]
+    culprit = rank(2, last=NOW - 10, last_seq=41)
+    dead = rank(4, liveness=Liveness.DIED, exited_at=NOW - 20, last=NOW - 20)
+    d = _decide(obs(*waiting, culprit, dead), OnHang.RECOVER)
+    assert d.verdict is not None
+    assert [a.kind for a in d.actions] == [ActionKind.CAPTURE_EVIDENCE, ActionKind.RECOVER_RANKS]
+    assert d.actions[1].ranks == (0, 1, 2, 3), "the live ranks: a dead one takes no command"
+
+
 def test_dead_rank_is_an_incident_at_once_and_first_to_die_is_culprit() -> None:
     o = obs(
         rank(0, pending=(op(42, NOW - 0.5),)),
@@ -226,6 +236,31 @@ def test_wait_chain_leads_to_the_idle_rank() -> None:
     r2 = rank(2, last=NOW - 10, last_seq=2, group="1")
     s = find_suspects(obs(r0, r1, r2, groups=groups))
     assert [x.rank for x in s] == [2]
+
+
+def test_after_a_recovery_in_place_no_rank_is_judged_on_the_time_before_it() -> None:
+    # Rank 1 hung; the world recovered in place (same attempt). At the first check after it,
+    # rank 1 already waits in the new world's first collective, while rank 0 is still tearing
+    # its last generation down: silent since before the incident, but not for a limit since.
+    hung = [
+        rank(0, last=NOW - 10, pending=(op(42, NOW - 10),)),
+        rank(1, last=NOW - 10, last_seq=41),
+    ]
+    first = _decide(obs(*hung), OnHang.RECOVER)
+    assert first.verdict is not None
+    back = obs(
+        rank(0, last=NOW - 10, last_seq=42), rank(1, last=NOW, pending=(op(1, NOW, group="0@1"),))
+    )
+    resumed = _decide(back, OnHang.RECOVER, first.state)
+    assert [e.kind for e in resumed.events] == [EventKind.RECOVERED] and resumed.verdict is None
+    # The same silence, a ceiling (60 s) after the recovery: a hang again.
+    later = replace(
+        back,
+        now=NOW + 61,
+        ranks=tuple(replace(r, last_activity=r.last_activity) for r in back.ranks),
+    )
+    again = _decide(later, OnHang.RECOVER, resumed.state)
+    assert again.verdict is not None and again.verdict.culprit == 0, again.verdict
 
 
 def test_all_inside_the_same_collective_names_the_last_arrival_weakly() -> None:

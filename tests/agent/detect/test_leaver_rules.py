@@ -80,6 +80,30 @@ def test_a_job_that_ends_normally_on_every_rank_is_no_incident() -> None:
     assert [e.kind for e in d.events] == [EventKind.JOB_ENDED]
 
 
+def test_a_world_formed_again_in_place_settles_the_last_worlds_ops() -> None:
+    # Generation 0's all-reduce #21 failed on rank 0 when the world was aborted (recovery in
+    # place); both ranks then trained in generation 1 ("0@1") and ended at the same op there.
+    def ended(r: int, gen0: OpView) -> object:
+        return replace(
+            left(r),
+            last_ops={"0": gen0, "0@1": op(9, NOW - 3.3, OpState.COMPLETED)},
+        )
+
+    o = obs(
+        ended(0, op(21, NOW - 8, OpState.FAILED, t_end=NOW - 6)),
+        ended(1, op(20, NOW - 9, OpState.COMPLETED)),
+        groups={"0": (0, 1), "0@1": (0, 1)},
+    )
+    assert find_leavers(o) == []
+    assert _decide(o).verdict is None
+    # Without the world mark, the same ops are a leaver: rank 1 never reached #21.
+    o = obs(
+        ended(0, op(21, NOW - 8, OpState.FAILED, t_end=NOW - 6)),
+        replace(left(1), last_ops={"0": op(20, NOW - 9, OpState.COMPLETED)}),
+    )
+    assert [lv.rank.rank for lv in find_leavers(o)] == [1]
+
+
 def test_ops_on_a_group_it_is_not_in_do_not_need_it() -> None:
     sub = op(5, NOW - 1, group="sub")
     o = obs(

@@ -119,7 +119,7 @@ def stage(args: argparse.Namespace, zero: int, out: Path, name: str, hangs: list
         # The ranks start the engine together: its groups connect within the short timeout.
         torch.distributed.barrier()
         engine = tiny_engine(h, tiny_config(zero))
-        if args.attach:
+        if args.attach and hangs:  # the stage with faults: one job name per process
             diag.trainer.attach(engine, job=job)
         ckpt = diag.trainer.FlashCheckpointer(engine, save_dir, job=job, control=False)
         start = ckpt.load() or 0
