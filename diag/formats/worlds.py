@@ -19,4 +19,4 @@ def group_in_world(name: str, generation: int) -> str:
 def world_of(group: str) -> int:
     """The generation of the world a journal's group belongs to (0: the first, or no wrapper)."""
     _, mark, tail = group.rpartition(WORLD_MARK)
-    return int(tail) if mark and tail.isdigit() and len(tail) < 10 else 0
+    return int(tail) if mark and tail.isascii() and tail.isdigit() and len(tail) < 10 else 0
