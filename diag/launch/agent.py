@@ -40,9 +40,34 @@ class SpareAgent(SimpleElasticAgent):
         self._spares = Spares(rules.spares)
         self._replaced = 0  # replacements made: each spends one of --max-restarts
         self._client: Any = None  # a client of the workers' store (MASTER_ADDR:MASTER_PORT)
+        self._worker_store: Any = None  # node 0: the workers' store of this attempt
         self.outcome = ""  # why the launch ended, one line
 
     # -- SimpleElasticAgent's hooks ----------------------------------------------------------------
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """torchrun's rendezvous, then a store of this attempt's own for the workers, hosted by
+        the node-0 launcher (it outlives the ranks, as torchrun's agent store): the store
+        torchrun shares across restarts keeps the last attempt's keys, and the restarted ranks'
+        gloo connect then reads a dead rank's address (seen under torchrun itself, a rank
+        killed, torch 2.13)."""
+        super()._rendezvous(worker_group)
+        import torch.distributed as dist
+
+        wg = worker_group
+        restart_count = wg.spec.max_restarts - self._remaining_restarts
+        key = f"diag/launch/store/{restart_count}"
+        store = self._store
+        assert store is not None
+        if wg.group_rank == 0:
+            self._worker_store = dist.TCPStore(
+                "0.0.0.0", 0, None, True, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
+                wait_for_workers=False,
+            )  # fmt: skip
+            store.set(key, str(self._worker_store.port))
+        port = int(store.get(key))
+        wg.master_port = port
+        self._client = None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         spec = worker_group.spec

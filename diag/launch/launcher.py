@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from diag.formats.exitcodes import UsageError
 from diag.launch import workerpolicy as core
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,23 @@ def launch(a: LaunchArgs) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
+    try:
+        config = _config(torchrun, a)
+    except (ValueError, AssertionError, SystemExit) as e:  # torchrun's own checks of its input
+        raise UsageError(f"torchrun's arguments: {e or 'see diag launch --help'}") from None
+    params = RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
+        run_id=config.run_id or str(uuid.uuid4().int), min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes, local_addr=config.local_addr, **config.rdzv_configs,
+    )  # fmt: skip
+    master_addr, master_port = _static_master(params)
+    spec = _spec(config, a, rdzv_registry.get_rendezvous_handler(params), master_addr,
+                 master_port)  # fmt: skip
+    return _run(spec, core.Policy(spares=a.spares), SignalException)
+
+
+def _config(torchrun: Any, a: LaunchArgs) -> Any:
+    """torchrun's LaunchConfig from torchrun's parser, with its defaults for one node."""
     args = torchrun.get_args_parser().parse_args([*a.torchrun, a.script, *a.script_args])
     if a.standalone:  # a store of its own on this node, as torchrun --standalone
         args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
@@ -47,15 +65,7 @@ def launch(a: LaunchArgs) -> int:
     if args.master_port is None:
         args.master_port = 29500
     config, _, _ = torchrun.config_from_args(args)
-    params = RendezvousParameters(
-        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
-        run_id=config.run_id or str(uuid.uuid4().int), min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes, local_addr=config.local_addr, **config.rdzv_configs,
-    )  # fmt: skip
-    master_addr, master_port = _static_master(params)
-    spec = _spec(config, a, rdzv_registry.get_rendezvous_handler(params), master_addr,
-                 master_port)  # fmt: skip
-    return _run(spec, core.Policy(spares=a.spares), SignalException)
+    return config
 
 
 def _static_master(params: Any) -> tuple[str | None, int | None]:
@@ -92,9 +102,10 @@ def _run(spec: Any, rules: core.Policy, signal_exception: Any) -> int:
     keep_rendezvous = False
     try:
         result = agent.run()
-    except signal_exception:
+    except signal_exception as e:  # the agent has stopped the workers and spares
         keep_rendezvous = True  # as torchrun: a signalled agent leaves the rendezvous open
-        raise
+        log.warning("diag launch: stopped by signal %d", int(e.sigval))
+        return 128 + int(e.sigval)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

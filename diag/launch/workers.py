@@ -21,6 +21,8 @@ from diag.launch.spare import Order
 
 log = logging.getLogger(__name__)
 
+SPARE_DEATHS = 3  # spares that die waiting before the launcher stops starting them
+
 
 @dataclass
 class Proc:
@@ -53,9 +55,19 @@ class Spares:
 
     size: int
     waiting: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    died: int = 0  # spares that exited without an order
 
     def fill(self) -> None:
+        for p in self.waiting:
+            if p.poll() is not None:
+                self.died += 1
+                log.warning("diag launch: a spare exited with %s before it took a rank",
+                            p.returncode)  # fmt: skip
         self.waiting = [p for p in self.waiting if p.poll() is None]
+        if self.died >= SPARE_DEATHS and self.size:  # not a loop of processes that die at once
+            log.warning("diag launch: %d spares died waiting: no more spares (a replacement "
+                        "is a new process)", self.died)  # fmt: skip
+            self.size = 0
         while len(self.waiting) < self.size:
             cmd = [sys.executable, "-u", "-m", "diag.launch.spare"]
             self.waiting.append(

@@ -11,7 +11,7 @@ flash save of step K_i for its i-th hang (--hang-mode sleep: a long time.sleep; 
 Python loop; kill: SIGKILL, for diag launch to replace the rank; --hang-modes gives one per
 stage); its peers' next collective times out after --timeout seconds (or fails at once on a
 killed peer) and every rank recovers in place. A replacement runs the script from the top and
-joins the run going on: with kill, give one stage and --no-reference. Rank 0 appends each step's loss (with the
+joins the run going on (it skips the reference): with kill, give one stage. Rank 0 appends each step's loss (with the
 generation) to O/z<stage>/loss.jsonl; every rank appends to O/z<stage>/attempts-<rank>.jsonl, at
 the start of each attempt, where it started from and what the process holds (threads, fds,
 sockets, shared-memory entries, RSS), and writes O/z<stage>/result-<rank>.json at the end.
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, zero in enumerate(int(z) for z in args.zero.split(",")):
         out = Path(args.out) / f"z{zero}"
         out.mkdir(parents=True, exist_ok=True)
-        if not args.no_reference:
+        # A replacement (diag launch) joins the run going on: the loss stage's.
+        if not args.no_reference and os.environ.get("DIAG_RESILIENT_JOIN") != "1":
             stage(args, zero, out, "reference", [], "sleep")
         hangs = [int(s) for s in args.hang_steps.split(",") if s]
         stage(args, zero, out, "loss", hangs, modes[i % len(modes)])
@@ -124,7 +125,7 @@ def stage(args: argparse.Namespace, zero: int, out: Path, name: str, hangs: list
         engine = tiny_engine(h, tiny_config(zero))
         ckpt = diag.trainer.FlashCheckpointer(engine, save_dir, job=job, control=False)
         start = ckpt.load() or 0
-        if hangs:
+        if hangs or (args.plain and name == "loss"):  # a restarted plain launch hangs no more
             probe(out / f"attempts-{world.rank}.jsonl", {
                 "generation": world.generation, "start": start,
                 "restored_s": time.monotonic() - t0, "recovery_s": world.last_recovery_seconds,

@@ -1,0 +1,117 @@
+"""A killed rank's cost: diag launch with a warm spare and `@resilient` (the survivor keeps its
+process, the spare takes the dead rank) against plain torchrun's restart of every worker, and
+diag launch with no spare (`--spares 0`: the replacement is a new process, a cold start). The
+same 2-rank ZeRO-2 CPU job (tests/support/jobs/resilient_job.py), rank 1 SIGKILLed right after
+the flash save of a step; the stacks alternating, side by side in one run.
+
+The cost is from the kill to the first step trained after it (rank 0's clock, which survives or
+is restarted on the same machine). torchrun's restart of a killed rank's job sometimes fails here
+(torch 2.13 keeps the workers' store across restarts, and gloo's connect can read the dead
+rank's address): such a round is run again and counted.
+
+    .venv/bin/python bench/spare_bench.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SUPPORT = REPO / "tests" / "support"
+JOB = SUPPORT / "jobs" / "resilient_job.py"
+sys.path.insert(0, str(SUPPORT))
+import repo  # noqa: E402  (tests/support: where every helper folder is)
+
+repo.on_sys_path()
+
+STACKS = ("spare", "cold start", "torchrun")
+TRIES = 3  # a torchrun round whose restart failed to connect is run again, up to this often
+
+
+def command(stack: str, root: Path, steps: int, kill_step: int) -> list[str]:
+    job = [
+        str(JOB), "--zero", "2", "--no-reference", "--steps", str(steps),
+        "--hang-steps", str(kill_step), "--hang-modes", "kill", "--timeout", "30",
+        "--save-dir", str(root / "ckpt"), "--out", str(root / "out"),
+    ]  # fmt: skip
+    if stack == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "--max-restarts", "1", *job, "--plain"]  # fmt: skip
+    spares = "1" if stack == "spare" else "0"
+    return [sys.executable, "-m", "diag.cli.main", "launch", "--standalone", "--nproc-per-node",
+            "2", "--max-restarts", "1", "--spares", spares, *job]  # fmt: skip
+
+
+def one(stack: str, steps: int, kill_step: int) -> dict[str, float] | None:
+    """The round's figures, or None when torchrun's restart failed to connect."""
+    root = Path(tempfile.mkdtemp(prefix="diag-bench-spare-"))
+    run_dir = Path(tempfile.mkdtemp(prefix="diag-bench-spare-run-", dir="/dev/shm"))
+    env = dict(os.environ, DIAG_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1",
+               PYTHONPATH=repo.pythonpath())  # fmt: skip
+    try:
+        with open(root / "job.log", "wb") as log:
+            rc = subprocess.run(command(stack, root, steps, kill_step), env=env, stdout=log,
+                                stderr=subprocess.STDOUT, timeout=600, check=False).returncode  # fmt: skip
+        text = (root / "job.log").read_text(errors="replace")
+        if rc != 0:
+            if stack == "torchrun" and "connectFullMesh failed" in text:
+                return None
+            raise SystemExit(f"{stack}: the job failed ({rc}):\n{text[-3000:]}")
+        out = root / "out" / "z2"
+        kill = json.loads((out / "hang.json").read_text())
+        lines = [json.loads(x) for x in (out / "loss.jsonl").read_text().splitlines()]
+        after = [x for x in lines if x["step"] == kill["step"] + 1]
+        step_s = (lines[kill_step - 1]["t"] - lines[0]["t"]) / max(1, kill_step - 1)
+        return {"cost_s": after[-1]["t"] - kill["t"], "step_s": step_s}
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--kill-step", type=int, default=3)
+    args = p.parse_args()
+    got: dict[str, list[dict[str, float]]] = {s: [] for s in STACKS}
+    failed = dict.fromkeys(STACKS, 0)
+    load0 = os.getloadavg()
+    for r in range(args.rounds):
+        order = STACKS if r % 2 == 0 else STACKS[::-1]  # alternating
+        for stack in order:
+            for _ in range(TRIES):
+                t0 = time.monotonic()
+                m = one(stack, args.steps, args.kill_step)
+                if m is not None:
+                    break
+                failed[stack] += 1
+                print(f"round {r + 1} {stack:>10}: the restart failed to connect; again",
+                      flush=True)  # fmt: skip
+            else:
+                raise SystemExit(f"{stack}: the restart failed {TRIES} times in a row")
+            got[stack].append(m)
+            print(f"round {r + 1} {stack:>10}: kill to next step {m['cost_s']:6.2f} s, "
+                  f"run {time.monotonic() - t0:5.1f} s", flush=True)  # fmt: skip
+    load1 = os.getloadavg()
+    med = {s: statistics.median(x["cost_s"] for x in got[s]) for s in STACKS}
+    step = statistics.median(x["step_s"] for s in STACKS for x in got[s])
+    print(f"\nload average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end; medians of "
+          f"{args.rounds} rounds; a step takes {step * 1000:.0f} ms")  # fmt: skip
+    print(f"{'stack':>12} {'kill to next step (s)':>22} {'ratio':>6} {'failed restarts':>16}")
+    for s in STACKS:
+        print(f"{s:>12} {med[s]:>22.2f} {med[s] / med['torchrun']:>6.2f} {failed[s]:>16}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
