@@ -1,13 +1,18 @@
 """A killed rank's cost: diag launch with a warm spare and `@resilient` (the survivor keeps its
-process, the spare takes the dead rank) against plain torchrun's restart of every worker, and
-diag launch with no spare (`--spares 0`: the replacement is a new process, a cold start). The
-same 2-rank ZeRO-2 CPU job (tests/support/jobs/resilient_job.py), rank 1 SIGKILLed right after
-the flash save of a step; the stacks alternating, side by side in one run.
+process, the spare takes the dead rank) against a full restart of every worker (the job
+without `@resilient`: torchrun's policy), and diag launch with no spare (`--spares 0`: the
+replacement is a new process, a cold start). The same 2-rank ZeRO-2 CPU job
+(tests/support/jobs/resilient_job.py), rank 1 SIGKILLed right after the flash save of a step;
+the stacks alternating, side by side in one run.
+
+The full restart runs under diag launch: plain torchrun's restart of this job mostly fails here
+(torch 2.13 keeps the workers' store across restarts, and the restarted ranks' gloo connect reads
+the dead rank's address; diag launch gives each restart a store of its own). torchrun itself is
+tried once per round too (`torchrun` below): its failures are counted, its figure kept when it
+worked.
 
 The cost is from the kill to the first step trained after it (rank 0's clock, which survives or
-is restarted on the same machine). torchrun's restart of a killed rank's job sometimes fails here
-(torch 2.13 keeps the workers' store across restarts, and gloo's connect can read the dead
-rank's address): such a round is run again and counted.
+is restarted on the same machine).
 
     .venv/bin/python bench/spare_bench.py --rounds 3
 """
@@ -33,8 +38,7 @@ import repo  # noqa: E402  (tests/support: where every helper folder is)
 
 repo.on_sys_path()
 
-STACKS = ("spare", "cold start", "torchrun")
-TRIES = 3  # a torchrun round whose restart failed to connect is run again, up to this often
+STACKS = ("spare", "cold start", "full restart", "torchrun")
 
 
 def command(stack: str, root: Path, steps: int, kill_step: int) -> list[str]:
@@ -47,8 +51,9 @@ def command(stack: str, root: Path, steps: int, kill_step: int) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", "--max-restarts", "1", *job, "--plain"]  # fmt: skip
     spares = "1" if stack == "spare" else "0"
+    plain = ["--plain"] if stack == "full restart" else []
     return [sys.executable, "-m", "diag.cli.main", "launch", "--standalone", "--nproc-per-node",
-            "2", "--max-restarts", "1", "--spares", spares, *job]  # fmt: skip
+            "2", "--max-restarts", "1", "--spares", spares, *job, *plain]  # fmt: skip
 
 
 def one(stack: str, steps: int, kill_step: int) -> dict[str, float] | None:
@@ -63,7 +68,7 @@ def one(stack: str, steps: int, kill_step: int) -> dict[str, float] | None:
                                 stderr=subprocess.STDOUT, timeout=600, check=False).returncode  # fmt: skip
         text = (root / "job.log").read_text(errors="replace")
         if rc != 0:
-            if stack == "torchrun" and "connectFullMesh failed" in text:
+            if "connectFullMesh failed" in text:
                 return None
             raise SystemExit(f"{stack}: the job failed ({rc}):\n{text[-3000:]}")
         out = root / "out" / "z2"
@@ -89,27 +94,26 @@ def main() -> int:
     for r in range(args.rounds):
         order = STACKS if r % 2 == 0 else STACKS[::-1]  # alternating
         for stack in order:
-            for _ in range(TRIES):
-                t0 = time.monotonic()
-                m = one(stack, args.steps, args.kill_step)
-                if m is not None:
-                    break
+            t0 = time.monotonic()
+            m = one(stack, args.steps, args.kill_step)
+            if m is None:
                 failed[stack] += 1
-                print(f"round {r + 1} {stack:>10}: the restart failed to connect; again",
-                      flush=True)  # fmt: skip
-            else:
-                raise SystemExit(f"{stack}: the restart failed {TRIES} times in a row")
+                print(f"round {r + 1} {stack:>12}: the restart failed to connect", flush=True)
+                continue
             got[stack].append(m)
-            print(f"round {r + 1} {stack:>10}: kill to next step {m['cost_s']:6.2f} s, "
+            print(f"round {r + 1} {stack:>12}: kill to next step {m['cost_s']:6.2f} s, "
                   f"run {time.monotonic() - t0:5.1f} s", flush=True)  # fmt: skip
     load1 = os.getloadavg()
-    med = {s: statistics.median(x["cost_s"] for x in got[s]) for s in STACKS}
+    med = {s: statistics.median(x["cost_s"] for x in got[s]) if got[s] else float("nan")
+           for s in STACKS}  # fmt: skip
     step = statistics.median(x["step_s"] for s in STACKS for x in got[s])
     print(f"\nload average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end; medians of "
           f"{args.rounds} rounds; a step takes {step * 1000:.0f} ms")  # fmt: skip
-    print(f"{'stack':>12} {'kill to next step (s)':>22} {'ratio':>6} {'failed restarts':>16}")
+    print(f"{'stack':>12} {'kill to next step (s)':>22} {'ratio':>6} {'runs':>5} "
+          f"{'restarts that failed':>21}")  # fmt: skip
     for s in STACKS:
-        print(f"{s:>12} {med[s]:>22.2f} {med[s] / med['torchrun']:>6.2f} {failed[s]:>16}")
+        print(f"{s:>12} {med[s]:>22.2f} {med[s] / med['full restart']:>6.2f} {len(got[s]):>5} "
+              f"{failed[s]:>21}")  # fmt: skip
     return 0
 
 
