@@ -3,7 +3,9 @@ flash checkpointer in the node's shared memory): rank 1 is SIGKILLed right after
 of a step. Under `@resilient` the survivor keeps its process, a warm spare (started with the
 workers, before the kill) takes rank 1 and restores the dead rank's snapshot from memory, and
 the losses after the recovery equal an uninterrupted run's. Without `@resilient` the same kill
-gives torchrun's restart of every worker (the fallback), and the job still finishes."""
+gives torchrun's restart of every worker (the fallback), and the job still finishes. Across two
+launchers (two nodes of one rank each, on loopback, through the c10d rendezvous) the node that
+lost its rank replaces it and the other node's launcher and worker are left alone."""
 
 from __future__ import annotations
 
@@ -30,17 +32,22 @@ class Launch:
     root: Path
     run_dir: Path
 
-    def run(self, name: str, *args: str, timeout: float = 240) -> int:
-        cmd = [
-            sys.executable, "-m", "diag.cli.main", "launch", "--standalone",
-            "--nproc-per-node", "2", "--max-restarts", "1", str(JOB),
-            "--zero", "2", "--steps", str(STEPS), "--hang-steps", str(KILL),
+    def command(self, name: str, launch: list[str], job: list[str]) -> list[str]:
+        return [
+            sys.executable, "-m", "diag.cli.main", "launch", *launch, "--max-restarts", "1",
+            str(JOB), "--zero", "2", "--steps", str(STEPS), "--hang-steps", str(KILL),
             "--hang-modes", "kill", "--save-dir", str(self.root / name / "ckpt"),
-            "--out", str(self.root / name / "out"), *args,
+            "--out", str(self.root / name / "out"), *job,
         ]  # fmt: skip
-        env = dict(os.environ, DIAG_RUN_DIR=str(self.run_dir), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(SUPPORT), str(SUPPORT / "jobs")]))  # fmt: skip
-        return jobrun.run(cmd, self.log(name), env, timeout)
+
+    def env(self, run_dir: Path, **extra: str) -> dict[str, str]:
+        return dict(os.environ, DIAG_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1",
+                    PYTHONPATH=os.pathsep.join([str(SUPPORT), str(SUPPORT / "jobs")]),
+                    **extra)  # fmt: skip
+
+    def run(self, name: str, *args: str, timeout: float = 240) -> int:
+        cmd = self.command(name, ["--standalone", "--nproc-per-node", "2"], list(args))
+        return jobrun.run(cmd, self.log(name), self.env(self.run_dir), timeout)
 
     def out(self, name: str) -> Path:
         return self.root / name / "out" / "z2"
@@ -133,3 +140,40 @@ def test_a_killed_rank_is_replaced_alone_under_resilient_and_restarts_every_rank
     for d in got:
         assert abs(float.fromhex(d["loss"]) - reference[d["step"]]) <= 1e-5, d
     assert not _left_behind(launch.run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_a_replacement_on_one_node_leaves_the_other_node_alone(launch: Launch) -> None:
+    """Two launchers of one rank each (nodes a and b: their own run directories and node
+    names), one c10d rendezvous on loopback; whichever node holds rank 1 loses it. The default
+    tier's equivalent is the one-node test above (the same replacement, one launcher)."""
+    port = str(jobrun.free_port())
+    procs = {}
+    for node in ("a", "b"):
+        run_dir = launch.run_dir / node
+        run_dir.mkdir()
+        cmd = launch.command("nodes", [
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+            "--local-addr", "127.0.0.1",
+        ], ["--timeout", "15"])  # fmt: skip
+        env = launch.env(run_dir, DIAG_NODE=f"node-{node}")
+        procs[node] = jobrun.start(cmd, launch.log(f"node-{node}"), env)
+    rcs = {node: jobrun.finish(p, 240) for node, p in procs.items()}
+    logs = {node: launch.tail(f"node-{node}") for node in procs}
+    assert rcs == {"a": 0, "b": 0}, logs
+    replaced = [n for n, text in logs.items() if "a warm spare takes its place" in text]
+    assert len(replaced) == 1, logs  # the node that held rank 1
+    other = "b" if replaced == ["a"] else "a"
+    assert "restarting every worker" not in logs[other] + logs[replaced[0]], logs
+    out = launch.out("nodes")
+    reference = _losses(out / "reference.jsonl")
+    got = _lines(out / "loss.jsonl")
+    assert [d["step"] for d in got] == list(range(1, STEPS + 1)), got
+    for d in got:
+        assert abs(float.fromhex(d["loss"]) - reference[d["step"]]) <= 1e-5, (d, reference)
+    survivor, spare = _lines(out / "attempts-0.jsonl"), _lines(out / "attempts-1.jsonl")
+    assert survivor[0]["pid"] == survivor[1]["pid"], survivor  # node `other` kept its worker
+    assert spare[0]["pid"] != spare[1]["pid"] and spare[1]["loaded_from"] == "memory", spare
+    assert not _left_behind(launch.run_dir / "a") and not _left_behind(launch.run_dir / "b")

@@ -173,6 +173,9 @@ class Membership:
         self._fault(self.generation, reason)
 
     def close(self) -> None:
+        # Past its `resilient` run a rank no longer recovers in place: its death is a restart.
+        with contextlib.suppress(Exception):
+            self._store.delete_key(keys.member_key(self.spec.attempt, self.spec.rank))
         self._stop.set()
         if self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5.0)
