@@ -98,7 +98,9 @@ def main() -> int:
     )  # fmt: skip
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--hang-step", type=int, default=3)
-    p.add_argument("--stacks", default=",".join(STACKS), help="comma-separated, of: " + ", ".join(STACKS))
+    p.add_argument(
+        "--stacks", default=",".join(STACKS), help="comma-separated, of: " + ", ".join(STACKS)
+    )
     args = p.parse_args()
     stacks = tuple(x.strip() for x in args.stacks.split(","))
     unknown = [x for x in stacks if x not in STACKS]

@@ -52,6 +52,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "taint this node with its evidence (plan, then apply; --dry-run prints the plan)",
     ),
     "untaint": ("diag.cli.untaintcmd", "remove diag's taint and condition from a node"),
+    "launch": (
+        "diag.cli.launchcmd",
+        "torchrun with warm spares: a dead worker is replaced alone when its rank recovers in place",
+    ),
     "demo": (
         "diag.cli.democmd",
         "run a local CPU DeepSpeed job with an injected fault under a real agent",

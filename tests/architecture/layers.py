@@ -14,7 +14,7 @@ it). Relative imports are resolved against the importing module.
 from __future__ import annotations
 
 # A room is a top-level package of diag: its folder `diag/<room>/`.
-ROOMS = ("formats", "proto", "collector", "trainer", "viewer", "agent", "cli")
+ROOMS = ("formats", "proto", "collector", "trainer", "viewer", "agent", "launch", "cli")
 
 # Which rooms each room may import (its own modules always). Anything not listed is forbidden.
 MAY_IMPORT: dict[str, frozenset[str]] = {
@@ -30,8 +30,11 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "viewer": frozenset({"formats", "proto"}),
     # The node agent: never the code that runs in the ranks, nor the viewer.
     "agent": frozenset({"formats", "proto"}),
+    # `diag launch`: torchrun's agent with warm spares, next to the ranks (it may import torch;
+    # a spare preloads the trainer, and the launcher reads the keys in-place recovery writes).
+    "launch": frozenset({"formats", "trainer"}),
     # Every entry point; nothing imports it.
-    "cli": frozenset({"formats", "proto", "collector", "trainer", "viewer", "agent"}),
+    "cli": frozenset({"formats", "proto", "collector", "trainer", "viewer", "agent", "launch"}),
 }
 
 # Imports across rooms that the table forbids but that are allowed all the same:
@@ -75,6 +78,8 @@ PURE = (
     "diag.trainer.flash.resume",
     "diag.trainer.flash.replicarounds",
     "diag.trainer.resilient.recovery",
+    "diag.trainer.resilient.storekeys",  # names in the store: in-place recovery and diag launch
+    "diag.launch.workerpolicy",  # diag launch: replace one worker, restart all, fail or done
     # The formats the cores work on: types and value checks, no I/O.
     "diag.formats.checkedjson",
     "diag.formats.exitcodes",

@@ -44,6 +44,9 @@ def _diag(*args: str, env: dict | None = None, timeout: float = 60) -> subproces
         (("agent", "--on-hang", "explode"), "invalid choice"),
         (("agent", "--config", "/nonexistent/diag.toml"), "no such file"),
         (("dump", "--pid", "999999999"), "--pid 999999999: no such process"),
+        (("launch", "--spares", "-1", "train.py"), "--spares -1: give 0 to 64"),
+        (("launch", "--nnodes", "two", "train.py"), "torchrun's arguments: invalid literal"),
+        (("launch", "--monitor-interval", "nan", "train.py"), "--monitor-interval: give a"),
     ],
 )
 def test_bad_input_is_a_clear_error_without_traceback(

@@ -19,9 +19,10 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from diag.trainer.resilient import storekeys as keys
 from diag.trainer.resilient.waiting import Graveyard
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class WorldSpec:
     attempt: int  # torchrun's restart count: a full restart gets fresh keys
     timeout_s: float  # collectives: a peer late by this much is a fault
     call: int = 0  # which `resilient` run of this process (the same on every rank)
+    join: bool = False  # a replacement: joins the generation the survivors form next
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], backend: str, timeout_s: float) -> WorldSpec:
@@ -72,11 +74,12 @@ class WorldSpec:
         if not (0 <= rank < world) or not (0 < port < 65536):
             raise RecoveryError(f"RANK {rank} of WORLD_SIZE {world}, MASTER_PORT {port}: invalid")
         agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        join = env.get(keys.JOIN_ENV, "") == "1"
         return cls(backend, rank, world, local, env["MASTER_ADDR"], port, agent, attempt,
-                   float(timeout_s))  # fmt: skip
+                   float(timeout_s), join=join)  # fmt: skip
 
     def key(self, generation: int, name: str = "") -> str:
-        return f"diag/resilient/{self.attempt}/{self.call}/{generation}/{name}"
+        return keys.generation_key(self.attempt, self.call, generation, name)
 
 
 class Membership:
@@ -99,7 +102,13 @@ class Membership:
         )
         self._lock = threading.Lock()
         self._faulted: int | None = None  # the generation this rank knows had a fault
-        self._recovering = False
+        # A replacement learns its generation (and run) before the watcher starts; until it has
+        # formed it, the watcher stays quiet (a fault of the world it replaces is not its own).
+        self.first_generation = self._join() if spec.join else 0
+        self.generation = self.first_generation
+        self._recovering = spec.join
+        with contextlib.suppress(Exception):  # diag launch replaces this rank alone if it dies
+            self._store.set(keys.member_key(spec.attempt, spec.rank), str(os.getpid()))
         self._reason = ""
         self._formed_at = 0.0  # Unix seconds: when this generation formed
         self.graveyard = Graveyard()
@@ -120,6 +129,8 @@ class Membership:
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         timeout = datetime.timedelta(seconds=s.timeout_s)
         _default_timeouts(timeout)
+        # What a replacement reads to join this generation (every rank writes the same value).
+        self._store.set(keys.forming_key(s.attempt), keys.forming_text(s.call, generation))
         store = dist.PrefixStore(s.key(generation, "pg/"), self._store)
         # The ranks arrive as they finish tearing the last generation down: a wait for the
         # slowest, not a collective on a hung peer. The collectives' timeout is set after.
@@ -128,6 +139,7 @@ class Membership:
             timeout=datetime.timedelta(seconds=max(FORM_TIMEOUT_S, s.timeout_s)),
         )  # fmt: skip
         dist.distributed_c10d._set_pg_timeout(timeout)
+        self._store.set(s.key(generation, keys.joined_name(s.rank)), "1")
         with self._lock:
             self.generation = generation
             self._formed_at = time.time()
@@ -183,6 +195,9 @@ class Membership:
         return f"recovering in place from generation {g}"
 
     def close(self) -> None:
+        # Past its `resilient` run a rank no longer recovers in place: its death is a restart.
+        with contextlib.suppress(Exception):
+            self._store.delete_key(keys.member_key(self.spec.attempt, self.spec.rank))
         self._stop.set()
         if self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5.0)
@@ -191,6 +206,33 @@ class Membership:
         with contextlib.suppress(ValueError, TypeError):
             signal.signal(INTERRUPT_SIGNAL, self._previous)
         self._watch_store = self._store = None  # their connections close with them
+
+    def _join(self) -> int:
+        """A replacement's generation: the one the survivors form next. The ranks write the
+        generation they begin forming; when this rank's predecessor was a member of it (it died
+        after that world formed), the survivors form the one after, once they know of the
+        fault: a dead peer's collective fails, and the fault is posted here too in case they
+        are not in one. Sets this run's counter to theirs."""
+        s = self.spec
+        key = keys.forming_key(s.attempt)
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=FORM_TIMEOUT_S))
+            got = keys.parse_forming(bytes(self._store.get(key)))
+        except Exception as e:
+            raise RecoveryError(f"a replacement found no generation to join ({e})") from e
+        if got is None:
+            raise RecoveryError(f"a replacement read a malformed {key!r} from the store")
+        call, generation = got
+        self.spec = s = replace(s, call=call)
+        if self._store.check([s.key(generation, keys.joined_name(s.rank))]):
+            with contextlib.suppress(Exception):
+                self._store.compare_set(
+                    s.key(generation, "fault"), "", f"rank {s.rank}: its process died; replaced"
+                )
+            generation += 1
+        log.warning("diag: rank %d takes a dead rank's place in generation %d", s.rank,
+                    generation)  # fmt: skip
+        return generation
 
     # -- the watcher -----------------------------------------------------------------------------
 

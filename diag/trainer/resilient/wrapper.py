@@ -40,6 +40,7 @@ from diag.trainer.resilient.recovery import (
     recovered,
     reform_failed,
 )
+from diag.trainer.resilient.storekeys import JOIN_ENV
 from diag.trainer.resilient.waiting import interruptible_waits
 
 log = logging.getLogger(__name__)
@@ -117,12 +118,16 @@ def _run(
             "dist_init_required=False to deepspeed.initialize)"
         )
     spec = WorldSpec.from_env(os.environ, backend or _default_backend(), timeout_s)
-    spec, _calls = replace(spec, call=_calls), _calls + 1
-    member = Membership(spec)
+    os.environ.pop(JOIN_ENV, None)  # only this run joins a running world; a later one forms it
+    member = Membership(replace(spec, call=_calls))
+    _calls = member.spec.call + 1  # a replacement takes the survivors' count
     _current = member
     immediate.recover_with(_on_verdict)
     restore_waits = interruptible_waits(spec.backend)
-    history, fault_text, fault_at, seconds = History(), "", 0.0, 0.0
+    # A replacement starts in the survivors' generation, with as many recoveries behind it.
+    history, base = History(generation=member.first_generation), member.first_generation
+    fault_text = "took a dead rank's place" if spec.join else ""
+    fault_at, seconds = 0.0, 0.0
     stale: list[Any] = []  # the failed attempt's engines, destroyed once the next world formed
     try:
         while True:
@@ -138,7 +143,7 @@ def _run(
             if fault_at:
                 seconds = time.monotonic() - fault_at
             world = World(spec.rank, spec.world_size, spec.local_rank, history.generation,
-                          len(history.recoveries), fault_text, seconds)  # fmt: skip
+                          base + len(history.recoveries), fault_text, seconds)  # fmt: skip
             d, error = _attempt(fn, world, args, kwargs, member, policy, history)
             if error is None:
                 return d

@@ -8,8 +8,10 @@ recovery can be compared with an uninterrupted run.
 For each ZeRO stage, in the same processes: an uninterrupted run (O/z<stage>/reference.jsonl,
 unless --no-reference), then the run with faults: --hang-rank hangs in Python right after the
 flash save of step K_i for its i-th hang (--hang-mode sleep: a long time.sleep; spin: a busy
-Python loop; --hang-modes gives one per stage); its peers' next collective times out after
---timeout seconds and every rank recovers in place. Rank 0 appends each step's loss (with the
+Python loop; kill: SIGKILL, for diag launch to replace the rank; --hang-modes gives one per
+stage); its peers' next collective times out after --timeout seconds (or fails at once on a
+killed peer) and every rank recovers in place. A replacement runs the script from the top and
+joins the run going on (it skips the reference): with kill, give one stage. Rank 0 appends each step's loss (with the
 generation) to O/z<stage>/loss.jsonl; every rank appends to O/z<stage>/attempts-<rank>.jsonl, at
 the start of each attempt, where it started from and what the process holds (threads, fds,
 sockets, shared-memory entries, RSS), and writes O/z<stage>/result-<rank>.json at the end.
@@ -36,7 +38,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--job", default="resilient")
     p.add_argument("--hang-steps", default="", help="comma-separated, the i-th for the i-th hang")
     p.add_argument("--hang-rank", type=int, default=1)
-    p.add_argument("--hang-modes", default="sleep", help="sleep or spin, one per stage (cycled)")
+    p.add_argument(
+        "--hang-modes", default="sleep",
+        help="sleep, spin or kill (SIGKILL: the launcher replaces the rank), one per stage "
+        "(cycled)",
+    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=3.0, help="collective timeout, seconds")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument(
@@ -68,6 +74,8 @@ def probe(path: Path, record: dict) -> None:
             name = f.read().strip()
             names[name] = names.get(name, 0) + 1
     record.update(
+        pid=proc.pid,
+        started=proc.create_time(),  # a warm spare's is before the fault it took the place of
         threads=threading.active_count(),
         os_threads=proc.num_threads(),
         fds=proc.num_fds(),
@@ -92,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, zero in enumerate(int(z) for z in args.zero.split(",")):
         out = Path(args.out) / f"z{zero}"
         out.mkdir(parents=True, exist_ok=True)
-        if not args.no_reference:
+        # A replacement (diag launch) joins the run going on: the loss stage's.
+        if not args.no_reference and os.environ.get("DIAG_RESILIENT_JOIN") != "1":
             stage(args, zero, out, "reference", [], "sleep")
         hangs = [int(s) for s in args.hang_steps.split(",") if s]
         stage(args, zero, out, "loss", hangs, modes[i % len(modes)])
@@ -123,7 +132,7 @@ def stage(args: argparse.Namespace, zero: int, out: Path, name: str, hangs: list
             diag.trainer.attach(engine, job=job)
         ckpt = diag.trainer.FlashCheckpointer(engine, save_dir, job=job, control=False)
         start = ckpt.load() or 0
-        if hangs:
+        if hangs or (args.plain and name == "loss"):  # a restarted plain launch hangs no more
             probe(out / f"attempts-{world.rank}.jsonl", {
                 "generation": world.generation, "start": start,
                 "restored_s": time.monotonic() - t0, "recovery_s": world.last_recovery_seconds,
@@ -182,7 +191,12 @@ def plain(args: argparse.Namespace, train):  # type: ignore[no-untyped-def]
 
 
 def hang(mode: str) -> None:
-    """Hung in Python: interruptible only by a signal handler (sleep) or between bytecodes."""
+    """Hung in Python: interruptible only by a signal handler (sleep) or between bytecodes; or
+    killed (the process is gone: its peers' collectives fail, the launcher replaces it)."""
+    if mode == "kill":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
     if mode == "sleep":
         time.sleep(3600)
     else:
