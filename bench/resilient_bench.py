@@ -45,8 +45,12 @@ def one(stack: str, timeout: float, steps: int, hang_step: int) -> dict[str, flo
     plain = stack == "full restart"
     by_agent = stack == "agent verdict"
     job_timeout = 600.0 if by_agent else timeout
+    # The full restart under diag launch, which restarts every worker of a job without the
+    # wrapper as torchrun does, with a fresh store per restart: torchrun's own restart of this
+    # job fails here most of the time (torch 2.13 keeps the dead attempt's keys in the store).
+    launcher = ["diag.cli.main", "launch"] if plain else ["torch.distributed.run"]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        sys.executable, "-m", *launcher, "--nproc-per-node", "2",
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         "--max-restarts", "1" if plain else "0", str(JOB), "--zero", "2", "--no-reference",
         "--steps", str(steps), "--hang-steps", str(hang_step), "--timeout", str(job_timeout),

@@ -143,6 +143,45 @@ def test_a_killed_rank_is_replaced_alone_under_resilient_and_restarts_every_rank
 
 
 @pytest.mark.slow
+def test_a_rank_stuck_in_c_is_stopped_by_the_agent_and_replaced_by_a_spare(launch: Launch) -> None:
+    """The path of a rank that cannot recover in its own process: stuck in C with the GIL held,
+    it cannot answer the agent's RECOVER; the agent stops it after --stop-grace, diag launch
+    puts a warm spare in its place, and rank 0, which took the RECOVER, trains on with it."""
+    agent = jobrun.start(
+        [
+            sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(launch.run_dir),
+            "--timeline", str(launch.root / "timeline"), "--hang-timeout", "4",
+            "--hang-floor", "4", "--warmup-timeout", "8", "--on-hang", "recover",
+            "--until", "job-end", "--interval", "0.25", "--stop-grace", "3",
+            "--native-stacks", "false",
+        ],
+        launch.log("agent"),
+        launch.env(launch.run_dir),
+    )  # fmt: skip
+    try:
+        rc = launch.run("gil", "--hang-modes", "gil", "--attach", "--timeout", "120")
+        jobrun.finish(agent, 60)
+    finally:
+        jobrun.stop(agent)
+    agent_log = launch.log("agent").read_text(errors="replace")
+    assert rc == 0, launch.tail("gil") + agent_log[-3000:]
+    assert "rank 0: recovering in place from generation 0" in agent_log, agent_log[-3000:]
+    assert "rank 1: no answer within the grace" in agent_log, agent_log[-3000:]
+    assert "a warm spare takes its place" in launch.tail("gil")
+    out = launch.out("gil")
+    reference = _losses(out / "reference.jsonl")
+    got = _lines(out / "loss.jsonl")
+    assert sorted({d["step"] for d in got}) == list(range(1, STEPS + 1)), got
+    for d in got:
+        assert abs(float.fromhex(d["loss"]) - reference[d["step"]]) <= 1e-5, (d, reference)
+    survivor, replaced = _lines(out / "attempts-0.jsonl"), _lines(out / "attempts-1.jsonl")
+    assert [a["pid"] for a in survivor] == [survivor[0]["pid"]] * 2, survivor
+    assert "the agent's verdict" in survivor[1]["fault"], survivor
+    assert replaced[-1]["pid"] != replaced[0]["pid"] and replaced[-1]["loaded_from"] == "memory"
+    assert not _left_behind(launch.run_dir)
+
+
+@pytest.mark.slow
 @pytest.mark.long
 def test_a_replacement_on_one_node_leaves_the_other_node_alone(launch: Launch) -> None:
     """Two launchers of one rank each (nodes a and b: their own run directories and node

@@ -8,7 +8,8 @@ recovery can be compared with an uninterrupted run.
 For each ZeRO stage, in the same processes: an uninterrupted run (O/z<stage>/reference.jsonl,
 unless --no-reference), then the run with faults: --hang-rank hangs in Python right after the
 flash save of step K_i for its i-th hang (--hang-mode sleep: a long time.sleep; spin: a busy
-Python loop; kill: SIGKILL, for diag launch to replace the rank; --hang-modes gives one per
+Python loop; gil: stuck in C with the GIL held, for the agent to stop; kill: SIGKILL, for diag
+launch to replace the rank; --hang-modes gives one per
 stage); its peers' next collective times out after --timeout seconds (or fails at once on a
 killed peer) and every rank recovers in place. A replacement runs the script from the top and
 joins the run going on (it skips the reference): with kill, give one stage. Rank 0 appends each step's loss (with the
@@ -197,6 +198,12 @@ def hang(mode: str) -> None:
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "gil":
+        import re
+
+        # The regex engine backtracks in C for ever and never lets go of the GIL: no signal
+        # handler and no other thread of this process (its control client) runs again.
+        re.match(r"(a+)+$", "a" * 64 + "!")
     if mode == "sleep":
         time.sleep(3600)
     else:
