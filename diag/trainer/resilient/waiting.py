@@ -62,10 +62,12 @@ def interruptible_waits(backend: str) -> Callable[[], None]:
     inner = Work.wait
 
     def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:  # a wait with its own timeout: gloo's, which keeps its meaning
+            return inner(work, *args, **kwargs)
         try:
             future = work.get_future()
         except Exception:  # a work without a future (some point-to-point ops): gloo's wait
-            return inner(work, *args, **kwargs)
+            return inner(work)
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
         try:
@@ -74,7 +76,7 @@ def interruptible_waits(backend: str) -> Callable[[], None]:
             with _lock:
                 _abandoned.append(future)
             raise
-        return inner(work, *args, **kwargs)  # done: returns at once, or raises the work's error
+        return inner(work)  # done: returns at once, or raises the work's error
 
     wait.__wrapped__ = inner  # type: ignore[attr-defined]
     setattr(Work, "wait", wait)  # noqa: B010 - a pybind class: mypy types it as a method
