@@ -202,6 +202,10 @@ ROWS: tuple[tuple[str, tuple[P, ...]], ...] = (
                         f"sum by (trigger) (increase(diag_job_stops_total{R}[{RI}]))",
                         "stopped with the job: {{trigger}}",
                     ),
+                    Q(
+                        f"sum by (outcome) (increase(diag_in_place_recoveries_total{R}[{RI}]))",
+                        "ranks asked to recover in place: {{outcome}}",
+                    ),
                 ),
                 kind="bars",
             ),

@@ -173,9 +173,11 @@ class Executor:
         launcher: Launcher | None = None,
         sinks: Sequence[Sink] = (),
         commands: Commands | None = None,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self.observer = observer
         self.commands = commands  # the control channel's sessions (RECOVER); None: stop instead
+        self.metrics = metrics
         self.launcher = launcher  # who starts py-spy (None: this process)
         self.sinks = tuple(sinks)  # what happens after a verdict, in order (sinks.py)
         self.timeline = timeline
@@ -314,6 +316,10 @@ class Executor:
             outcome = ask_to_recover(
                 commands, safe_job_name(job), ranks, verdict.summary, at, self.stop_grace
             )
+            if self.metrics is not None:
+                stopped = len(set(outcome.to_stop) - set(outcome.not_asked))
+                self.metrics.recover_in_place(job, len(outcome.taken), stopped,
+                                              len(outcome.not_asked))  # fmt: skip
             if outcome.to_stop:
                 self._stop(outcome.to_stop)
 

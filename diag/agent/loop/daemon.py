@@ -138,6 +138,7 @@ class Agent:
             launcher=launcher,
             sinks=incident_sinks(self.sink_parts),
             commands=self.checkpoints,
+            metrics=self.metrics,
         )
         self.cycle = Cycle(
             self.observer,

@@ -38,17 +38,19 @@ class Outcome:
     taken: tuple[int, ...]  # ranks recovering in place
     to_stop: tuple[int, ...]  # ranks that cannot: stopped, their launcher replaces them
     answers: tuple[tuple[int, str], ...]  # rank -> what it said (or why it is stopped)
+    not_asked: tuple[int, ...] = ()  # not connected to the agent
 
 
 def judge(
     ranks: tuple[int, ...], sent: Mapping[int, str], reports: Mapping[str, CommandReport]
 ) -> Outcome:
     """Which ranks recover and which are stopped, from the commands sent and the answers."""
-    taken, silent, refused, answers = [], [], [], []
+    taken, silent, refused, unasked, answers = [], [], [], [], []
     for rank in ranks:
         cid = sent.get(rank)
         report = reports.get(cid) if cid else None
         if cid is None:
+            unasked.append(rank)
             answers.append((rank, "not connected to the agent: not asked"))
         elif report is None:
             silent.append(rank)
@@ -61,7 +63,7 @@ def judge(
             answers.append((rank, report.detail or "cannot recover in place"))
     # Nobody took it, so nobody posts the fault: every rank stopped (the launcher's restart).
     stop = tuple(sorted(silent + refused)) if taken else ranks
-    return Outcome(tuple(taken), stop, tuple(answers))
+    return Outcome(tuple(taken), stop, tuple(answers), tuple(unasked))
 
 
 def ask_to_recover(

@@ -86,6 +86,7 @@ class AgentMetrics:
         self.bytes = _counter(f.COLL_BYTES, reg)
         self.incidents = _counter(f.INCIDENTS, reg)
         self.job_stops = _counter(f.JOB_STOPS, reg)
+        self.in_place = _counter(f.IN_PLACE, reg)
         self.detection_delay = _histogram(f.DETECTION_DELAY, reg)
         self.evidence = _histogram(f.EVIDENCE_SECONDS, reg)
         self.iterations = _counter(f.AGENT_ITERATIONS, reg).labels(node)
@@ -145,6 +146,11 @@ class AgentMetrics:
     def job_stop(self, trigger: str) -> None:
         """The local ranks stop for another node's incident (`job/jobstop.py`)."""
         self.job_stops.labels(self._job, self.node, trigger).inc()
+
+    def recover_in_place(self, job: str, took: int, stopped: int, not_asked: int) -> None:
+        """One RECOVER round's outcome (`loop/inplace.py`)."""
+        for outcome, n in (("took", took), ("stopped", stopped), ("not_asked", not_asked)):
+            self.in_place.labels(job or self._job, self.node, outcome).inc(n)
 
     def _init_job(self, job: str) -> None:
         # Counters start at 0 so the first incident is an increase that rules can see.

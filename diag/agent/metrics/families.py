@@ -170,6 +170,14 @@ JOB_STOPS = Family(
     "in diag_incidents only",
     ("job", "node", "trigger"),
 )
+IN_PLACE = Family(
+    "diag_in_place_recoveries",
+    Kind.COUNTER,
+    "Ranks the agent asked to recover in place at its verdict (--on-hang recover), by outcome: "
+    "took (recovering in place), stopped (could not, or did not answer within --stop-grace, and "
+    "was stopped; its launcher replaces or restarts it), not_asked (not connected to the agent)",
+    ("job", "node", "outcome"),
+)
 INCIDENT_OPEN = Family(
     "diag_incident_open",
     Kind.GAUGE,

@@ -234,4 +234,5 @@ def test_ranks_that_cannot_recover_or_stay_silent_are_stopped() -> None:
     out = judge((0, 1, 2, 3), sent, reports)
     assert out.taken == (0,) and out.to_stop == (1, 2), "silent (1) and refusing (2) are stopped"
     assert "no answer" in dict(out.answers)[1] and dict(out.answers)[3].startswith("not connected")
+    assert out.not_asked == (3,)
     assert judge((0, 1), {0: "c1"}, {}).to_stop == (0, 1), "nobody took it: all stopped"

@@ -361,6 +361,18 @@ def test_incidents_are_counted_at_the_verdict_and_evidence_when_on_disk(tmp_path
     assert get("diag_agent_last_iteration_timestamp_seconds", {"node": "n1"}) == 1.7e9
 
 
+def test_a_recover_round_is_counted_by_outcome() -> None:
+    m = make_metrics()
+    m.update(observation(snap(0), snap(1), snap(2)), WatchState())
+    m.recover_in_place("train", took=2, stopped=1, not_asked=0)
+    m.recover_in_place("", took=1, stopped=0, not_asked=2)  # the job the agent watches
+    get = m.registry.get_sample_value
+    base = {"job": "train", "node": "n1"}
+    assert get("diag_in_place_recoveries_total", {**base, "outcome": "took"}) == 3
+    assert get("diag_in_place_recoveries_total", {**base, "outcome": "stopped"}) == 1
+    assert get("diag_in_place_recoveries_total", {**base, "outcome": "not_asked"}) == 2
+
+
 def test_render_appends_the_xpu_timer_gauge_only_when_asked() -> None:
     o = observation(snap(0))
     plain = make_metrics()
