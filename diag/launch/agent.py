@@ -21,6 +21,7 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 
+from diag.formats.exitcodes import UsageError
 from diag.launch import workerpolicy as core
 from diag.launch.spare import Order
 from diag.launch.workers import Proc, Spares, start_cold, stop
@@ -65,8 +66,7 @@ class SpareAgent(SimpleElasticAgent):
                 wait_for_workers=False,
             )  # fmt: skip
             store.set(key, str(self._worker_store.port))
-        port = int(store.get(key))
-        wg.master_port = port
+        wg.master_port = port_of(bytes(store.get(key)), key)
         self._client = None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -192,6 +192,18 @@ class SpareAgent(SimpleElasticAgent):
         """The script and its arguments (the spec's entrypoint is the script's path)."""
         spec = self._worker_group.spec
         return [str(spec.entrypoint), *map(str, spec.args)]
+
+
+def port_of(raw: bytes, key: str) -> int:
+    """The workers' store port the node-0 launcher wrote in the rendezvous store, checked:
+    anything that reaches that store can write the key."""
+    text = raw[:16].decode("ascii", errors="replace").strip()
+    if not (text.isascii() and text.isdigit() and 0 < int(text) < 65536):
+        raise UsageError(
+            f"the rendezvous store's {key!r} holds {raw[:32]!r}, not a port: is another launch "
+            "using the same --rdzv-endpoint and --rdzv-id? Give each job its own --rdzv-id"
+        )
+    return int(text)
 
 
 def _worker_env(wg: WorkerGroup, worker: Any, restart_count: int) -> dict[str, str]:

@@ -52,3 +52,15 @@ def test_the_generation_being_formed_is_parsed_or_refused(
     raw: bytes, got: tuple[int, int] | None
 ) -> None:
     assert storekeys.parse_forming(raw) == got
+
+
+@pytest.mark.parametrize(
+    "raw", [b"", b"0", b"65536", b"-1", b"12x", b"\xff\xfe", b"1" * 40, b"\xd9\xa3"]
+)
+def test_a_workers_store_port_that_is_not_one_is_a_clear_error(raw: bytes) -> None:
+    from diag.formats.exitcodes import UsageError
+    from diag.launch.agent import port_of
+
+    assert port_of(b"29511", "k") == 29511
+    with pytest.raises(UsageError, match=r"not a port.*--rdzv-id"):
+        port_of(raw, "diag/launch/store/0")
