@@ -371,9 +371,11 @@ class FlashCheckpointer:
 
     # -- the end -----------------------------------------------------------------------------------
 
-    def close(self, remove: bool | None = None) -> None:
+    def close(self, remove: bool | None = None, *, for_restart: bool = False) -> None:
         """Ends this checkpointer. Its shared memory is removed unless a persist is still pending
-        with a connected agent, which then persists and removes it."""
+        with a connected agent, which then persists and removes it. `for_restart`: an attempt
+        that failed (recovery in place), its slots kept and marked as a failed exit's, so the
+        agent keeps them for the next attempt even if this process dies before it."""
         if self._closed:
             return
         self.wait()
@@ -388,6 +390,6 @@ class FlashCheckpointer:
                 pending and client is not None and client.connected
             )
         self._copier.pinned.release_all()
-        self._slots.close(remove=remove, failed=failwatch.failed())
+        self._slots.close(remove=remove, failed=for_restart or failwatch.failed())
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)

@@ -24,9 +24,10 @@ def engines() -> list[Any]:
 
 
 def close_all() -> int:
-    """Closes every open checkpointer, its slots kept (not removed). Returns how many."""
+    """Closes every open checkpointer of a failed attempt, its slots kept for the next one (not
+    removed, marked as a failed exit's). Returns how many."""
     closing = list(_open)
     for c in closing:
-        c.close(remove=False)
+        c.close(remove=False, for_restart=True)
         _open.discard(c)
     return len(closing)
