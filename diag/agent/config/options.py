@@ -147,8 +147,8 @@ OPTIONS = OptionTable(
             "stop_grace",
             positive,
             10.0,
-            "seconds between SIGTERM and SIGKILL when stopping ranks (and, with --on-hang recover, "
-            "for a rank to answer before it is stopped)",
+            "seconds between SIGTERM and SIGKILL when stopping ranks (with --on-hang recover, "
+            "also the most a rank's answer is waited for, itself at most 3 s)",
         ),
         Option("interval", positive, 0.5, "seconds between checks (deaths are seen at once)"),
         Option(

@@ -34,6 +34,14 @@ class VerdictKind(enum.Enum):
     RANK_EXITED = "rank_exited"  # a rank died while the others run
 
 
+# A node whose ranks only wait for other nodes' asks them to recover this much later: the
+# culprit's node judges at the same limit and, asked first, takes its stuck rank out (a rank
+# stuck in C is stopped, not interrupted); asked first here, the culprit's peers would leave
+# their collective and the culprit's node would see no rank waiting for it (a no-progress
+# verdict, up to 5 slow steps later). The fault reaches these ranks through the store anyway.
+REMOTE_DEFER_S = 5.0
+
+
 class OnHang(enum.Enum):
     NONE = "none"  # evidence only
     STOP = "stop"  # evidence, then SIGTERM the local ranks (SIGKILL after a grace period)
@@ -95,6 +103,7 @@ class Action:
     kind: ActionKind
     verdict: Verdict
     ranks: tuple[int, ...] = ()
+    delay_s: float = 0.0  # RECOVER_RANKS: asked this much later (see REMOTE_DEFER_S)
 
 
 @dataclass(frozen=True)
@@ -156,7 +165,8 @@ def open_incident(
     if policy.on_hang == OnHang.STOP and alive:
         actions.append(Action(ActionKind.STOP_RANKS, verdict, alive))
     elif policy.on_hang == OnHang.RECOVER and alive:
-        actions.append(Action(ActionKind.RECOVER_RANKS, verdict, alive))
+        delay = REMOTE_DEFER_S if blames_other_nodes(verdict) else 0.0
+        actions.append(Action(ActionKind.RECOVER_RANKS, verdict, alive, delay))
     state = replace(
         state,
         incident=verdict,
@@ -164,6 +174,15 @@ def open_incident(
     )
     return Decision(
         state, verdict, tuple(actions), (*events, Event(EventKind.INCIDENT, verdict.summary))
+    )
+
+
+def blames_other_nodes(verdict: Verdict) -> bool:
+    """The local ranks only wait for ranks on other nodes: the culprit's node judges it too."""
+    return (
+        verdict.culprit is None
+        and bool(verdict.suspects)
+        and all(s.kind == SuspectKind.REMOTE for s in verdict.suspects)
     )
 
 

@@ -52,7 +52,7 @@ from diag.agent.evidence.pyspy import DumpTarget, Launcher
 from diag.agent.job.jobstop import Local, StopState, closed, follow, verdict_for, wants_look
 from diag.agent.job.link import JobLink, ranks_since_wall
 from diag.agent.job.nodeview import view_document
-from diag.agent.loop.inplace import Commands, ask_to_recover
+from diag.agent.loop.inplace import Commands, answer_grace, ask_to_recover
 from diag.agent.loop.sinks import Sink, Stage, deliver
 from diag.agent.metrics.exporter import AgentMetrics
 from diag.agent.observe.observer import Observer
@@ -198,7 +198,7 @@ class Executor:
         elif action.kind == ActionKind.STOP_RANKS:
             self._stop(action.ranks)
         elif action.kind == ActionKind.RECOVER_RANKS:
-            self._recover(action.verdict, action.ranks)
+            self._recover(action.verdict, action.ranks, action.delay_s)
 
     def _targets(self) -> list[EvidenceTarget]:
         """Every rank's journal; a stack only of a process shown, now, to be its rank."""
@@ -300,8 +300,8 @@ class Executor:
         thread.start()
         self._stoppers.append(thread)
 
-    def _recover(self, verdict: Verdict, ranks: tuple[int, ...]) -> None:
-        """RECOVER to the ranks, off the watch loop (it waits up to the stop grace for their
+    def _recover(self, verdict: Verdict, ranks: tuple[int, ...], delay: float = 0.0) -> None:
+        """RECOVER to the ranks, `delay` seconds later, off the watch loop (it waits for their
         answers); those that cannot recover in place are stopped."""
         job = self._job()
         commands = self.commands
@@ -313,9 +313,12 @@ class Executor:
         at = time.time() - max(0.0, time.monotonic() - verdict.at)
 
         def run() -> None:
+            if delay > 0:  # ranks the fault reached meanwhile answer "recovering already"
+                time.sleep(delay)
             outcome = ask_to_recover(
-                commands, safe_job_name(job), ranks, verdict.summary, at, self.stop_grace
-            )
+                commands, safe_job_name(job), ranks, verdict.summary, at,
+                answer_grace(self.stop_grace),
+            )  # fmt: skip
             if self.metrics is not None:
                 stopped = len(set(outcome.to_stop) - set(outcome.not_asked))
                 self.metrics.recover_in_place(job, len(outcome.taken), stopped,

@@ -23,6 +23,14 @@ from diag.agent.checkpoint.sessions import CommandKind, CommandReport
 log = logging.getLogger(__name__)
 
 REASON_MAX = 1000
+# A rank's control thread answers in milliseconds whenever the GIL is free: one silent this long
+# holds it (stuck in C), and every second waited here is a second the whole job waits.
+ANSWER_GRACE_S = 3.0
+
+
+def answer_grace(stop_grace: float) -> float:
+    """How long to wait for the ranks' answers: the stop grace, at most ANSWER_GRACE_S."""
+    return min(stop_grace, ANSWER_GRACE_S)
 
 
 class Commands(Protocol):

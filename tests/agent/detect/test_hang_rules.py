@@ -8,6 +8,7 @@ import pytest
 
 from diag.agent.detect.culprit import SuspectKind, find_suspects
 from diag.agent.detect.hang import (
+    REMOTE_DEFER_S,
     ActionKind,
     EventKind,
     OnHang,
@@ -152,6 +153,18 @@ def test_on_hang_recover_asks_the_live_ranks_to_recover_in_place() -> None:
     assert d.verdict is not None
     assert [a.kind for a in d.actions] == [ActionKind.CAPTURE_EVIDENCE, ActionKind.RECOVER_RANKS]
     assert d.actions[1].ranks == (0, 1, 2, 3), "the live ranks: a dead one takes no command"
+    assert d.actions[1].delay_s == 0.0, "the culprit is here: asked at once"
+
+
+def test_on_hang_recover_waits_for_the_culprits_node_when_only_other_nodes_are_behind() -> None:
+    # The culprit's node judges at the same limit and must see its ranks still waiting for it
+    # (a rank stuck in C is stopped there, not interrupted): this node asks its ranks later.
+    ranks = [rank(r, last=NOW - 10, pending=(op(5, NOW - 10),)) for r in range(2)]
+    d = _decide(obs(*ranks, groups={"0": (0, 1, 2, 3)}), OnHang.RECOVER)
+    assert d.verdict is not None and d.verdict.culprit is None
+    recover = [a for a in d.actions if a.kind == ActionKind.RECOVER_RANKS]
+    assert len(recover) == 1 and recover[0].ranks == (0, 1)
+    assert recover[0].delay_s == REMOTE_DEFER_S > 0
 
 
 def test_dead_rank_is_an_incident_at_once_and_first_to_die_is_culprit() -> None:
