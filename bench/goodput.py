@@ -1,4 +1,4 @@
-"""Training time lost per fault, end to end: one job and one fault schedule through three stacks.
+"""Training time lost per fault, end to end: one job and one fault schedule through four stacks.
 
     nice -n 19 .venv/bin/python bench/goodput.py --quick          # a short try (small model)
     nice -n 19 .venv/bin/python bench/goodput.py --svg goodput.svg  # the full run (many minutes)
@@ -20,6 +20,11 @@ shared memory wiped; it comes back empty). The stacks:
   in memory every step (the agent writes every --every-th to storage), `graceful_exit`,
   torchrun's restarts; each node's agent holds the other's newest flash checkpoint in memory
   (--replica-nodes; --no-replicas: none), so a lost node's ranks resume from memory too.
+- inplace: recovery in place: `diag launch` per node (torchrun's arguments, a warm spare per node),
+  the training under `diag.trainer.resilient`, `diag agent --on-hang recover`, the same flash
+  checkpoints and replicas as diag; a rank's fault is recovered in the surviving processes (a
+  dead or stuck rank replaced by the spare), a node's fault restarts every worker as torchrun
+  does.
 
 Printed per stack: the wall time to finish the steps, goodput (the seconds of the steps kept at the
 end, each step's last run from its start to the end of engine.step(), over the wall time), and per
@@ -52,7 +57,7 @@ from goodputsvg import draw  # noqa: E402
 from goodputtimes import PARTS, RunTimes, analyse  # noqa: E402
 from scratch import private_tmpdir  # noqa: E402
 
-STACKS = ("default", "diag", "dlrover")
+STACKS = ("default", "diag", "dlrover", "inplace")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -217,6 +222,31 @@ def report(args: argparse.Namespace, runs: dict[str, RunTimes | str], gb: dict[s
             ref = sum(x.total for x in default.losses)
             if lost:
                 print(f"time lost to faults, default / {name}: {ref / lost:.2f}x")
+    ratios(args, runs, default)
+
+
+def ratios(args: argparse.Namespace, runs: dict[str, RunTimes | str], default: RunTimes) -> None:
+    """Per fault kind, each stack's time lost over the default stack's (and over diag's)."""
+    others = [n for n, r in runs.items() if n != "default" and isinstance(r, RunTimes)]
+    if not others:
+        return
+
+    def lost(r: RunTimes | str | None, kind: str) -> float | None:
+        if not isinstance(r, RunTimes):
+            return None
+        found = [x for x in r.losses if x.fault.kind == kind and x.restored is not None]
+        return found[0].total if found else None
+
+    refs = [("default", default), *[(n, runs[n]) for n in ("diag",) if n in others]]
+    cols = [(n, ref) for n in others for ref, _ in refs if ref != n]
+    print("\n| fault | " + " | ".join(f"{n} / {ref}" for n, ref in cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for kind in args.kinds.split(","):
+        cells = []
+        for n, ref in cols:
+            a, b = lost(runs[n], kind), lost(runs[ref], kind)
+            cells.append(f"{a:.1f} / {b:.1f} = {a / b:.2f}" if a is not None and b else "-")
+        print(f"| {kind} | " + " | ".join(cells) + " |")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,9 @@
-"""Every kind of fault of the goodput bench, through the diag stack, in one job: two "nodes" (a
-launcher, a `diag agent` and a run directory each), one rank per node, a small model, and a rank
-killed, a rank hung in Python, a rank spinning in C with the GIL held, node-b preempted and node-b
-lost. The job recovers from each and finishes, resuming each time from the newest step that was
-complete: in memory for the faults of a rank and the preemption (whose drain may save one step
+"""Every kind of fault of the goodput bench in one job: two "nodes" (a launcher, a `diag agent`
+and a run directory each), one rank per node, a small model, and a rank killed, a rank hung in
+Python, a rank spinning in C with the GIL held, node-b preempted and node-b lost; under the diag
+stack (torchrun's restarts) and the in-place one (diag launch, the training under `resilient`,
+the agent's verdict recovering in place). The job recovers from each and finishes, resuming each
+time from the newest step that was complete: in memory for the faults of a rank and the preemption (whose drain may save one step
 more); for the lost node, whose memory went with it, from the replica node-a's agent held for it
 (pulled back by node-b's new agent), unless storage names a newer step."""
 
@@ -21,11 +22,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(900)]
 STEPS, EVERY = 50, 4
 
 
-def test_each_fault_kind_is_recovered_from_the_newest_complete_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stack", ["diag", "inplace"])
+def test_each_fault_kind_is_recovered_from_the_newest_complete_step(
+    tmp_path: Path, stack: str
+) -> None:
     faults = schedule(seed=3, steps=STEPS, world=2)
     assert sorted(f.kind for f in faults) == sorted(KINDS)
     spec = JobSpec(
-        "diag", STEPS, hidden=32, every=EVERY, nproc=1, grace=20.0, wait_saves=True,
+        stack, STEPS, hidden=32, every=EVERY, nproc=1, grace=20.0, wait_saves=True,
         # Short limits: this test is about recovering, not about how long detection takes.
         agent_args=("--hang-floor", "3", "--stop-grace", "3", "--interval", "0.25"),
         timeout=800.0,
@@ -48,6 +52,8 @@ def test_each_fault_kind_is_recovered_from_the_newest_complete_step(tmp_path: Pa
         assert x.restored is not None, f"not recovered: {what}\n{logs}"
         if x.fault.kind in ("kill", "hang", "gil"):
             assert x.restored == x.saved and x.source == "memory", what
+            if stack == "inplace":  # the survivor kept its process (a dead one's place a spare's)
+                assert "recovered in place" in x.how, what
         elif x.fault.kind == "preempt":
             # (from storage when the drain's step went there only)
             assert x.saved <= x.restored <= x.trained + 1, what

@@ -147,7 +147,7 @@ class GoodputJob:
             )  # fmt: skip
             self.nodes.append(Node(name, run, env))
         self.ring = ""
-        if spec.stack == "diag" and spec.replicas:
+        if spec.stack in ("diag", "inplace") and spec.replicas:
             ports: set[int] = set()
             while len(ports) < len(self.nodes):
                 ports.add(free_port())
@@ -237,7 +237,10 @@ class GoodputJob:
         if s.stack == "dlrover":
             return [sys.executable, str(DLROVER_RUN), "--nnodes", "2", "--nproc_per_node",
                     str(s.nproc), "--max-restarts", "50", *job]  # fmt: skip
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+        # inplace: diag launch takes torchrun's arguments, and a warm spare per node.
+        launch = (["-m", "diag.cli.main", "launch", "--spares", "1"] if s.stack == "inplace"
+                  else ["-m", "torch.distributed.run"])  # fmt: skip
+        return [sys.executable, *launch, "--nnodes", "2",
                 "--nproc-per-node", str(s.nproc), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
                 "--rdzv-conf", f"is_host={host}", "--max-restarts", "50",
@@ -246,18 +249,19 @@ class GoodputJob:
     def start_node(self, node: Node) -> None:
         node.run_dir.mkdir(mode=0o700, exist_ok=True)
         tag = f"{node.name}.{node.launches}"
-        if self.spec.stack == "diag":
+        if self.spec.stack in ("diag", "inplace"):
             replicas = [] if not self.ring else [
                 "--replica-nodes", self.ring, "--replica-listen", "127.0.0.1",
                 "--replica-interval", str(self.spec.replica_interval),
                 # In the node's memory, where a lost node's wipe reaches it.
                 "--replica-dir", str(node.run_dir / ".replicas"),
             ]  # fmt: skip
+            on_hang = "recover" if self.spec.stack == "inplace" else "stop"
             with open(self.root / f"agent-{tag}.log", "wb") as f:
                 node.agent = subprocess.Popen(
                     [sys.executable, "-m", "diag.cli.main", "agent", "--run-dir",
                      str(node.run_dir), "--timeline", str(self.timeline), "--job", "goodput",
-                     "--node", node.name, "--native-stacks", "false", "--on-hang", "stop",
+                     "--node", node.name, "--native-stacks", "false", "--on-hang", on_hang,
                      "--termination-grace", str(self.spec.grace), "-v", *replicas,
                      *self.spec.agent_args],
                     env=node.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,

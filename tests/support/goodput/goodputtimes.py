@@ -5,13 +5,15 @@ steps kept at the end, and per fault the time lost, split in six parts measured 
   (`detected_at` of its verdict.json), else the first rank process of the attempt seen gone (not
   counting the rank killed, or the node lost, by the fault itself); 0 for a preemption, whose
   SIGTERM is its own notice;
-- evidence: the verdict -> the first rank process gone (the agent writes its evidence before it
-  stops anything); 0 without a verdict;
-- teardown: the first -> the last rank process of the attempt gone (for a preemption: from the
+- evidence: the verdict -> the first rank out (the agent writes its evidence before it stops or
+  interrupts anything); 0 without a verdict;
+- teardown: the first -> the last rank of the attempt out: its process gone, or (recovery in
+  place) its attempt `ended` inside the process that goes on (for a preemption: from the
   SIGTERM, the drain's save included);
-- restart: the last one gone -> every rank of the attempt that trained on is `ready` (a new
+- restart: the last one out -> every rank of the attempt that trained on is `ready` (a new
   process, its imports, the rendezvous, the process group and the engine; a node coming back
-  after a preemption or a loss included);
+  after a preemption or a loss included; in place: the next generation of the world formed and
+  the engine built again in the same process, a warm spare's for a rank that died);
 - restore: ready -> every rank `restored`;
 - trained again: the steps thrown away: the end of the restored step in the attempt that was
   running (or the fault, if that step ended after it) -> the fault.
@@ -100,6 +102,29 @@ def _sources(restored_rows: list[dict], pulled: dict[str, str]) -> str:
     return ", ".join(f"{n} {w}" for n, w in words.items())
 
 
+def _next_attempt(
+    by_pid: dict[int, list[dict]], tf: float, t_next: float
+) -> tuple[list[dict], list[dict]]:
+    """The `ready` and `restored` rows of each rank's attempt that trained on after the fault: a
+    new process's, or one recovering in place (which logs them again): per process, the last of
+    each after the fault and before its first step after them."""
+    ready_rows, restored_rows = [], []
+    for rows in by_pid.values():
+        ready = restored = None
+        for x in sorted(rows, key=lambda r: r["t"]):
+            if not tf < x["t"] < t_next:
+                continue
+            if x["ev"] == "ready":
+                ready, restored = x, None
+            elif x["ev"] == "restored" and ready is not None:
+                restored = x
+            elif x["ev"] == "step" and ready is not None and restored is not None:
+                ready_rows.append(ready)
+                restored_rows.append(restored)
+                break
+    return ready_rows, restored_rows
+
+
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else 0.0
@@ -126,32 +151,36 @@ def analyse(
         t_next = times[i + 1][0] if i + 1 < len(times) else float("inf")
         e = fired[f.id]
         old = [p for p, s in start.items() if s["t"] < tf and gone.get(p, float("inf")) >= tf]
+        # When each rank's broken attempt ended: its process gone, or (in place) the wrapper
+        # ending the attempt inside the process that goes on.
+        ended = {
+            p: min([gone.get(p, float("inf"))] + [
+                x["t"] for x in by_pid.get(p, []) if x["ev"] == "ended" and tf <= x["t"] < t_next
+            ])
+            for p in old
+        }  # fmt: skip
         faulty = set()
         if f.kind == "kill":
             faulty = {e["pid"]}
         elif f.kind == "lost":
             faulty = {p for p in old if start[p].get("node") == "node-b"}
-        # What the broken attempt's ranks did in all their life: a peer may finish the save of
-        # a step a moment after the fault, a drain trains on to the step it saves.
-        old_steps = [s for s in steps if s["pid"] in old]
+        # What the broken attempt's ranks did in all of it: a peer may finish the save of a step
+        # a moment after the fault, a drain trains on to the step it saves.
+        old_steps = [s for s in steps if s["pid"] in old and s["t"] <= ended[s["pid"]]]
         per_rank: dict[int, int] = {}
         for s in old_steps:
             per_rank[s["pid"]] = max(per_rank.get(s["pid"], 0), s["step"])
         trained = min(per_rank.values()) if len(per_rank) >= world else 0
         saved_rank: dict[int, int] = {}
         for s in events:
-            if s["ev"] == "saved" and s["pid"] in old:
+            if s["ev"] == "saved" and s["pid"] in old and s["t"] <= ended[s["pid"]]:
                 saved_rank[s["pid"]] = max(saved_rank.get(s["pid"], 0), s["step"])
         saved = min(saved_rank.values()) if len(saved_rank) >= world else 0
-        new = [
-            p for p, s in start.items()
-            if tf < s["t"] < t_next and any(x["ev"] == "step" for x in by_pid.get(p, []))
-        ]  # fmt: skip
-        restored_rows = [x for p in new for x in by_pid[p] if x["ev"] == "restored"]
+        ready_rows, restored_rows = _next_attempt(by_pid, tf, t_next)
+        kept_on = [x["pid"] for x in ready_rows if x["pid"] in old]  # recovered in place
         pulled = {
             x["node"]: x["source"] for x in events if x["ev"] == "pulled" and tf < x["t"] < t_next
         }
-        ready_rows = [x for p in new for x in by_pid[p] if x["ev"] == "ready"]
         if len(restored_rows) < world or len(ready_rows) < world:
             losses.append(Loss(
                 f, tf, {}, None, trained, saved, e.get("latest"), "not recovered",
@@ -161,9 +190,10 @@ def analyse(
         restored = min(x["step"] for x in restored_rows)
         t_ready = max(x["t"] for x in ready_rows)
         t_restored = max(x["t"] for x in restored_rows)
-        reacting = [gone[p] for p in old if p in gone and p not in faulty]
+        out = {p: t for p, t in ended.items() if t != float("inf")}
+        reacting = [t for p, t in out.items() if p not in faulty]
         t_first = tf if f.kind == "preempt" else min(reacting, default=tf)
-        t_all = max([gone[p] for p in old if p in gone], default=t_first)
+        t_all = max(out.values(), default=t_first)
         verdict = next(
             ((t, d) for t, d in verdicts if tf - 1 <= t <= t_first + 0.5), None
         ) if f.kind != "preempt" else None  # fmt: skip
@@ -193,6 +223,8 @@ def analyse(
             how = f"the peers' collective timeout ({pg_timeout:g} s)"
         else:
             how = "a rank's exit, seen by its launcher"
+        if kept_on:
+            how += f"; {len(kept_on)} of {world} ranks recovered in place"
         losses.append(Loss(
             f, tf, parts, restored, trained, saved, e.get("latest"), how,
             _sources(restored_rows, pulled), e.get("replica"),

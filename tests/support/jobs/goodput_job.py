@@ -8,7 +8,9 @@ faults of a schedule on itself and logs what it does with wall-clock times.
 --stack default: `engine.save_checkpoint` every --every steps, resume from `latest`; diag: a
 `FlashCheckpointer` saving every step to memory (the agent also writes every --every-th to D),
 `attach` and `graceful_exit`; dlrover: DLRover's `DeepSpeedCheckpointer`, memory every step and
-storage every --every. Every process group's collective timeout is --pg-timeout (torch's own
+storage every --every; inplace: as diag, without the drain, the training run under
+`diag.trainer.resilient` (which forms the process group, and after a fault forms it again in the
+same process and runs the training again from the newest step in memory). Every process group's collective timeout is --pg-timeout (torch's own
 default is 30 min for gloo, 10 min for NCCL).
 
 F is a JSON list of faults ({"id", "kind", "step", "rank"}); a rank fires the ones of kind kill
@@ -16,8 +18,10 @@ F is a JSON list of faults ({"id", "kind", "step", "rank"}); a rank fires the on
 rank, before the forward of that step, once per job (the first rank to create O/fired-<id>
 fires). Each process appends one JSON line per event to O/events.jsonl: start (before the
 imports), ready (process group and engine up, before the restore), restored (the step resumed
-from, and `source`: memory, storage, or "" for nothing or a stack that does not say), step (with t0, its start, and t, its end after engine.step()), saved (the checkpoint of a
-step taken, t0 its start), fault, done.
+from, and `source`: memory, storage, or "" for nothing or a stack that does not say), step
+(with t0, its start, and t, its end after engine.step()), saved (the checkpoint of a step taken,
+t0 its start), fault, ended (inplace: a fault ended this attempt; this process goes on and logs
+`ready` and `restored` again), done.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import signal  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-STACKS = ("default", "diag", "dlrover")
+STACKS = ("default", "diag", "dlrover", "inplace")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,12 +101,13 @@ class Saver:
         self.args, self.engine = args, engine
         self.flash: Any = None
         self.dl: Any = None
-        if args.stack == "diag":
+        if args.stack in ("diag", "inplace"):
             import diag.trainer
 
             diag.trainer.attach(engine, job="goodput")
             self.flash = diag.trainer.FlashCheckpointer(engine, args.save_dir, job="goodput")
-            diag.trainer.graceful_exit(engine, args.save_dir, checkpointer=self.flash)
+            if args.stack == "diag":  # in place, a killed node's ranks are replaced, not drained
+                diag.trainer.graceful_exit(engine, args.save_dir, checkpointer=self.flash)
         elif args.stack == "dlrover":
             import sys
 
@@ -162,44 +167,64 @@ def main(argv: list[str] | None = None) -> int:
     node = os.environ.get("DIAG_NODE", "")
     pre = Events(out, pid=os.getpid(), node=node)
     pre("start", t=T_START)
-    import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
-    from dsengine import no_jit_ops, tiny_config, tiny_engine
+    from dsengine import no_jit_ops
 
     no_jit_ops()
     timeout = datetime.timedelta(seconds=args.pg_timeout)
     c10d.default_pg_timeout = timeout  # DeepSpeed's own groups take the module's default
-    dist.init_process_group("gloo", timeout=timeout)
+    faults = json.loads(Path(args.faults).read_text()) if args.faults else []
+    if args.stack == "inplace":
+        from diag.trainer.resilient import resilient
+
+        # The wrapper forms the process group (and each next generation) itself.
+        resilient(timeout_s=args.pg_timeout)(attempt)(args, out, node, faults)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+        attempt(None, args, out, node, faults)
+        dist.destroy_process_group()
+    return 0
+
+
+def attempt(world: Any, args: argparse.Namespace, out: Path, node: str, faults: list[dict]) -> None:
+    """The training: once per process, or (inplace) once per generation of the world, whose
+    `ready` and `restored` then come again in the same process; `ended` when a fault ends it."""
+    import torch
+    import torch.distributed as dist
+    from dsengine import tiny_config, tiny_engine
+
     rank = dist.get_rank()
     ev = Events(out, pid=os.getpid(), node=node, rank=rank)
-    faults = json.loads(Path(args.faults).read_text()) if args.faults else []
-    torch.manual_seed(args.seed)
-    h = args.hidden
-    engine = tiny_engine(h, tiny_config(2, lr=1e-3))
-    saver = Saver(args, engine)
-    ev("ready")
-    start, source = saver.load()
-    ev("restored", step=start, source=source)
-    for step in range(start + 1, args.steps + 1):
-        t0 = time.time()
-        fault = _due(faults, out, rank, step)
-        if fault is not None:
-            ev("fault", id=fault["id"], kind=fault["kind"], step=step)
-            _fire(fault["kind"])
-        gen = torch.Generator().manual_seed(args.seed * 100003 + step * 10 + rank)
-        x = torch.randn(4, h, generator=gen)
-        loss = (engine(x) - x).pow(2).mean()
-        engine.backward(loss)
-        engine.step()  # a drain saves and leaves in here
-        t1 = time.time()
-        ev("step", step=step, t0=t0, t=t1)
-        if saver.save(step):
-            ev("saved", step=step, t0=t1)
-    saver.close()
+    try:
+        torch.manual_seed(args.seed)
+        h = args.hidden
+        engine = tiny_engine(h, tiny_config(2, lr=1e-3))
+        saver = Saver(args, engine)
+        ev("ready", generation=getattr(world, "generation", 0))
+        start, source = saver.load()
+        ev("restored", step=start, source=source)
+        for step in range(start + 1, args.steps + 1):
+            t0 = time.time()
+            fault = _due(faults, out, rank, step)
+            if fault is not None:
+                ev("fault", id=fault["id"], kind=fault["kind"], step=step)
+                _fire(fault["kind"])
+            gen = torch.Generator().manual_seed(args.seed * 100003 + step * 10 + rank)
+            x = torch.randn(4, h, generator=gen)
+            loss = (engine(x) - x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()  # a drain saves and leaves in here
+            t1 = time.time()
+            ev("step", step=step, t0=t0, t=t1)
+            if saver.save(step):
+                ev("saved", step=step, t0=t1)
+        saver.close()
+    except BaseException as e:
+        if world is not None:  # the wrapper recovers: this process goes on
+            ev("ended", why=type(e).__name__)
+        raise
     ev("done")
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
