@@ -46,10 +46,10 @@ def lighthouse_bin() -> Path | None:
 
 class TorchftJob(GoodputJob):
     def __init__(self, spec: JobSpec, faults: list[Fault], root: Path, log: Callable[[str], None]):
-        super().__init__(spec, faults, root, log)
         binary = lighthouse_bin()
-        if binary is None:
+        if binary is None:  # before the nodes' run directories are made
             raise RuntimeError(f"torchft's lighthouse is not installed: {INSTALL}")
+        super().__init__(spec, faults, root, log)
         with open(root / "lighthouse.log", "wb") as f:
             self.master = subprocess.Popen(
                 [str(binary), "--bind", f"127.0.0.1:{self.port}", "--min_replicas", "1"],

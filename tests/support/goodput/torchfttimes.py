@@ -136,7 +136,7 @@ def analyse_torchft(
         if part.restored is None:  # its parts unread: the step it healed to all the same
             part = replace(
                 part, restored=min((e["step"] for e in healed), default=0),
-                how="its group back only after the last step",
+                how="its group back after the last step" if back is None else "-",
             )  # fmt: skip
         sources = {e.get("source") or "-" for e in healed}
         part = replace(part, source="/".join(sorted(sources)) if sources else "-")

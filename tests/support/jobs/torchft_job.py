@@ -23,7 +23,8 @@ that times out ends the healthy group's ranks too.
 Faults and events: as goodput_job.py (its `_due`, `_fire` and `Events`), each `step` event also
 with `replicas`, the groups that took part in the step. The healthy group trains on while a failed
 one restarts, so the returning group heals past steps: a rank fault of a step it skipped fires at
-its first step after it (the `fault` event has the step it fired at). A group waits for the others
+its first step after it (the `fault` event has the step it fired at), and only once the process
+has committed a step with every group (so one fault's recovery is over before the next fires). A group waits for the others
 at the start (as the other stacks' rendezvous waits for both nodes) and, having trained the last
 step, until they are back and healed from it (--wait-groups).
 """
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     start = manager.current_step()
     # Nothing is on storage here: a group past step 0 at its first quorum healed from a peer.
     ev("restored", step=start, source="peer" if start else "")
+    # Faults wait for the job to be whole: a step committed by every group since this process
+    # started (as the harness's node faults wait for a step of the returning node).
+    whole = False
     first = True
     while True:
         t0 = time.time()
@@ -146,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         if step > args.steps:
             break
         # A fault of a step this group healed past fires at its first step after it.
-        fault = _due([dict(f, step=step) for f in faults if f["step"] <= step], out, rank, step)
+        due = [dict(f, step=step) for f in faults if f["step"] <= step]
+        fault = _due(due, out, rank, step) if whole else None
         if fault is not None:
             ev("fault", id=fault["id"], kind=fault["kind"], step=step)
             _fire(fault["kind"])
@@ -168,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 at += n
         if manager.should_commit():
             opt.step()
+            whole = whole or manager.num_participants() >= args.groups
             ev(
                 "step", step=manager.current_step(), t0=t0, t=time.time(),
                 replicas=manager.num_participants(),
