@@ -22,8 +22,8 @@ Also given: the wall time trained with groups missing (unweighted), and, for the
 alone, the parts of tests/support/goodput/goodputtimes.py (its detection, teardown, restart and
 restore, measured on its own ranks).
 
-Goodput counts each committed step at its share of the groups: a step one group of two trained
-is half a step of the job's work.
+Goodput counts each committed step at its share of the groups (a step one group of two trained
+is half a step of the job's work), and at most m of its time.
 """
 
 from __future__ import annotations
@@ -114,9 +114,11 @@ def analyse_torchft(
             fired[e["id"]] = e["t"]
     node_losses = _node_losses(events, faults, t0, wall, timeline, pg_timeout, nproc)
     losses: list[Loss] = []
-    for f in sorted((f for f in faults if f.id in fired), key=lambda f: fired[f.id]):
+    order = sorted((f for f in faults if f.id in fired), key=lambda f: fired[f.id])
+    for i, f in enumerate(order):
         tf, node = fired[f.id], _failed_node(f, nproc)
-        new = {p for p, (ts, n) in started.items() if ts > tf and n == node}
+        t_next = fired[order[i + 1].id] if i + 1 < len(order) else float("inf")
+        new = {p for p, (ts, n) in started.items() if tf < ts < t_next and n == node}
         before = [c for c in cs if c.t <= tf]
         t_prev = before[-1].t if before else t0
         back = next((c for c in cs if c.t > tf and c.share >= 1.0 and c.pids & new), None)
@@ -157,7 +159,8 @@ def analyse_torchft(
                 degraded, t_back - t_prev,
             )
         )  # fmt: skip
-    kept = sum(c.share * (c.t - c.t0) for c in cs)
+    # A step's time past the usual is a wait (a quorum, a collective timing out), not training.
+    kept = sum(c.share * (min(c.t - c.t0, m) if m else c.t - c.t0) for c in cs)
     return replace(base, kept=kept, losses=losses)
 
 
