@@ -62,7 +62,8 @@ from torchftkit import TorchftJob  # noqa: E402
 from torchfttimes import analyse_torchft  # noqa: E402
 from torchfttimes import table as torchft_table  # noqa: E402
 
-STACKS = ("default", "diag", "dlrover", "torchft")
+STACKS = ("default", "diag", "dlrover")
+STACKS += ("torchft",)  # on a line of its own: stacks are added beside it
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
