@@ -1,4 +1,4 @@
-"""Training time lost per fault, end to end: one job and one fault schedule through four stacks.
+"""Training time lost per fault, end to end: one job and one fault schedule through five stacks.
 
     nice -n 19 .venv/bin/python bench/goodput.py --quick          # a short try (small model)
     nice -n 19 .venv/bin/python bench/goodput.py --svg goodput.svg  # the full run (many minutes)
@@ -19,12 +19,17 @@ shared memory wiped; it comes back empty). The stacks:
 - diag: `diag agent --on-hang stop` per node (it drains on SIGTERM), `attach`, a flash checkpoint
   in memory every step (the agent writes every --every-th to storage), `graceful_exit`,
   torchrun's restarts; each node's agent holds the other's newest flash checkpoint in memory
-  (--replica-nodes; --no-replicas: none), so a lost node's ranks resume from memory too.
+  (--replica-nodes; --no-replicas: none), so a lost node's ranks resume from memory too;
 - inplace: recovery in place: `diag launch` per node (torchrun's arguments, a warm spare per node),
   the training under `diag.trainer.resilient`, `diag agent --on-hang recover`, the same flash
   checkpoints and replicas as diag; a rank's fault is recovered in the surviving processes (a
   dead or stuck rank replaced by the spare), a node's fault restarts every worker as torchrun
-  does.
+  does;
+- torchft: torchft 0.2.0's Manager, one replica group per node (each node's torchrun restarts its
+  group), its lighthouse, the same model with the gradient averaged in the group and across the
+  groups (tests/support/jobs/torchft_job.py); the healthy group trains on while the failed one
+  restarts and heals from it. Its lost time is lost sample throughput, as
+  tests/support/goodput/torchfttimes.py says.
 
 Printed per stack: the wall time to finish the steps, goodput (the seconds of the steps kept at the
 end, each step's last run from its start to the end of engine.step(), over the wall time), and per
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import os
 import platform
@@ -56,8 +62,12 @@ from goodputkit import KINDS, Fault, GoodputJob, JobSpec, read_events, schedule 
 from goodputsvg import draw  # noqa: E402
 from goodputtimes import PARTS, RunTimes, analyse  # noqa: E402
 from scratch import private_tmpdir  # noqa: E402
+from torchftkit import INSTALL as TORCHFT_INSTALL  # noqa: E402
+from torchftkit import TorchftJob  # noqa: E402
+from torchfttimes import analyse_torchft  # noqa: E402
+from torchfttimes import table as torchft_table  # noqa: E402
 
-STACKS = ("default", "diag", "dlrover", "inplace")
+STACKS = ("default", "diag", "dlrover", "inplace", "torchft")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,7 +113,9 @@ def run_stack(args: argparse.Namespace, stack: str, root: Path) -> RunTimes | st
             import dlrover  # noqa: F401
         except ImportError:
             return "not run: dlrover is not installed"
-    job = GoodputJob(spec, faults, root, log)
+    if stack == "torchft" and importlib.util.find_spec("torchft") is None:
+        return f"not run: torchft is not installed ({TORCHFT_INSTALL})"
+    job = (TorchftJob if stack == "torchft" else GoodputJob)(spec, faults, root, log)
     try:
         outcome = job.run()
     finally:
@@ -127,7 +139,8 @@ def kept_run(root: Path, pg_timeout: float = 60.0, world: int = 4) -> RunTimes |
         last = max(e["t"] for e in events)
         done = {e["pid"] for e in events if e["ev"] == "done"}
         outcome = {"t0": t0, "wall": last - t0, "why": "" if len(done) >= world else "cut short"}
-    times = analyse(
+    how = analyse_torchft if root.name == "torchft" else analyse
+    times = how(
         events, faults, outcome["t0"], outcome["wall"], world, root / "timeline", pg_timeout
     )
     if outcome["why"]:
@@ -201,12 +214,14 @@ def report(args: argparse.Namespace, runs: dict[str, RunTimes | str], gb: dict[s
                     f"{head} not recovered |" + " - |" * len(PARTS) + f" {x.trained}, - | {x.how} |"
                 )
                 continue
-            parts = " | ".join(f"{x.parts[p]:.1f}" for p in PARTS)
+            parts = " | ".join(f"{x.parts[p]:.1f}" if p in x.parts else "-" for p in PARTS)
             held = f", replica held {x.replica}" if x.replica is not None else ""
             print(
                 f"{head} **{x.total:.1f}** | {parts} | {x.trained}, {x.restored} "
                 f"({x.source}{held}) | {x.how} |"
             )
+    for line in torchft_table(runs, args.kinds.split(",")):
+        print(line)
     default = runs.get("default")
     if not isinstance(default, RunTimes) or not default.saves:
         return

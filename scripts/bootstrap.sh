@@ -39,6 +39,8 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # Some machines list extra index locations that do not exist; pip says so for every package.
 quiet_pip() { "${pip[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 ref="$venv/ref/deepspeed-0.19.7"
+# What torchft imports besides torch (it declares `torch>=2.7`, which would pull the CUDA build).
+torchft_needs=("opentelemetry-exporter-otlp-proto-http>=1.37.0" "opentelemetry-sdk>=1.37.0")
 
 # uv resolves and installs in parallel: the same packages in about 30 s where pip takes 80-120 s
 # on 2 cores. It does not read pip's configuration, so the indexes, links, constraints and
@@ -53,6 +55,8 @@ uv_install() {
         --index-strategy unsafe-best-match "${args[@]}")
     "${uv[@]}" "torch==2.13.0" -e "$root[dev]" || return 1
     "${uv[@]}" --no-deps "dlrover==0.6.1" || return 1
+    "${uv[@]}" --no-deps "torchft==0.2.0" || return 1
+    "${uv[@]}" "${torchft_needs[@]}" || return 1
     if [[ ! -d "$ref/deepspeed/elasticity" ]]; then
         "${uv[@]}" --no-deps --target "$ref" "deepspeed==0.19.7" || return 1
     fi
@@ -65,6 +69,8 @@ pip_install() {
     quiet_pip "torch==2.13.0"
     quiet_pip -e "$root[dev]"
     quiet_pip --no-deps "dlrover==0.6.1"
+    quiet_pip --no-deps "torchft==0.2.0"
+    quiet_pip "${torchft_needs[@]}"
     if [[ ! -d "$ref/deepspeed/elasticity" ]]; then
         quiet_pip --no-deps --upgrade --target "$ref" "deepspeed==0.19.7"
     fi
@@ -76,7 +82,9 @@ pip_install() {
 # it needs at run time, psutil, grpcio, protobuf, deprecated, is already there); DeepSpeed
 # 0.19.7, the last release with `elasticity`, apart from the venv's packages: the tests compare
 # diag.trainer.elastic.batchsize with its compute_elastic_config
-# (tests/support/jobs/elastic_reference.py).
+# (tests/support/jobs/elastic_reference.py); torchft 0.2.0, for the goodput bench's torchft stack
+# (its Manager, lighthouse and a prebuilt extension in one wheel, ~1 s), without its dependencies
+# for the same reason, and the two OpenTelemetry packages it imports.
 echo "bootstrap: installing torch==2.13.0 and diag[dev]" >&2
 if [[ "${DIAG_BOOTSTRAP_PIP:-0}" == 1 ]] || ! uv_install; then
     [[ "${DIAG_BOOTSTRAP_PIP:-0}" == 1 ]] || echo "bootstrap: uv failed; installing with pip (a few minutes)" >&2
