@@ -55,8 +55,10 @@ def command(stack: str, root: Path, steps: int, kill_step: int) -> list[str]:
                 "--nproc-per-node", "2", "--max-restarts", "1", *job, "--plain"]  # fmt: skip
     spares = "1" if stack == "spare" else "0"
     plain = ["--plain"] if stack == "full restart" else []
+    # The kill comes seconds after the start: --spare-delay 0, the spare warm by then.
     return [sys.executable, "-m", "diag.cli.main", "launch", "--standalone", "--nproc-per-node",
-            "2", "--max-restarts", "1", "--spares", spares, *job, *plain]  # fmt: skip
+            "2", "--max-restarts", "1", "--spares", spares, "--spare-delay", "0", *job,
+            *plain]  # fmt: skip
 
 
 def one(stack: str, steps: int, kill_step: int) -> dict[str, float] | None:

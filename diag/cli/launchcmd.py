@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="warm spares per node: processes with torch, DeepSpeed and diag imported, waiting "
         "to take a dead worker's rank; 0: a replacement is a new process",
     )  # fmt: skip
+    parser.add_argument(
+        "--spare-delay", type=float, default=15.0,
+        help="seconds from a worker of the node first seen under @resilient to its spares' "
+        "start (their imports would slow the workers' engines); a rank that dies sooner gets "
+        "a new process",
+    )  # fmt: skip
     parser.add_argument("training_script", help="the training script")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
                         help="the script's arguments")  # fmt: skip
@@ -71,6 +77,8 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.spares <= MAX_SPARES:
         raise exitcodes.UsageError(f"--spares {args.spares}: give 0 to {MAX_SPARES}")
+    if not 0 <= args.spare_delay <= 3600:  # NaN fails too
+        raise exitcodes.UsageError(f"--spare-delay {args.spare_delay}: give 0 to 3600 seconds")
     if args.max_restarts < 0:
         raise exitcodes.UsageError(f"--max-restarts {args.max_restarts}: give 0 or more")
     if not args.monitor_interval > 0:
@@ -78,4 +86,5 @@ def run(args: argparse.Namespace) -> int:
     from diag.launch.launcher import LaunchArgs, launch
 
     return launch(LaunchArgs(torchrun_argv(args), args.training_script,
-                             list(args.training_script_args), args.spares, args.standalone))  # fmt: skip
+                             list(args.training_script_args), args.spares, args.standalone,
+                             args.spare_delay))  # fmt: skip

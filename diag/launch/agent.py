@@ -44,7 +44,7 @@ class SpareAgent(SimpleElasticAgent):
         self._client: Any = None  # a client of the workers' store (MASTER_ADDR:MASTER_PORT)
         self._worker_store: Any = None  # node 0: the workers' store of this attempt
         self.outcome = ""  # why the launch ended, one line
-        self._spares_wanted = False  # a worker of this node recovers in place (_fill_spares)
+        self._spares_at: float | None = None  # when spares start (_fill_spares)
         self._next_member_look = 0.0
 
     # -- SimpleElasticAgent's hooks ----------------------------------------------------------------
@@ -198,14 +198,14 @@ class SpareAgent(SimpleElasticAgent):
         self._spares.fill()  # the used spare's successor imports in the background
 
     def _fill_spares(self, now: float) -> None:
-        """Spares start once a worker of this node runs under `resilient` (only such a rank is
-        replaced alone): not before, where their imports would slow the workers' start (6
-        processes importing on 2 cores took 26 s to the first step against 12 s for 4), and
-        never for a job that does not recover in place."""
-        if not self._spares_wanted and now >= self._next_member_look:
+        """Spares start --spare-delay after a worker of this node is seen under `resilient`
+        (only such a rank is replaced alone): never for a job that does not recover in place,
+        and not while the workers build their engines, which their imports would slow."""
+        if self._spares_at is None and now >= self._next_member_look:
             self._next_member_look = now + MEMBER_LOOK_S
-            self._spares_wanted = any(self._is_member(p) for p in self._procs.values())
-        if self._spares_wanted:
+            if any(self._is_member(p) for p in self._procs.values()):
+                self._spares_at = now + self._rules.spare_delay_s
+        if self._spares_at is not None and now >= self._spares_at:
             self._spares.fill()
 
     def _argv(self) -> list[str]:

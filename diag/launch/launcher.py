@@ -27,6 +27,7 @@ class LaunchArgs:
     script_args: list[str]
     spares: int
     standalone: bool
+    spare_delay: float = 15.0
 
 
 def launch(a: LaunchArgs) -> int:
@@ -48,7 +49,7 @@ def launch(a: LaunchArgs) -> int:
     master_addr, master_port = _static_master(params)
     spec = _spec(config, a, rdzv_registry.get_rendezvous_handler(params), master_addr,
                  master_port)  # fmt: skip
-    return _run(spec, core.Policy(spares=a.spares), SignalException)
+    return _run(spec, core.Policy(spares=a.spares, spare_delay_s=a.spare_delay), SignalException)
 
 
 def _config(torchrun: Any, a: LaunchArgs) -> Any:

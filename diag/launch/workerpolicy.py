@@ -53,6 +53,7 @@ class Facts:
 @dataclass(frozen=True)
 class Policy:
     spares: int = 1  # warm spares per node; 0: a replacement is a cold start
+    spare_delay_s: float = 15.0  # from a worker seen under resilient to the spares' start
     per_rank: int = 3  # replacements of one rank before every worker restarts instead
     settle_s: float = 60.0  # a replacement that dies sooner than this did not take the place
 

@@ -45,6 +45,7 @@ def _diag(*args: str, env: dict | None = None, timeout: float = 60) -> subproces
         (("agent", "--config", "/nonexistent/diag.toml"), "no such file"),
         (("dump", "--pid", "999999999"), "--pid 999999999: no such process"),
         (("launch", "--spares", "-1", "train.py"), "--spares -1: give 0 to 64"),
+        (("launch", "--spare-delay", "nan", "train.py"), "--spare-delay nan: give 0 to 3600"),
         (("launch", "--nnodes", "two", "train.py"), "torchrun's arguments: invalid literal"),
         (("launch", "--monitor-interval", "nan", "train.py"), "--monitor-interval: give a"),
     ],

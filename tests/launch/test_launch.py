@@ -34,7 +34,9 @@ class Launch:
 
     def command(self, name: str, launch: list[str], job: list[str]) -> list[str]:
         return [
+            # The kill comes seconds after the start: the spare warm by then.
             sys.executable, "-m", "diag.cli.main", "launch", *launch, "--max-restarts", "1",
+            "--spare-delay", "0",
             str(JOB), "--zero", "2", "--steps", str(STEPS), "--hang-steps", str(KILL),
             "--hang-modes", "kill", "--save-dir", str(self.root / name / "ckpt"),
             "--out", str(self.root / name / "out"), *job,
