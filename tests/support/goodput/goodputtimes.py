@@ -194,9 +194,13 @@ def analyse(
         reacting = [t for p, t in out.items() if p not in faulty]
         t_first = tf if f.kind == "preempt" else min(reacting, default=tf)
         t_all = max(out.values(), default=t_first)
-        verdict = next(
-            ((t, d) for t, d in verdicts if tf - 1 <= t <= t_first + 0.5), None
-        ) if f.kind != "preempt" else None  # fmt: skip
+        found = [
+            (t, d) for t, d in verdicts if tf - 1 <= t <= t_first + 0.5 and f.kind != "preempt"
+        ]  # fmt: skip
+        verdict = found[0] if found else None
+        # Named after the first verdict to name a culprit (another node's may only say that its
+        # ranks wait for that one's), timed by the first.
+        named = next((v for v in found if v[1].get("culprit") is not None), verdict)
         # Only a hang verdict acts (it stops the ranks, after the evidence); after a death the
         # launchers act on their own, the agent's evidence alongside.
         acts = verdict is not None and verdict[1].get("kind") != "rank_exited"
@@ -214,8 +218,8 @@ def analyse(
             "restore": max(0.0, t_restored - t_ready),
             "trained again": max(0.0, tf - t_base),
         }
-        if verdict:
-            d = verdict[1]
+        if named:
+            d = named[1]
             how = f"agent verdict: {d.get('kind')}, rank {d.get('culprit')} on {d.get('node')}"
         elif f.kind == "preempt":
             how = "SIGTERM to node-b's pod"
