@@ -159,16 +159,16 @@ class SpareAgent(SimpleElasticAgent):
     def _recovers_in_place(self, p: Proc) -> bool:
         """Whether the dead worker's rank said it runs under diag.trainer.resilient (a key in
         the workers' store, under this launch attempt's keys)."""
-        return self._is_member(p)
-
-    def _is_member(self, p: Proc) -> bool:
         try:
-            attempt = int(p.env["TORCHELASTIC_RESTART_COUNT"])
-            return bool(self._store_client().check([keys.member_key(attempt, p.rank)]))
+            return self._is_member(p)
         except Exception as e:  # no store, no answer: torchrun's restart
             log.info("diag launch: could not read whether rank %d recovers in place (%s)",
                      p.rank, e)  # fmt: skip
             return False
+
+    def _is_member(self, p: Proc) -> bool:
+        attempt = int(p.env["TORCHELASTIC_RESTART_COUNT"])
+        return bool(self._store_client().check([keys.member_key(attempt, p.rank)]))
 
     def _store_client(self) -> Any:
         if self._client is None:
@@ -201,10 +201,15 @@ class SpareAgent(SimpleElasticAgent):
         """Spares start --spare-delay after a worker of this node is seen under `resilient`
         (only such a rank is replaced alone): never for a job that does not recover in place,
         and not while the workers build their engines, which their imports would slow."""
-        if self._spares_at is None and now >= self._next_member_look:
+        if self._spares_at is None and now >= self._next_member_look and self._procs:
             self._next_member_look = now + MEMBER_LOOK_S
-            if any(self._is_member(p) for p in self._procs.values()):
-                self._spares_at = now + self._rules.spare_delay_s
+            # One worker's key: a job runs under the wrapper on every rank or on none. Quiet (a
+            # store that does not answer is looked at again): this looks twice a second for as
+            # long as a job without the wrapper runs.
+            first = self._procs[min(self._procs)]
+            with contextlib.suppress(Exception):
+                if self._is_member(first):
+                    self._spares_at = now + self._rules.spare_delay_s
         if self._spares_at is not None and now >= self._spares_at:
             self._spares.fill()
 

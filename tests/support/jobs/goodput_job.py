@@ -72,6 +72,16 @@ class Events:
         os.write(self.fd, (json.dumps(line) + "\n").encode())
 
 
+def begin(out_dir: str, t_start: float) -> tuple[Path, str]:
+    """The events' folder and this process's node, once its `start` is logged (`t_start`: taken
+    before the script's imports, which a restart pays)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    node = os.environ.get("DIAG_NODE", "")
+    Events(out, pid=os.getpid(), node=node)("start", t=t_start)
+    return out, node
+
+
 def _fire(kind: str) -> None:
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -162,11 +172,7 @@ class Saver:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    node = os.environ.get("DIAG_NODE", "")
-    pre = Events(out, pid=os.getpid(), node=node)
-    pre("start", t=T_START)
+    out, node = begin(args.out, T_START)
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     from dsengine import no_jit_ops

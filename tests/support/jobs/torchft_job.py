@@ -20,13 +20,13 @@ group waits there while the lighthouse still sees a broken group heartbeating (i
 stuck in the in-group collective up to --pg-timeout, then 5 s of heartbeat timeout), and a quorum
 that times out ends the healthy group's ranks too.
 
-Faults and events: as goodput_job.py (its `_due`, `_fire` and `Events`), each `step` event also
-with `replicas`, the groups that took part in the step. The healthy group trains on while a failed
-one restarts, so the returning group heals past steps: a rank fault of a step it skipped fires at
-its first step after it (the `fault` event has the step it fired at), and only once the process
-has committed a step with every group (so one fault's recovery is over before the next fires). A group waits for the others
-at the start (as the other stacks' rendezvous waits for both nodes) and, having trained the last
-step, until they are back and healed from it (--wait-groups).
+Faults and events: as goodput_job.py (its `_due`, `_fire`, `Events` and `begin`), each `step` event
+also with `replicas`, the groups that took part in the step. The healthy group trains on while a
+failed one restarts, so the returning group heals past steps: a rank fault of a step it skipped
+fires at its first step after it (the `fault` event has the step it fired at), and only once the
+process has committed a step with every group (so one fault's recovery is over before the next
+fires). A group waits for the others at the start (as the other stacks' rendezvous waits for both
+nodes) and, having trained the last step, until they are back and healed from it (--wait-groups).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from goodput_job import Events, _due, _fire  # noqa: E402
+from goodput_job import Events, _due, _fire, begin  # noqa: E402
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,11 +80,7 @@ def _wait_groups(manager: Any, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    node = os.environ.get("DIAG_NODE", "")
-    pre = Events(out, pid=os.getpid(), node=node)
-    pre("start", t=T_START)
+    out, node = begin(args.out, T_START)
     import torch
     import torch.distributed as dist
     from dsengine import tiny_model
