@@ -149,6 +149,7 @@ class Instrumentation:
         self._cuda: CudaEventTracker | None = None  # created on the first CUDA op
         self._host = HostWorkTracker(writer)
         self.pg_timeout_s = 0.0
+        self._paused = False
 
     # -- patching ----------------------------------------------------------------------------
 
@@ -176,11 +177,16 @@ class Instrumentation:
         if self._cuda is not None:
             self._cuda.stop()
 
-    def forget_groups(self) -> None:
+    def forget_groups(self, *, pause: bool = False) -> None:
         """The world was formed again (in-place recovery): the groups seen so far are gone, and
-        their successors get new indices, their sequence numbers counted from the start."""
+        their successors get new indices, their sequence numbers counted from the start. With
+        `pause`, ops go unrecorded until `resume` (see attach.new_world)."""
         with self._lock:
             self._groups = {}
+            self._paused = pause
+
+    def resume(self) -> None:
+        self._paused = False
 
     def _wrap(self, orig: Callable, code: OpCode) -> Callable:
         def op(pg: Any, *args: Any, **kwargs: Any) -> Any:
@@ -227,6 +233,8 @@ class Instrumentation:
         return g
 
     def _run(self, orig: Callable, code: OpCode, pg: Any, args: tuple, kwargs: dict) -> Any:
+        if self._paused:
+            return orig(pg, *args, **kwargs)
         t0 = time.monotonic_ns()
         g = self._groups.get(id(pg))
         if g is None or g.pg() is not pg:

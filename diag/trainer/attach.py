@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _session: Session | None = None
 _world = 0  # the generation of the world (diag.trainer.resilient forms it again after a fault)
+# Whether attach() was called inside the training function diag.trainer.resilient runs (then it
+# is called again in each attempt, as a replacement rank calls it in its first).
+_in_attempt = False
+_attached_in_attempt = False
 OWN_THREADS_KEPT = 8
 FLIGHT_RECORDER_ENV = "DIAG_FLIGHT_RECORDER"
 
@@ -208,8 +212,12 @@ def attach(
     """Instruments the current process (once; later calls only add the engine's hooks). With
     `control`, the rank also registers with the node's agent over the control channel (in the
     background; nothing waits for it), which lets the agent ask it for its stacks."""
-    global _session
+    global _session, _attached_in_attempt
     with _lock:
+        if _in_attempt:
+            _attached_in_attempt = True
+            if _session is not None:
+                _session.instrumentation.resume()
         if _session is None:
             ident = _identity()
             directory = Path(run_dir) if run_dir is not None else default_run_dir()
@@ -243,12 +251,31 @@ def current() -> Session | None:
 
 def new_world(generation: int) -> None:
     """The process group was formed again in place (generation `generation`): the journal's
-    groups from here on are new ones, named apart from the last world's."""
-    global _world
+    groups from here on are new ones, named apart from the last world's.
+
+    Every rank of a world must count a group's ops from the same point of the program, or the
+    agent matches the wrong ops across ranks (a rank seen one op behind is called a leaver). A
+    replacement rank counts from its attach(): when the survivors called attach() inside the
+    training function, they count from their next call too (their ops before it, the engine's
+    set-up, go unrecorded, as in the first world); when attach() came before the wrapper, every
+    rank counts from the world's formation."""
+    global _world, _attached_in_attempt
     with _lock:
         _world = generation
         if _session is not None:
-            _session.instrumentation.forget_groups()
+            _session.instrumentation.forget_groups(pause=_attached_in_attempt)
+        _attached_in_attempt = False
+
+
+@contextlib.contextmanager
+def in_attempt() -> Iterator[None]:
+    """diag.trainer.resilient runs one attempt of the training function inside this."""
+    global _in_attempt
+    _in_attempt = True
+    try:
+        yield
+    finally:
+        _in_attempt = False
 
 
 def step(n: int | None = None) -> None:

@@ -184,6 +184,50 @@ def test_a_rank_stuck_in_c_is_stopped_by_the_agent_and_replaced_by_a_spare(launc
 
 
 @pytest.mark.slow
+def test_a_hang_after_a_replacement_is_an_incident_of_its_own(launch: Launch) -> None:
+    """Rank 1 is killed at step 3 (a spare takes its place in the next world of the same
+    attempt), then the spare hangs in Python at step 5: the agent names it in an incident of the
+    new world, not as a consequence of the death the world before (which the spare undid)."""
+    timeline = launch.root / "timeline"
+    agent = jobrun.start(
+        [
+            sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(launch.run_dir),
+            "--timeline", str(timeline), "--hang-timeout", "4", "--hang-floor", "4",
+            "--warmup-timeout", "8", "--on-hang", "recover", "--until", "job-end",
+            "--interval", "0.25", "--stop-grace", "3", "--native-stacks", "false",
+        ],
+        launch.log("agent"),
+        launch.env(launch.run_dir),
+    )  # fmt: skip
+    try:
+        rc = launch.run("two", "--hang-modes", "kill+sleep", "--hang-steps", "3,5", "--attach",
+                        "--timeout", "120")  # fmt: skip
+        jobrun.finish(agent, 60)
+    finally:
+        jobrun.stop(agent)
+    agent_log = launch.log("agent").read_text(errors="replace")
+    assert rc == 0, launch.tail("two") + agent_log[-3000:]
+    verdicts = {
+        d.name: json.loads((d / "verdict.json").read_text())
+        for d in timeline.glob("*@*") if (d / "verdict.json").is_file()
+    }  # fmt: skip
+    died = [v for v in verdicts.values() if v["kind"] == "rank_exited"]
+    hung = [v for v in verdicts.values() if v["kind"] == "hang"]
+    assert len(died) == 1 and len(hung) == 1, (sorted(verdicts), agent_log[-3000:])
+    assert died[0]["incident_id"].endswith("a0-rank_exited"), died[0]
+    assert "a0g1-hang-" in hung[0]["incident_id"], hung[0]
+    assert (died[0]["culprit"], hung[0]["culprit"]) == (1, 1), (died[0], hung[0])
+    assert "part of job incident" not in hung[0]["summary"], hung[0]
+    out = launch.out("two")
+    reference = _losses(out / "reference.jsonl")
+    got = _lines(out / "loss.jsonl")
+    assert sorted({d["step"] for d in got}) == list(range(1, STEPS + 1)), got
+    for d in got:
+        assert abs(float.fromhex(d["loss"]) - reference[d["step"]]) <= 1e-5, (d, reference)
+    assert not _left_behind(launch.run_dir)
+
+
+@pytest.mark.slow
 @pytest.mark.long
 def test_a_replacement_on_one_node_leaves_the_other_node_alone(launch: Launch) -> None:
     """Two launchers of one rank each (nodes a and b: their own run directories and node

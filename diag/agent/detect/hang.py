@@ -26,6 +26,7 @@ from diag.agent.detect.leaver import Leaver, find_leavers
 from diag.agent.detect.observation import Liveness, Observation
 from diag.agent.detect.overdue import Overdue, overdue_ranks
 from diag.agent.detect.timeouts import TimeoutPolicy, rank_limit, settled_at, stepless
+from diag.formats.worlds import era
 
 
 class VerdictKind(enum.Enum):
@@ -244,7 +245,7 @@ def _incident_id(obs: Observation, kind: VerdictKind, ws: list[Wait]) -> str:
     where = f"pg{ws[0].group}-seq{ws[0].group_seq}" if ws else "noop"
     if ws and ws[0].pair is not None:
         where += f"-p2p{ws[0].pair[0]}-{ws[0].pair[1]}"
-    return f"a{obs.attempt}-{kind.value}-{where}"
+    return f"{era(obs.attempt, obs.world)}-{kind.value}-{where}"
 
 
 def _rank_exit_verdict(obs: Observation) -> Verdict | None:
@@ -293,7 +294,7 @@ def _exit_verdict(
         kind=VerdictKind.RANK_EXITED,
         # One id per attempt, not per rank: when ranks on several nodes die in one cascade,
         # each node's agent names the same incident whichever rank it saw die first.
-        incident_id=f"a{obs.attempt}-{VerdictKind.RANK_EXITED.value}",
+        incident_id=f"{era(obs.attempt, obs.world)}-{VerdictKind.RANK_EXITED.value}",
         at=obs.now,
         culprit=culprit,
         suspects=suspects,

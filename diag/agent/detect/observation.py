@@ -110,6 +110,9 @@ class Observation:
     groups: Mapping[str, tuple[int, ...]]  # group name -> global ranks of its members
     world_size: int
     attempt: int = 0
+    # The newest world the ranks formed in place within the attempt (diag.trainer.resilient);
+    # 0: the first, or no wrapper.
+    world: int = 0
     pg_timeout: float = 0.0  # the collective timeout torch enforces, 0 if unknown
     group_timeouts: Mapping[str, float] = field(default_factory=dict)  # per group, when known
     recent_ops: Mapping[int, tuple[OpView, ...]] = field(default_factory=dict)  # rank -> done ops

@@ -4,9 +4,10 @@ whether the node files a report for it, and the culprit from the reports filed.
 The file adapter (`verdict.py`) lists and reads; the node's side (`link.py`) runs the
 steps at their times. Nothing here touches a file or a clock: times come in as arguments.
 
-Incident ids are the decision core's (`hang.py`): `a<attempt>-<kind>-...`. A death has one id
-per attempt (`a<attempt>-rank_exited`), so every node whose ranks die in one cascade lands in
-the same incident whatever order their agents see it in. An id seen again in a later run of the
+Incident ids are the decision core's (`hang.py`): `<era>-<kind>-...`, the era being the
+launcher's attempt and the world's generation when it formed again in place (`a3`, `a3g1`). A
+death has one id per era (`a3-rank_exited`), so every node whose ranks die in one cascade lands
+in the same incident whatever order their agents see it in. An id seen again in a later run of the
 job (a pod restart starts again at attempt 0) gets a generation, `<id>~2`, `<id>~3`...: an
 incident whose claim is older than the node's ranks belongs to an earlier run.
 """
@@ -176,6 +177,10 @@ class Mine:
     def attempt(self) -> int | None:
         return attempt_of(self.incident_id)
 
+    @property
+    def era(self) -> tuple[int, int] | None:
+        return era_of(self.incident_id)
+
 
 @dataclass(frozen=True)
 class Target:
@@ -188,7 +193,7 @@ class Target:
     reason: str
 
 
-_ID = re.compile(r"^a(\d+)-([a-z_]+)")
+_ID = re.compile(r"^a(\d+)(?:g(\d+))?-([a-z_]+)")
 
 
 def generation(incident_id: str) -> tuple[str, int]:
@@ -207,13 +212,15 @@ def attempt_of(incident_id: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def era_of(incident_id: str) -> tuple[int, int] | None:
+    """(attempt, world generation): a fault of one era does not explain one of another."""
+    m = _ID.match(incident_id)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
 def kind_of(incident_id: str) -> str:
     m = _ID.match(incident_id)
-    return m.group(2) if m else ""
-
-
-def death_id(attempt: int) -> str:
-    return f"a{attempt}-{DEATH}"
+    return m.group(3) if m else ""
 
 
 def fresh(claimed_wall: float, since_wall: float) -> bool:
@@ -240,9 +247,10 @@ def own_incident(mine: Mine, known: list[Known]) -> tuple[str, Known | None]:
 
 def choose(mine: Mine, known: list[Known], window: float) -> Target:
     """The incident this node's incident is part of, from the job's incidents `known` (one
-    listing). In one attempt of the job:
-    - a death explains everything after it (a dead rank does not come back in that attempt):
-      an incident of this node that comes later joins it, and files nothing;
+    listing). In one era of the job (an attempt, or a world formed again in place within it):
+    - a death explains everything after it (a dead rank does not come back in that era: a spare
+      that takes its place joins the next world): an incident of this node that comes later
+      joins it, and files nothing;
     - a node that only waits for ranks elsewhere joins an incident of the attempt that another
       node claimed within `window` seconds before (a first-hand one first), rather than opening
       a second one for the same stall;
@@ -250,7 +258,7 @@ def choose(mine: Mine, known: list[Known], window: float) -> Target:
     own_id, own = own_incident(mine, known)
     current = [
         k for k in known
-        if _fresh(k, mine) and attempt_of(k.incident_id) == mine.attempt
+        if _fresh(k, mine) and era_of(k.incident_id) == mine.era
         and k.incident_id != own_id
     ]  # fmt: skip
     if mine.death:

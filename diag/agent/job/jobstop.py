@@ -14,10 +14,10 @@ stop), once an incident of its ranks' attempt is known to break the job:
 - a death (a rank of that attempt died: the job cannot go on);
 - otherwise (views only, a fallback) the job verdict once it is in place.
 
-Never twice in one attempt of the ranks: an incident this node opened itself (its own verdict
-stopped its ranks) or one it followed closes the attempt; the ranks' restart opens the next.
-Never for an incident of another job (the job's own directory is the only one looked at), of
-another attempt, claimed before this node's ranks started (an earlier run's), or claimed by this
+Never twice in one era of the ranks (an attempt, or a world formed again in place within it): an
+incident this node opened itself (its own verdict stopped its ranks) or one it followed closes
+the era; the ranks' restart, or their next world, opens the next. Never for an incident of
+another job (the job's own directory is the only one looked at), of another era, claimed before this node's ranks started (an earlier run's), or claimed by this
 node itself.
 """
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from diag.agent.detect.hang import Verdict, VerdictKind
 from diag.agent.detect.observation import Observation
-from diag.agent.job.decisions import DEATH, Known, Where, attempt_of, fresh, kind_of
+from diag.agent.job.decisions import DEATH, Known, Where, era_of, fresh, kind_of
 
 # Seconds between two looks at the job's incidents: the stop comes at most this long (and one
 # `--interval`) after the claim, for one listing of a small directory a second in steady state.
@@ -52,12 +52,17 @@ class Local:
     since_wall: float  # its ranks started then (wall clock)
     open_incident: str | None  # the incident the decision core holds open, if any
     stop: bool  # --on-hang stop
+    world: int = 0  # the world's generation within the attempt (Observation.world)
+
+    @property
+    def era(self) -> tuple[int, int]:
+        return (self.attempt, self.world)
 
 
 @dataclass(frozen=True)
 class StopState:
     looked_at: float = float("-inf")
-    closed_attempt: int | None = None  # its ranks were stopped (or an incident opened) then
+    closed_era: tuple[int, int] | None = None  # its ranks were stopped (or an incident opened) then
     followed: str | None = None  # the job incident it stopped its ranks for
 
 
@@ -74,15 +79,15 @@ def wants_look(state: StopState, local: Local, now: float) -> bool:
         local.stop
         and local.live_ranks > 0
         and local.open_incident is None
-        and state.closed_attempt != local.attempt
+        and state.closed_era != local.era
         and now - state.looked_at >= LOOK_EVERY
     )
 
 
 def closed(state: StopState, local: Local) -> StopState:
-    """The state once the decision core opened an incident of its own in this attempt."""
-    if local.open_incident is not None and state.closed_attempt != local.attempt:
-        return replace(state, closed_attempt=local.attempt)
+    """The state once the decision core opened an incident of its own in this era."""
+    if local.open_incident is not None and state.closed_era != local.era:
+        return replace(state, closed_era=local.era)
     return state
 
 
@@ -107,7 +112,7 @@ def follow(state: StopState, local: Local, known: Sequence[Known], now: float) -
     state = replace(state, looked_at=now)
     ours = [
         k for k in known
-        if attempt_of(k.incident_id) == local.attempt
+        if era_of(k.incident_id) == local.era
         and fresh(k.claimed_wall, local.since_wall)
         and k.claim is not None  # a claim being written: the next look reads it
         and k.claim.node != local.node
@@ -117,7 +122,7 @@ def follow(state: StopState, local: Local, known: Sequence[Known], now: float) -
         return Follow(state)
     k, t = min(hits, key=lambda kt: (kt[0].claimed_wall, kt[0].incident_id))
     return Follow(
-        replace(state, closed_attempt=local.attempt, followed=k.incident_id), incident=k, trigger=t
+        replace(state, closed_era=local.era, followed=k.incident_id), incident=k, trigger=t
     )
 
 

@@ -127,6 +127,7 @@ class Cycle:
         local = Local(
             node=self.node,
             attempt=obs.attempt,
+            world=obs.world,
             live_ranks=sum(r.alive for r in obs.ranks),
             since_wall=ranks_since_wall(obs, wall),
             open_incident=incident.incident_id if incident is not None else None,

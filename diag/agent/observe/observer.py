@@ -27,6 +27,7 @@ from diag.formats.journalmeta import JOURNAL_SUFFIX, JournalMeta, meta_path_for,
 from diag.formats.journalreader import JournalReader
 from diag.formats.rundir import pid_namespace
 from diag.formats.untrusted import Owners, UntrustedInput
+from diag.formats.worlds import world_of
 
 log = logging.getLogger(__name__)
 
@@ -288,12 +289,16 @@ class Observer:
             pg_timeout = max(pg_timeout, t.meta.pg_timeout_s)
         world = max((t.meta.world_size for t in trackers), default=0)
         attempt = trackers[0].meta.attempt if trackers else 0
+        # Every member of a world names its groups with the world's generation: the newest
+        # one any local rank joined is the world the node trains in.
+        generation = max((world_of(g) for g in groups), default=0)
         return Observation(
             now=now,
             ranks=tuple(ranks),
             groups=groups,
             world_size=world,
             attempt=attempt,
+            world=generation,
             pg_timeout=pg_timeout,
             group_timeouts=timeouts,
             recent_ops=recent,

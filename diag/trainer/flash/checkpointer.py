@@ -198,7 +198,8 @@ class FlashCheckpointer:
                 self.stats.skipped += 1
                 log.warning(
                     "diag: flash save of step %d skipped: %s", step,
-                    "persists still pending" if got is None else "persists pending on another rank",
+                    f"no slot free ({self._slots.refusal})" if got is None
+                    else "no slot free on another rank",
                 )  # fmt: skip
                 return False
             assert got is not None

@@ -44,8 +44,11 @@ class Replication:
             self._confirmed = (ack.step, ack.run) if ack.on and ack.step >= 0 else None
 
     def prepare(self) -> None:
-        """Before a save takes a slot: a node that replicates keeps one more."""
-        if self.on:
+        """Before a save takes a slot: a node that replicates keeps one more, and so does a rank
+        in a round (the job's other nodes replicate) whose own agent has not said so yet: its
+        two slots both kept (the round step and the one resumed from), every save would be
+        skipped on every rank, and the rounds, which move only at a save, would never free them."""
+        if self.on or self.rounds.current is not None:
             self.slots.ensure(max(self._count, ROUND_SLOTS))
 
     def vote(self) -> Vote:

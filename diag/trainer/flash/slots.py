@@ -58,6 +58,7 @@ class RankSlots:
         self.pins: dict[int, tuple[int, float]] = {}  # slot -> (step, since)
         # Steps never written over while complete: the replication rounds' (trainer.flash.replicarounds)
         self.keep: frozenset[int] = frozenset()
+        self.refusal = ""  # why the last acquire found no slot: what held each one
         self.on_unmap: Callable[[int], None] | None = None  # before a slot's mapping goes away
         self._pin_lock = threading.Lock()  # acknowledgements arrive on the control thread
         self._warned_disk = False
@@ -217,7 +218,10 @@ class RankSlots:
         if self._reserve_error is not None:
             self.settle()
         missing, capacity = self._missing(size)
-        for index in write_order(self.views(time.monotonic())):
+        views = self.views(time.monotonic())
+        order = write_order(views)
+        busy: list[int] = []
+        for index in order:
             if self.slots[index] is None:
                 if index in self._reserving:
                     self.settle()
@@ -233,6 +237,7 @@ class RankSlots:
             slot = self.slots[index]
             assert slot is not None
             if not slot.try_lock_exclusive():
+                busy.append(index)
                 continue
             try:
                 if slot.capacity < size:
@@ -244,7 +249,9 @@ class RankSlots:
             with self._pin_lock:
                 self.pins.pop(index, None)
             self._deferred = (missing, capacity) if missing else None
+            self.refusal = ""
             return index, slot
+        self.refusal = _refusal(views, order, busy, self.keep)
         return None
 
     def pin(self, index: int, step: int) -> None:
@@ -318,3 +325,23 @@ class RankSlots:
                 slot.mark_closed(failed)
             slot.close()
             self.slots[i] = None
+
+
+def _refusal(views: list[SlotView], order: list[int], busy: list[int], keep: frozenset[int]) -> str:
+    """What held each slot when no save could take one, for the warning."""
+    out = []
+    for v in views:
+        if v.index in busy:
+            why = "read by the agent"
+        elif v.complete and v.step in keep:
+            why = "kept for a replication round"
+        elif v.pinned:
+            why = "its persist pending"
+        elif v.index not in order:
+            why = "the only complete snapshot"
+        else:
+            why = "free"
+        out.append(
+            f"slot {v.index}: step {v.step}, {why}" if v.complete else f"slot {v.index}: {why}"
+        )
+    return "; ".join(out)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from diag.trainer.attach import new_world
+from diag.trainer.attach import in_attempt, new_world
 from diag.trainer.control import immediate
 from diag.trainer.resilient.attempt import destroy_engines, end_attempt, forget_deepspeed_state
 from diag.trainer.resilient.membership import Interrupted, Membership, RecoveryError, WorldSpec
@@ -183,7 +183,8 @@ def _attempt(
     error: BaseException | None = None
     try:
         try:
-            return fn(world, *args, **kwargs), None
+            with in_attempt():
+                return fn(world, *args, **kwargs), None
         except BaseException as e:
             error = e
             posted, told, reason = member.begin_recovery()

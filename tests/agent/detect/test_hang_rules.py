@@ -145,6 +145,20 @@ def test_rank_behind_and_idle_is_the_culprit() -> None:
     assert v.expired_at == pytest.approx(NOW - 10 + 2.5)  # limit 5 x 0.5 s
 
 
+def test_incident_ids_name_the_world_formed_again_in_place() -> None:
+    """Within one attempt, each world recovery in place forms is an era of its own: its
+    incidents, deaths included, are not those of the world before (decisions.era_of)."""
+    waiting = [rank(r, last=NOW - 10, pending=(op(42, NOW - 10, group="0@2"),)) for r in (0, 1)]
+    hung = replace(obs(*waiting, groups={"0@2": (0, 1)}, attempt=3), world=2)
+    v = _decide(hung).verdict
+    assert v is not None and v.incident_id == "a3g2-hang-pg0@2-seq42"
+    died = replace(
+        obs(rank(0), rank(1, liveness=Liveness.DIED, exited_at=NOW - 1), attempt=3), world=2
+    )
+    d = _decide(died).verdict
+    assert d is not None and d.incident_id == "a3g2-rank_exited"
+
+
 def test_on_hang_recover_asks_the_live_ranks_to_recover_in_place() -> None:
     waiting = [rank(r, last=NOW - 10, pending=(op(42, NOW - 10),)) for r in (0, 1, 3)]
     culprit = rank(2, last=NOW - 10, last_seq=41)

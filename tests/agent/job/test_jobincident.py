@@ -63,6 +63,15 @@ HANG = "a0-hang-pg0-seq42"
         (_mine(HANG, L), [_known(HANG, 500.0)], (f"{HANG}~2", False, False, Filing.NOW)),
         (_mine(HANG, R), [_known(HANG, 500.0), _known(f"{HANG}~2", 1099.0)],
          (f"{HANG}~2", False, True, Filing.NONE)),
+        # A world formed again in place (a spare took the dead rank's place): the death of the
+        # world before explains nothing in the next one, a hang or another death.
+        (_mine("a0g1-hang-pg0@1-seq9", L), [_known("a0-rank_exited", 1090.0)],
+         ("a0g1-hang-pg0@1-seq9", False, False, Filing.NOW)),
+        (_mine("a0g1-rank_exited", L, first=1095.0), [_known("a0-rank_exited", 1090.0)],
+         ("a0g1-rank_exited", False, False, Filing.NOW)),
+        # ... while a death in the same world still does.
+        (_mine("a0g1-hang-pg0@1-seq9", R), [_known("a0g1-rank_exited", 1090.0)],
+         ("a0g1-rank_exited", True, True, Filing.NONE)),
         # A stall seen in another collective, claimed first-hand a moment before: joined.
         (_mine(HANG, R), [_known("a0-hang-pg3-seq7-p2p4-5", 1095.0)],
          ("a0-hang-pg3-seq7-p2p4-5", True, True, Filing.NONE)),

@@ -112,11 +112,23 @@ def test_once_per_attempt_and_again_after_a_restart() -> None:
     assert (third.incident, third.trigger) == (k1, Trigger.FIRST_HAND)
 
 
+def test_once_per_world_when_the_world_forms_again_in_place() -> None:
+    """Under recovery in place the attempt stays: the next world (a spare in the dead rank's
+    place) opens a new era, whose incidents stop the ranks again; the last world's do not."""
+    k = _known(DEATH, rank=1)
+    first = follow(StopState(), _local(), [k], now=50.0)
+    assert first.incident == k
+    k1 = _known("a0g1-hang-pg0@1-seq7", at=1200.0)
+    again = follow(first.state, _local(world=1), [k, k1], now=60.0)
+    assert (again.incident, again.trigger) == (k1, Trigger.FIRST_HAND)
+    assert follow(StopState(), _local(world=1), [k], now=50.0).incident is None
+
+
 def test_an_incident_of_its_own_closes_the_attempt() -> None:
     """The node's own verdict stopped its ranks: a claim by another node of the same attempt
     found later (the ranks still seen alive) stops nothing more."""
     opened = follow(StopState(), _local(open_incident=HANG), [], now=50.0)
-    assert opened.state.closed_attempt == 0
+    assert opened.state.closed_era == (0, 0)
     after = follow(opened.state, _local(), [_known("a0-hang-pg1-seq3")], now=60.0)
     assert after.incident is None
 

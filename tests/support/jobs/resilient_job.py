@@ -42,7 +42,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--hang-modes", default="sleep",
         help="sleep, spin or kill (SIGKILL: the launcher replaces the rank), one per stage "
-        "(cycled)",
+        "(cycled); within a stage, one per hang joined by '+' (cycled): kill+sleep",
     )  # fmt: skip
     p.add_argument("--timeout", type=float, default=3.0, help="collective timeout, seconds")
     p.add_argument("--no-reference", action="store_true")
@@ -114,6 +114,7 @@ def stage(args: argparse.Namespace, zero: int, out: Path, name: str, hangs: list
     from diag.trainer.resilient import resilient
 
     hung: list[int] = []  # this process's hangs so far (a spurious recovery uses none)
+    calls: list[int] = []  # the generations this process trained in
     job = f"{args.job}-z{zero}-{name}"
     save_dir = Path(args.save_dir) / job
 
@@ -133,6 +134,10 @@ def stage(args: argparse.Namespace, zero: int, out: Path, name: str, hangs: list
             diag.trainer.attach(engine, job=job)
         ckpt = diag.trainer.FlashCheckpointer(engine, save_dir, job=job, control=False)
         start = ckpt.load() or 0
+        if world.generation > 0 and not calls:
+            # A spare, in the place of a rank that hung (was killed) at these: not again.
+            hung.extend(h for h in hangs if h <= start)
+        calls.append(world.generation)
         if hangs or (args.plain and name == "loss"):  # a restarted plain launch hangs no more
             probe(out / f"attempts-{world.rank}.jsonl", {
                 "generation": world.generation, "start": start,
@@ -152,10 +157,11 @@ def stage(args: argparse.Namespace, zero: int, out: Path, name: str, hangs: list
             ckpt.save(step)
             due = hangs[len(hung)] if len(hung) < len(hangs) else 0
             if step == due and world.rank == args.hang_rank:
+                kinds = mode.split("+")
                 hung.append(step)
                 (out / "hang.json").write_text(json.dumps({"step": step, "t": time.time()}))
                 ckpt.wait()  # step K is in memory on this rank: the recovery restores it
-                hang(mode)
+                hang(kinds[(len(hung) - 1) % len(kinds)])
         ckpt.close()
         return world
 

@@ -175,3 +175,60 @@ def test_a_rank_keeps_the_round_steps_in_its_slots_while_its_newest_rotate(tmp_p
     finally:
         slots.close(remove=True)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_a_rank_whose_agent_has_not_said_it_replicates_still_has_room_for_the_rounds(
+    tmp_path: Path,
+) -> None:
+    """A launch resumed from memory keeps that step; the other node's ranks replicate, so the
+    job's saves start rounds this rank keeps too, though its own agent has not said it
+    replicates (it registered before its holders were known). With only its two slots both kept,
+    every save was skipped on every rank, and the rounds, which move only at a save, never
+    freed them: no snapshot until the next fault (seen in the goodput bench after a lost node)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="diag-test-rounds-", dir="/dev/shm"))
+    slots = RankSlots(run_dir, SlotOwner("j", 0, 1, 0, os.getpid(), 0.0))
+    rep = Replication(slots, RUN)
+
+    def save(step: int, all_ready: bool) -> None:
+        rep.prepare()
+        got = slots.acquire(1 << 20)
+        assert got is not None, f"step {step}: no slot free (kept {sorted(slots.keep)})"
+        _, slot = got
+        # The other node's ranks replicate: the all-reduce says so, whatever this rank voted.
+        rep.agreed(step, Agreed(all_ready=all_ready, any_replicating=True, any_abandon=False))
+        files = captured({f"global_step{step}/f.pt": model_states(step)})
+        write_snapshot(slot, step, files, job="j", rank=0, world=1, save_dir=tmp_path)
+        slot.unlock()
+
+    try:
+        save(21, all_ready=False)  # the step the last launch held, as this launch found it
+        rep.resumed(21, from_memory=True)
+        save(22, all_ready=True)  # the first save starts a round: 21 and 22 both kept
+        assert rep.rounds == Rounds(current=22, kept=21)
+        for step in (23, 24, 25):  # the holders have not confirmed 22 yet
+            save(step, all_ready=False)
+        assert {21, 22, 25} <= set(slots.complete())
+    finally:
+        slots.close(remove=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_a_save_with_no_slot_free_says_what_holds_each(tmp_path: Path) -> None:
+    run_dir = Path(tempfile.mkdtemp(prefix="diag-test-rounds-", dir="/dev/shm"))
+    slots = RankSlots(run_dir, SlotOwner("j", 0, 1, 0, os.getpid(), 0.0))
+    try:
+        for step in (4, 5):
+            got = slots.acquire(1 << 20)
+            assert got is not None
+            files = captured({f"global_step{step}/f.pt": model_states(step)})
+            write_snapshot(got[1], step, files, job="j", rank=0, world=1, save_dir=tmp_path)
+            got[1].unlock()
+        slots.keep = frozenset({4})
+        slots.pin(1, 5)
+        assert slots.acquire(1 << 20) is None
+        assert slots.refusal == (
+            "slot 0: step 4, kept for a replication round; slot 1: step 5, its persist pending"
+        ), slots.refusal
+    finally:
+        slots.close(remove=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
