@@ -17,6 +17,7 @@ from diag.formats.journalmeta import JournalMeta, read_meta
 from diag.formats.journalreader import JournalReader
 from diag.formats.records import OpFlag, OpState, Record, RecordKind
 from diag.formats.untrusted import Owners
+from diag.formats.worlds import world_of
 
 _NS = 1e-9
 _HISTORY_STEPS = 16
@@ -44,6 +45,7 @@ class RankTracker:
     # until its first step is read; 0 when the ring lost the launch's first records.
     launch_base: int | None = None
     launch_ends: list[float] = field(default_factory=list)
+    world: int = 0  # the newest world (formed again in place) its ops were seen in
     # Recent steps and completed ops, kept apart so that many ops per step do not crowd the
     # steps out of the history.
     step_pace: deque = field(default_factory=lambda: deque(maxlen=_HISTORY_STEPS))
@@ -125,6 +127,8 @@ class RankTracker:
         if rec.kind != RecordKind.OP:
             return
         v = self.view(rec)
+        if world_of(v.group) > self.world:
+            self._new_world(world_of(v.group))
         if rec.op.is_p2p:
             self._note_p2p(v)
         else:
@@ -153,6 +157,20 @@ class RankTracker:
             # straggler scores.
             self.done_ops.append(v)
             self.op_seconds.append(v.t_end - v.t_enqueue)
+
+    def _new_world(self, world: int) -> None:
+        """The rank's first op in a world formed again in place (diag.trainer.resilient): its
+        steps there are a new launch's. The first ones rebuild the engine and restore, and the
+        first step's time since the last world's last step spans the whole recovery: counted as
+        the pace, they would lift the limit for the rest of the run (to 5 x the recovery on a
+        node where no spare reset the warm-up)."""
+        self.world = world
+        self.launch_base = None
+        self.launch_ends.clear()
+        self.step_ends.clear()
+        self.step_pace.clear()
+        self.op_pace.clear()
+        self.in_phases = 0.0
 
     def _note_phase(self, begins: bool, t: float) -> None:
         if begins:

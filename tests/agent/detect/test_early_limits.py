@@ -19,7 +19,7 @@ from diag.agent.detect.observation import Liveness, Observation, OpView, Paced, 
 from diag.agent.detect.overdue import overdue_ranks
 from diag.agent.detect.timeouts import TimeoutPolicy, settled_at
 from diag.agent.observe.observer import Observer
-from diag.formats.journalmeta import JournalMeta, journal_path, write_meta
+from diag.formats.journalmeta import GroupInfo, JournalMeta, journal_path, write_meta
 from diag.formats.journalwriter import JournalWriter
 from diag.formats.records import DType, OpCode, OpFlag, OpState, RecordKind
 
@@ -191,6 +191,39 @@ def test_a_slow_second_step_after_a_restart_does_not_lift_the_limit(journal) -> 
         t += STEP
         w.step(28 + i, _ns(t))
     _op(w, 20, t + 0.05, None)  # stuck
+    seconds, basis, _ = _limit_after(run_dir, t + 0.05)
+    assert seconds == DEFAULTS.floor, basis
+    assert basis.startswith("floor (5 x slowest step/op since warm-up 0.17 s"), basis
+
+
+def test_a_world_formed_again_in_place_is_a_new_launch_for_the_pace(journal) -> None:  # type: ignore[no-untyped-def]
+    # A survivor of a recovery in place: 12 steps in world 0, then 30 s of recovery, and its
+    # steps go on in world 1 from step 9 (the restored one). The first step's time since the
+    # last world's last step, 30 s, counted, would give 5 x 30 s; and its first two steps
+    # there (the engine rebuilt) are a warm-up, as a restarted launch's.
+    run_dir, w = journal
+    path = journal_path(run_dir, "early", 0)
+    meta = JournalMeta(
+        job="early", rank=0, world_size=1, local_rank=0, local_world_size=1, pid=os.getpid(),
+        pid_start_time=psutil.Process().create_time(), node="n", attempt=1,
+        groups=(GroupInfo(0, "0", (0,)), GroupInfo(1, "0@1", (0,))),
+    )  # fmt: skip
+    write_meta(path, meta)
+    t = time.monotonic() - 60.0
+    for i in range(12):
+        _op(w, 1 + i, t + 0.05, t + 0.06)
+        t += STEP
+        w.step(1 + i, _ns(t))
+    t += 30.0  # the fault, the verdict, the next world, the engine again, the restore
+    s = w.append_op(OpCode.ALL_REDUCE, DType.FLOAT32, OpFlag.NONE, 1, -1, 1, 64, _ns(t))
+    w.update(s, OpState.COMPLETED, t_end_ns=_ns(t + 0.01))
+    for i in range(12):
+        s = w.append_op(OpCode.ALL_REDUCE, DType.FLOAT32, OpFlag.NONE, 1, -1, 2 + i, 64,
+                        _ns(t + 0.05))  # fmt: skip
+        w.update(s, OpState.COMPLETED, t_end_ns=_ns(t + 0.06))
+        t += STEP
+        w.step(10 + i, _ns(t))
+    w.append_op(OpCode.ALL_REDUCE, DType.FLOAT32, OpFlag.NONE, 1, -1, 20, 64, _ns(t + 0.05))
     seconds, basis, _ = _limit_after(run_dir, t + 0.05)
     assert seconds == DEFAULTS.floor, basis
     assert basis.startswith("floor (5 x slowest step/op since warm-up 0.17 s"), basis
