@@ -174,7 +174,7 @@ class JobLink:
         if how == Filing.NOW:
             # Filed here and now (two small writes); only the claimant's wait is a thread.
             if self._file(job, o.target.incident_id, node_report):
-                self._start(self._conclude, job, o.target.incident_id, node_report.wall)
+                self._start(self._conclude, job, o.target.incident_id, node_report.wall, o.mine)
         else:
             self._start(self._settle, job, o, node_report, report.evidence.path)
 
@@ -227,7 +227,7 @@ class JobLink:
         )  # fmt: skip
         now = time.time()
         if self._file(job, target.incident_id, replace(node_report, wall=now)):
-            self._conclude(job, target.incident_id, now)
+            self._conclude(job, target.incident_id, now, o.mine)
 
     def _file(self, job: str, incident_id: str, node_report: NodeReport) -> bool:
         """True when this node claimed the incident (and so assembles its verdict)."""
@@ -238,7 +238,9 @@ class JobLink:
                       self.store.root, e)  # fmt: skip
             return False
 
-    def _conclude(self, job: str, incident_id: str, first_seen: float) -> None:
+    def _conclude(
+        self, job: str, incident_id: str, first_seen: float, mine: Mine | None = None
+    ) -> None:
         where = self.store.incident_dir(job, incident_id)
 
         def announce(jv: JobVerdict) -> None:
@@ -248,12 +250,12 @@ class JobLink:
             )  # fmt: skip
 
         try:
-            lost = self._lost_peers()
+            lost = self._lost_peers(mine)
             self.store.wait_and_conclude(job, incident_id, first_seen, announce, lost)
         except (OSError, UntrustedInput) as e:
             log.error("could not write the job verdict under %s: %s", self.store.root, e)
 
-    def _lost_peers(self) -> tuple[LostNode, ...]:
+    def _lost_peers(self, mine: Mine | None = None) -> tuple[LostNode, ...]:
         """The peers whose agents went silent, probed until each answers or is lost (at most
         `lost_after` + PEER_SLACK): a whole node lost kills the ranks of the others (their
         deaths then come first-hand from nodes that are still there), or leaves them waiting
@@ -268,10 +270,19 @@ class JobLink:
                 log.exception("cannot probe the peers' agents for the job verdict")
                 return ()
             now = time.time()
-            s = judge(looks, now=now, lost_after=self.lost_after, started=started,
-                      slack=PEER_SLACK)  # fmt: skip
+            s = judge(
+                looks, now=now, lost_after=self.lost_after, started=started, slack=PEER_SLACK,
+                ranks_since=mine.since_wall if mine is not None else None,
+                first_sign=mine.first_sign_wall if mine is not None else None,
+            )  # fmt: skip
             if s.wait_until is None:
                 for n in s.lost:
+                    if n.came_back_at is not None:
+                        log.warning("node %s was lost and came back: its agent started %.1f s "
+                                    "before this node's ranks failed (ranks %s)", n.node,
+                                    mine.first_sign_wall - n.came_back_at if mine else 0.0,
+                                    list(n.ranks))  # fmt: skip
+                        continue
                     log.warning("node %s went silent: its agent has not answered for %.1f s "
                                 "(ranks %s)", n.node, n.silent_for, list(n.ranks))  # fmt: skip
                 return s.lost

@@ -24,16 +24,22 @@ STALE_S = 30.0
 
 def agent_answers(replicator: Replicator, peer: str) -> bool:
     """Whether the peer's agent answers a replica offer (refusing counts: it is there)."""
+    return probe_agent(replicator, peer)[0]
+
+
+def probe_agent(replicator: Replicator, peer: str) -> tuple[bool, float | None]:
+    """Whether the peer's agent answers a replica offer (refusing counts: it is there), and
+    when it started, if it said (an agent of an older version, or a refusal, does not)."""
     timeout = min(PROBE_TIMEOUT_S, replicator.settings.timeout)
     try:
-        ask_offer(replicator.peers, peer, timeout=timeout)
+        offer = ask_offer(replicator.peers, peer, timeout=timeout)
     except NotAuthenticated:
-        return False  # whatever answers there is not an agent of the job
+        return False, None  # whatever answers there is not an agent of the job
     except UntrustedInput:
-        return True  # the peer's agent answered, if only to refuse
+        return True, None  # the peer's agent answered, if only to refuse
     except OSError:
-        return False
-    return True
+        return False, None
+    return True, offer.agent_started or None
 
 
 class PeerWatch:
@@ -44,11 +50,11 @@ class PeerWatch:
         self,
         replicator: Replicator,
         *,
-        probe: Callable[[str], bool] | None = None,
+        probe: Callable[[str], tuple[bool, float | None]] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.replicator = replicator
-        self.probe = probe or (lambda peer: agent_answers(replicator, peer))
+        self.probe = probe or (lambda peer: probe_agent(replicator, peer))
         self.clock = clock
         self._reach: dict[str, Reach] = {}
         self._probed: dict[str, float] = {}
@@ -65,12 +71,12 @@ class PeerWatch:
         for peer in self.neighbours():
             held = store.held(peer) if store is not None else None
             ranks = tuple(held.manifest.ranks) if held is not None else ()
-            answers = self.probe(peer)
+            answers, started = self.probe(peer)
             now = self.clock()
             before = self._reach.get(peer)
             if now - self._probed.get(peer, now) > STALE_S:
                 before = None
             reach = self._reach[peer] = next_reach(before, answers, now)
             self._probed[peer] = now
-            out.append(PeerLook(peer, ranks, reach.answers, reach.since))
+            out.append(PeerLook(peer, ranks, reach.answers, reach.since, started))
         return out

@@ -21,7 +21,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from diag.agent.replica.admission import Limits, Pending, next_deadline, refusal, to_drop
 from diag.agent.replica.handshake import holder_side
@@ -183,6 +183,9 @@ class ReplicaServer:
         self.peers = peers
         self.on_event = on_event or (lambda kind, detail: None)
         self.gate = Gate(limits or Limits())
+        # Told to every peer that asks for an offer: one whose agent started while its own ranks
+        # ran knows this node was lost and came back (job/silence.py).
+        self.started = time.time()
         server = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -251,7 +254,8 @@ class ReplicaServer:
             self._push(sock, hello, source)
         elif hello.op == Op.OFFER:
             held = self.store.held(hello.node)
-            send(sock, Kind.OFFER, offer_body(held.offer() if held else OfferReply(None)))
+            offer = held.offer() if held else OfferReply(None)
+            send(sock, Kind.OFFER, offer_body(replace(offer, agent_started=self.started)))
         else:
             self._pull(sock, hello, source)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import socket
 import struct
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ MAX_PARTS = 4096  # ranks of one node
 MAX_SLOTS = 64
 MAX_WORLD = 1 << 20
 MAX_STEP = (1 << 63) - 1
+MAX_WALL = 1e11  # seconds since the epoch: past the year 5000
 CHUNK = 4 << 20
 
 
@@ -122,6 +124,9 @@ class OfferReply:
     run: str = ""
     world_size: int = 0
     ranks: tuple[int, ...] = ()
+    # When the answering agent started (its wall clock; 0: not said): a peer whose agent
+    # started while this node's ranks ran was lost and came back (job/silence.py).
+    agent_started: float = 0.0
 
 
 # -- frames ----------------------------------------------------------------------------------------
@@ -291,12 +296,18 @@ def parse_result(body: dict, source: str) -> Result:
 
 
 def offer_body(o: OfferReply) -> dict[str, object]:
-    return {"step": o.step, "run": o.run, "world_size": o.world_size, "ranks": list(o.ranks)}
+    return {"step": o.step, "run": o.run, "world_size": o.world_size, "ranks": list(o.ranks),
+            "agent_started": o.agent_started}  # fmt: skip
 
 
 def parse_offer(body: dict, source: str) -> OfferReply:
+    started = body.get("agent_started", 0.0)
+    if isinstance(started, bool) or not isinstance(started, (int, float)):
+        raise UntrustedInput(source, "agent_started must be a number")
+    if not math.isfinite(started) or not 0 <= started < MAX_WALL:
+        raise UntrustedInput(source, f"agent_started {started!r} is not a time")
     if body.get("step") is None:
-        return OfferReply(None)
+        return OfferReply(None, agent_started=float(started))
     step = bounded_int(body.get("step"), lo=0, hi=MAX_STEP, what="step", source=source)
     world = bounded_int(
         body.get("world_size"), lo=1, hi=MAX_WORLD, what="world size", source=source
@@ -305,4 +316,4 @@ def parse_offer(body: dict, source: str) -> OfferReply:
     if not isinstance(ranks, list) or len(ranks) > min(MAX_PARTS, world):
         raise UntrustedInput(source, "ranks must be a list of ranks")
     parsed = tuple(bounded_int(r, lo=0, hi=world - 1, what="rank", source=source) for r in ranks)
-    return OfferReply(step, _text(body, "run", source, empty=True), world, parsed)
+    return OfferReply(step, _text(body, "run", source, empty=True), world, parsed, float(started))

@@ -51,6 +51,37 @@ def test_judge(peers: list[PeerLook], now: float, expected: Silence) -> None:
     assert judge(peers, now=now, lost_after=LOST_AFTER, started=100.0, slack=SLACK) == expected
 
 
+@pytest.mark.parametrize(
+    ("started", "expected"),
+    [
+        # Its agent started afresh while this node's ranks ran, a minute before they failed:
+        # lost and back (a preempted pod replaced, a rebooted node), its ranks with it.
+        (1040.0, (LostNode("b", (2, 3), 0.0, 1040.0),)),
+        # Started with the job (within RUN_GAP of the ranks' start: agents start with their
+        # launchers, before the rendezvous): there all along.
+        (1005.0, ()),
+        # Restarted long before the failure (CAME_BACK_S): not what failed now.
+        (700.0, ()),
+        (None, ()),  # an agent that does not say (an older one)
+    ],
+)
+def test_judge_a_peer_that_came_back(started: float | None, expected: tuple) -> None:
+    peers = [PeerLook("b", (3, 2), True, 1100.0, started)]
+    got = judge(peers, now=1101.0, lost_after=LOST_AFTER, started=1100.0, slack=SLACK,
+                ranks_since=1000.0 - 300.0 if started == 700.0 else 1000.0, first_sign=1100.0)  # fmt: skip
+    assert got == Silence(expected, None)
+    # Without the claimant's times (a view filed for a hang), nobody came back.
+    assert judge(peers, now=1101.0, lost_after=LOST_AFTER, started=1100.0, slack=SLACK).lost == ()
+
+
+def test_the_basis_says_the_node_came_back() -> None:
+    names = [_name("node-a", 0, Where.LOCAL)]
+    rank, node, basis = blame_lost(names, [LostNode("node-b", (2, 3), 0.0, 1795874663.0)])
+    assert (rank, node) == (2, "node-b")
+    assert "node node-b was lost and came back: its agent started afresh at" in basis, basis
+    assert "rank 0 on node-a died after it (victims" in basis, basis
+
+
 def _name(node: str, rank: int | None, where: Where) -> ReportName:
     r = NodeReport(node=node, culprit=rank, where=where, evidence=f"/t/20261128-death-{node}")
     parsed = parse_name(r.name())

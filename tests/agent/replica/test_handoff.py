@@ -20,6 +20,7 @@ from replica_helpers import JOB, OWNERS, fill
 from diag.agent.checkpoint.manager import CheckpointManager, CheckpointSettings
 from diag.agent.checkpoint.persist import persist_slot
 from diag.agent.checkpoint.storage import marker_runs
+from diag.agent.job.decisions import Mine
 from diag.agent.job.link import JobLink
 from diag.agent.job.verdict import JobVerdictStore, NodeReport, Where
 from diag.agent.loop.peerwatch import PeerWatch
@@ -148,6 +149,34 @@ def test_the_job_verdict_names_a_peer_whose_agent_went_silent(ring, tmp_path):
     assert v is not None
     assert (v.culprit, v.culprit_node, v.lost_nodes) == (2, "b", ("b",)), v
     assert "rank 0 on a died after it (victims" in v.basis, v.basis
+
+
+def test_the_job_verdict_names_a_peer_that_was_lost_and_came_back(ring, tmp_path):
+    """Node b was lost and is back before a's rank fails (a preempted pod replaced): its agent,
+    started afresh while a's ranks ran, answers a's probe and says when it started. The verdict
+    names b, not a's rank, which died after it."""
+    a, b, _, _, _ = ring
+    ranks_since = time.time()
+    time.sleep(0.2)
+    b.close()
+    again = Replicator(b.settings, run_dir=b.run_dir, job=JOB, node="b", owners=OWNERS)
+    again.start()
+    try:
+        store = JobVerdictStore(tmp_path / "timeline" / ".jobs", settle=0.5, poll=0.05,
+                                cascade=0.0)  # fmt: skip
+        link = JobLink(store, "a", peers=PeerWatch(a), lost_after=a.settings.lost_after)
+        first = time.time() + 20.0  # its agent restarted 20 s before a's rank failed
+        report = NodeReport("a", 0, Where.LOCAL, str(tmp_path / "timeline" / "e-a"),
+                            kind="rank_exited", first_sign_wall=first)  # fmt: skip
+        assert store.file(JOB, "a0-rank_exited", report)
+        mine = Mine("a0-rank_exited", Where.LOCAL, first, first, ranks_since - 20.0)
+        link._conclude(JOB, "a0-rank_exited", time.time(), mine)
+        v = store.load(JOB, "a0-rank_exited")
+        assert v is not None
+        assert (v.culprit, v.culprit_node, v.lost_nodes) == (2, "b", ("b",)), v
+        assert "node b was lost and came back" in v.basis, v.basis
+    finally:
+        again.close()
 
 
 def test_the_job_verdict_stands_while_the_peer_answers(ring, tmp_path):

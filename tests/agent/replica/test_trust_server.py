@@ -130,3 +130,19 @@ def test_tls_between_agents(tmp_path) -> None:
         assert wait_for(lambda: store.held("a") is not None)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("started", ["1", True, float("nan"), float("inf"), -1.0, 1e12, [1]])
+def test_an_offer_with_a_start_time_that_is_not_one_is_refused(started: object) -> None:
+    """When a peer's agent started decides whether its node was lost (job/silence.py): a value
+    that is not a plausible time is refused, never taken as 'just started'."""
+    from diag.agent.replica.wire import OfferReply as Reply
+    from diag.agent.replica.wire import offer_body, parse_offer
+
+    body = offer_body(Reply(7, "r1", 4, (2, 3), 1795874663.5))
+    assert parse_offer(body, "peer").agent_started == 1795874663.5
+    assert parse_offer({**body, "step": None}, "peer") == Reply(None, agent_started=1795874663.5)
+    old = {k: v for k, v in body.items() if k != "agent_started"}  # an older agent's
+    assert parse_offer(old, "peer").agent_started == 0.0
+    with pytest.raises(UntrustedInput, match="agent_started"):
+        parse_offer({**body, "agent_started": started}, "peer")
