@@ -203,7 +203,8 @@ OPTIONS = OptionTable(
             "persist_on_incident",
             boolean,
             True,
-            "on a rank death or a hang, persist the newest flash checkpoints before acting",
+            "on a rank death or a hang, persist the newest flash checkpoints: before stopping the "
+            "ranks, or right after asking them to recover in place (they keep their memory)",
         ),
         Option(
             "save_dir",

@@ -158,16 +158,20 @@ def open_incident(
 ) -> Decision:
     """An incident opened under `verdict`, this node's own or one of the job's that another
     node reported (`job/jobstop.py`): evidence, checkpoints, then (`--on-hang stop`) the live
-    ranks stopped, or (`--on-hang recover`) asked to recover in place. Until progress resumes or the ranks restart, no other incident opens."""
+    ranks stopped, or (`--on-hang recover`) asked to recover in place, and then the checkpoints:
+    ranks that recover keep their memory, so the write to storage (seconds per GB) need not
+    hold up their recovery. Until progress resumes or the ranks restart, no other incident
+    opens."""
     actions = [Action(ActionKind.CAPTURE_EVIDENCE, verdict)]
-    if policy.persist_on_incident:
-        actions.append(Action(ActionKind.PERSIST_CHECKPOINT, verdict))
+    persist = [Action(ActionKind.PERSIST_CHECKPOINT, verdict)] if policy.persist_on_incident else []
     alive = tuple(sorted(r.rank for r in obs.ranks if r.alive))
-    if policy.on_hang == OnHang.STOP and alive:
-        actions.append(Action(ActionKind.STOP_RANKS, verdict, alive))
-    elif policy.on_hang == OnHang.RECOVER and alive:
+    if policy.on_hang == OnHang.RECOVER and alive:
         delay = REMOTE_DEFER_S if blames_other_nodes(verdict) else 0.0
-        actions.append(Action(ActionKind.RECOVER_RANKS, verdict, alive, delay))
+        actions += [Action(ActionKind.RECOVER_RANKS, verdict, alive, delay), *persist]
+    else:
+        actions += persist
+        if policy.on_hang == OnHang.STOP and alive:
+            actions.append(Action(ActionKind.STOP_RANKS, verdict, alive))
     state = replace(
         state,
         incident=verdict,

@@ -168,6 +168,18 @@ def test_on_hang_recover_asks_the_live_ranks_to_recover_in_place() -> None:
     assert [a.kind for a in d.actions] == [ActionKind.CAPTURE_EVIDENCE, ActionKind.RECOVER_RANKS]
     assert d.actions[1].ranks == (0, 1, 2, 3), "the live ranks: a dead one takes no command"
     assert d.actions[1].delay_s == 0.0, "the culprit is here: asked at once"
+    # With checkpoints persisted on an incident: after the ask, not before (the ranks keep
+    # their memory; under --on-hang stop the write comes first, before the processes go).
+    policy = Policy(timeouts=POLICY, on_hang=OnHang.RECOVER, persist_on_incident=True)
+    d = decide(WatchState(), obs(*waiting, culprit, dead), policy)
+    assert [a.kind for a in d.actions] == [
+        ActionKind.CAPTURE_EVIDENCE, ActionKind.RECOVER_RANKS, ActionKind.PERSIST_CHECKPOINT,
+    ]  # fmt: skip
+    policy = replace(policy, on_hang=OnHang.STOP)
+    d = decide(WatchState(), obs(*waiting, culprit, dead), policy)
+    assert [a.kind for a in d.actions] == [
+        ActionKind.CAPTURE_EVIDENCE, ActionKind.PERSIST_CHECKPOINT, ActionKind.STOP_RANKS,
+    ]  # fmt: skip
 
 
 def test_on_hang_recover_waits_for_the_culprits_node_when_only_other_nodes_are_behind() -> None:
