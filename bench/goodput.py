@@ -84,6 +84,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="diag: no replicas in the peer node (a lost node resumes from storage)",
     )  # fmt: skip
     p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument(
+        "--agent-arg", dest="agent_args", action="append", default=[],
+        help="an option for each node's diag agent (the diag and inplace stacks), as one word: "
+        "--agent-arg=--hang-factor=2; repeat for more",
+    )  # fmt: skip
     p.add_argument("--svg", type=Path, help="write the picture here")
     p.add_argument("--keep", type=Path, help="keep every run's logs and events under this folder")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per stack at most")
@@ -106,7 +111,7 @@ def run_stack(args: argparse.Namespace, stack: str, root: Path) -> RunTimes | st
     faults = schedule(args.seed, args.steps, tuple(args.kinds.split(",")))
     spec = JobSpec(
         stack, args.steps, args.hidden, args.every, grace=args.grace, timeout=args.timeout,
-        replicas=args.replicas,
+        replicas=args.replicas, agent_args=tuple(args.agent_args),
     )  # fmt: skip
     if stack == "dlrover":
         try:

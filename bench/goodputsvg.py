@@ -17,6 +17,7 @@ COLORS = {
 }
 ORDER = ("trained again", "detection", "evidence", "teardown", "restart", "restore")
 W, PANEL, LEFT, TOP, GAP = 960, 170, 70, 40, 50
+CHAR_W = 6.2  # about the width of a character of the 11 px sans-serif labels
 
 
 def draw(runs: dict[str, Any], steps: int, title: str) -> str:
@@ -49,7 +50,8 @@ def draw(runs: dict[str, Any], steps: int, title: str) -> str:
             continue
         label = f"{name}: " + (r.unfinished or f"{r.wall:.0f} s, goodput {r.goodput:.1%}")
         out.append(f'<text x="{LEFT + 5}" y="{top - 6}" font-size="12">{escape(label)}</text>')
-        for loss in r.losses:
+        ends = [float("-inf")] * 3  # where each row of fault labels is taken up to
+        for loss in sorted(r.losses, key=lambda lo: lo.at):
             t = loss.at - r.t0 - loss.parts.get("trained again", 0.0)
             for part in ORDER:
                 d = loss.parts.get(part, 0.0)
@@ -65,7 +67,10 @@ def draw(runs: dict[str, Any], steps: int, title: str) -> str:
                 f'stroke-dasharray="3,2"/>'
             )
             note = loss.fault.kind + ("" if loss.restored is not None else " (not recovered)")
-            out.append(f'<text x="{fx + 2:.1f}" y="{top + 12}">{escape(note)}</text>')
+            # Faults close together: the next label goes a row lower rather than over the last.
+            row = next((i for i, e in enumerate(ends) if fx + 2 >= e), 0)
+            ends[row] = fx + 2 + CHAR_W * len(note) + 4
+            out.append(f'<text x="{fx + 2:.1f}" y="{top + 12 + 13 * row}">{escape(note)}</text>')
         pts = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in r.curve)
         out.append(f'<polyline points="{pts}" fill="none" stroke="black" stroke-width="1.5"/>')
         out.append(f'<text x="{LEFT - 8}" y="{top + 10}" text-anchor="end">{steps}</text>')
