@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -93,6 +94,29 @@ def _losses(path: Path) -> dict[int, float]:
     return {d["step"]: float.fromhex(d["loss"]) for d in _lines(path)}
 
 
+def _as_uninterrupted(out: Path) -> None:
+    """Every step's loss within 1e-5 of the uninterrupted reference run's."""
+    reference = _losses(out / "reference.jsonl")
+    got = _lines(out / "loss.jsonl")
+    assert sorted({d["step"] for d in got}) == list(range(1, STEPS + 1)), got
+    for d in got:
+        assert abs(float.fromhex(d["loss"]) - reference[d["step"]]) <= 1e-5, (d, reference)
+
+
+def _recovering_agent(launch: Launch, timeline: Path) -> subprocess.Popen:
+    """`diag agent --on-hang recover` over the launch's run directory, with short limits."""
+    return jobrun.start(
+        [
+            sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(launch.run_dir),
+            "--timeline", str(timeline), "--hang-timeout", "4", "--hang-floor", "4",
+            "--warmup-timeout", "8", "--on-hang", "recover", "--until", "job-end",
+            "--interval", "0.25", "--stop-grace", "3", "--native-stacks", "false",
+        ],
+        launch.log("agent"),
+        launch.env(launch.run_dir),
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_killed_rank_is_replaced_alone_under_resilient_and_restarts_every_rank_without(
     launch: Launch,
@@ -149,17 +173,7 @@ def test_a_rank_stuck_in_c_is_stopped_by_the_agent_and_replaced_by_a_spare(launc
     """The path of a rank that cannot recover in its own process: stuck in C with the GIL held,
     it cannot answer the agent's RECOVER; the agent stops it after --stop-grace, diag launch
     puts a warm spare in its place, and rank 0, which took the RECOVER, trains on with it."""
-    agent = jobrun.start(
-        [
-            sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(launch.run_dir),
-            "--timeline", str(launch.root / "timeline"), "--hang-timeout", "4",
-            "--hang-floor", "4", "--warmup-timeout", "8", "--on-hang", "recover",
-            "--until", "job-end", "--interval", "0.25", "--stop-grace", "3",
-            "--native-stacks", "false",
-        ],
-        launch.log("agent"),
-        launch.env(launch.run_dir),
-    )  # fmt: skip
+    agent = _recovering_agent(launch, launch.root / "timeline")
     try:
         rc = launch.run("gil", "--hang-modes", "gil", "--attach", "--timeout", "120")
         jobrun.finish(agent, 60)
@@ -171,11 +185,7 @@ def test_a_rank_stuck_in_c_is_stopped_by_the_agent_and_replaced_by_a_spare(launc
     assert "rank 1: no answer within the grace" in agent_log, agent_log[-3000:]
     assert "a warm spare takes its place" in launch.tail("gil")
     out = launch.out("gil")
-    reference = _losses(out / "reference.jsonl")
-    got = _lines(out / "loss.jsonl")
-    assert sorted({d["step"] for d in got}) == list(range(1, STEPS + 1)), got
-    for d in got:
-        assert abs(float.fromhex(d["loss"]) - reference[d["step"]]) <= 1e-5, (d, reference)
+    _as_uninterrupted(out)
     survivor, replaced = _lines(out / "attempts-0.jsonl"), _lines(out / "attempts-1.jsonl")
     assert [a["pid"] for a in survivor] == [survivor[0]["pid"]] * 2, survivor
     assert "the agent's verdict" in survivor[1]["fault"], survivor
@@ -189,16 +199,7 @@ def test_a_hang_after_a_replacement_is_an_incident_of_its_own(launch: Launch) ->
     attempt), then the spare hangs in Python at step 5: the agent names it in an incident of the
     new world, not as a consequence of the death the world before (which the spare undid)."""
     timeline = launch.root / "timeline"
-    agent = jobrun.start(
-        [
-            sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(launch.run_dir),
-            "--timeline", str(timeline), "--hang-timeout", "4", "--hang-floor", "4",
-            "--warmup-timeout", "8", "--on-hang", "recover", "--until", "job-end",
-            "--interval", "0.25", "--stop-grace", "3", "--native-stacks", "false",
-        ],
-        launch.log("agent"),
-        launch.env(launch.run_dir),
-    )  # fmt: skip
+    agent = _recovering_agent(launch, timeline)
     try:
         rc = launch.run("two", "--hang-modes", "kill+sleep", "--hang-steps", "3,5", "--attach",
                         "--timeout", "120")  # fmt: skip
@@ -218,12 +219,7 @@ def test_a_hang_after_a_replacement_is_an_incident_of_its_own(launch: Launch) ->
     assert "a0g1-hang-" in hung[0]["incident_id"], hung[0]
     assert (died[0]["culprit"], hung[0]["culprit"]) == (1, 1), (died[0], hung[0])
     assert "part of job incident" not in hung[0]["summary"], hung[0]
-    out = launch.out("two")
-    reference = _losses(out / "reference.jsonl")
-    got = _lines(out / "loss.jsonl")
-    assert sorted({d["step"] for d in got}) == list(range(1, STEPS + 1)), got
-    for d in got:
-        assert abs(float.fromhex(d["loss"]) - reference[d["step"]]) <= 1e-5, (d, reference)
+    _as_uninterrupted(launch.out("two"))
     assert not _left_behind(launch.run_dir)
 
 
