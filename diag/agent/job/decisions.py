@@ -254,32 +254,17 @@ def choose(mine: Mine, known: list[Known], window: float) -> Target:
     - a node that only waits for ranks elsewhere joins an incident of the attempt that another
       node claimed within `window` seconds before (a first-hand one first), rather than opening
       a second one for the same stall;
-    - otherwise the node's own id, in the current generation.
-    Another era's claim made within `window` seconds before counts as this era's: a node that
-    was replaced counts its launcher's restarts from 0 again, so the same fault comes with
-    another attempt in its id there (a death elsewhere then explains this node's, and a stall
-    claimed first-hand elsewhere is the one this node waits in)."""
+    - otherwise the node's own id, in the current generation."""
     own_id, own = own_incident(mine, known)
     current = [
         k for k in known
-        if _fresh(k, mine) and k.incident_id != own_id
-        and (era_of(k.incident_id) == mine.era or _just_before(k, mine, window))
+        if _fresh(k, mine) and era_of(k.incident_id) == mine.era
+        and k.incident_id != own_id
     ]  # fmt: skip
     if mine.death:
         # Deaths share the id: ours is a consequence when the one claimed came first.
         lead = own.claim if own is not None else None
         later = lead is not None and lead.first_sign_wall <= mine.first_sign_wall
-        if not later:
-            # ... or another era's, claimed just before (a replaced node's id for it).
-            other = [
-                k for k in current
-                if kind_of(k.incident_id) == DEATH and era_of(k.incident_id) != mine.era
-                and k.claim is not None and k.claim.first_sign_wall <= mine.first_sign_wall
-            ]  # fmt: skip
-            if other:
-                k = min(other, key=lambda k: (k.claimed_wall, k.incident_id))
-                return Target(k.incident_id, k, adopted=True, consequence=True,
-                              reason=_after(k.claim))  # fmt: skip
         return Target(
             own_id, own, adopted=False, consequence=later, reason=_after(lead) if later else ""
         )
@@ -304,21 +289,6 @@ def choose(mine: Mine, known: list[Known], window: float) -> Target:
             reason=_after(k.claim) if k.first_hand else "",
         )  # fmt: skip
     return Target(own_id, own, adopted=False, consequence=False, reason="")
-
-
-def _just_before(k: Known, mine: Mine, window: float) -> bool:
-    """Of another attempt in the same world (a world formed again in place has the same
-    generation on every node; a launcher's attempt does not), claimed while this node's ranks ran
-    (not a fault the last restart answered), within `window` seconds before this node's verdict
-    (clocks agreeing within CLOCK_SKEW)."""
-    era = era_of(k.incident_id)
-    return (
-        era is not None
-        and mine.era is not None
-        and era[1] == mine.era[1]
-        and k.claimed_wall >= mine.since_wall
-        and mine.decided_wall - window <= k.claimed_wall <= mine.decided_wall + CLOCK_SKEW
-    )
 
 
 def _after(claim: Claim | None) -> str:

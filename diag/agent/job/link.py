@@ -75,8 +75,7 @@ def look(store: JobVerdictStore, job: str, mine: Mine, window: float, *, settled
     """One look at the job's incidents: a listing, a time check and a read of the claims of
     this attempt; at its second look (`view_after`) also whether the one chosen has its verdict
     or a first-hand report (two more checks)."""
-    # Every attempt's: a node replaced counts its launcher's restarts from 0 again.
-    target = choose(mine, store.known(job, None, mine.since_wall), window)
+    target = choose(mine, store.known(job, mine.attempt, mine.since_wall), window)
     if settled and target.known is not None and not target.consequence:
         target = replace(target, known=store.settled(target.known, job))
     return target

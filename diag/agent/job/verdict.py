@@ -175,9 +175,9 @@ class JobVerdictStore:
             pass
 
     def known(self, job: str, attempt: int | None, since_wall: float) -> list[Known]:
-        """The job's incidents of `attempt` (None: of every attempt): one listing of the job's
-        directory, a time check of each one's claim, and a read of the claims made since
-        `since_wall` (the others are an earlier run's: their time is all that matters)."""
+        """The job's incidents of `attempt`: one listing of the job's directory, a time check
+        of each one's claim, and a read of the claims made since `since_wall` (the others are
+        an earlier run's: their time is all that matters)."""
         self.io.listings += 1
         out = []
         try:
@@ -185,8 +185,7 @@ class JobVerdictStore:
                 entries = os.listdir(jd)
                 self.io.bytes_read += sum(len(e) for e in entries)
                 for e in entries:
-                    seen = attempt_of(e)
-                    if e.startswith(".") or seen is None or attempt not in (None, seen):
+                    if e.startswith(".") or attempt_of(e) != attempt:
                         continue
                     claimed, claim = self._claim(jd, self.job_dir(job) / e, since_wall)
                     if claimed is not None:

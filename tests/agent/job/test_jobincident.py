@@ -49,22 +49,8 @@ HANG = "a0-hang-pg0-seq42"
          ("a0-rank_exited", True, True, Filing.NONE)),
         (_mine(HANG, L), [_known("a0-rank_exited", 1090.0)],
          ("a0-rank_exited", True, True, Filing.NONE)),
-        # ... but not a death of another attempt claimed before this node's ranks started (the
-        # fault their restart answered), nor one of an earlier run of the job.
-        (_mine(HANG, R), [_known("a1-rank_exited", 995.0)], (HANG, False, False, Filing.WAIT)),
-        # A death of another attempt claimed while this node's ranks ran, just before: a node
-        # replaced counts its restarts from 0 again, so the same fault has another attempt in
-        # its id there. It explains this node's hang, or its death.
-        (_mine("a3-hang-pg1-seq28", R), [_known("a1-rank_exited", 1090.0)],
-         ("a1-rank_exited", True, True, Filing.NONE)),
-        (_mine("a3-rank_exited", L, first=1095.0), [_known("a0-rank_exited", 1090.0)],
-         ("a0-rank_exited", True, True, Filing.NONE)),
-        # ... and a stall claimed first-hand there is the one this node waits in.
-        (_mine("a3-hang-pg1-seq28", R), [_known("a1-hang-pg1-seq28", 1095.0)],
-         ("a1-hang-pg1-seq28", True, True, Filing.NONE)),
-        # Long before (past the window), it is another fault.
-        (_mine("a3-hang-pg1-seq28", R), [_known("a1-rank_exited", 1050.0)],
-         ("a3-hang-pg1-seq28", False, False, Filing.WAIT)),
+        # ... but not a death of another attempt, nor one of an earlier run of the job.
+        (_mine(HANG, R), [_known("a1-rank_exited", 1090.0)], (HANG, False, False, Filing.WAIT)),
         (_mine(HANG, R), [_known("a0-rank_exited", 900.0)], (HANG, False, False, Filing.WAIT)),
         # Deaths share one id per attempt: a death after the one claimed is a consequence ...
         (_mine("a0-rank_exited", L, first=1095.0), [_known("a0-rank_exited", 1090.0)],
