@@ -82,7 +82,14 @@ def test_agent_taints_its_node_from_its_health_monitors(tmp_path: Path) -> None:
             record = json.loads(node.metadata.annotations[RECORD_ANNOTATION])
             assert record["evidence"] == [f"NIC without carrier ({nic.host}: no carrier)"]
             assert record["job"] == "llm"
-            cond = next(c for c in node.status.conditions if c.type == CONDITION_TYPE)
+
+            # The condition is the node's status, patched apart from the taint: waited for too.
+            def conditions() -> list:
+                status = kube.node(name).status
+                found = (status.conditions if status is not None else None) or []
+                return [c for c in found if c.type == CONDITION_TYPE]
+
+            (cond,) = _until("the node condition", conditions, log)
             assert cond.status == "True" and cond.reason == "NicNoCarrier"
             # The event follows the taint (posted after the node's patch): waited for, then one.
             events = _until("the DiagTainted event", lambda: kube.events_for(name), log)
