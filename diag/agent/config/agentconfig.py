@@ -80,6 +80,7 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Agent
             ceiling=values["hang_timeout"],
             floor=min(values["hang_floor"], values["hang_timeout"]),
             factor=values["hang_factor"],
+            idle_factor=values["idle_factor"],
             warmup_steps=values["warmup_steps"],
             warmup_timeout=values["warmup_timeout"],
             warmup_cadence=values["warmup_cadence"],

@@ -125,6 +125,13 @@ OPTIONS = OptionTable(
             5.0,
             "adaptive limit = factor x slowest step/op of this launch since warm-up",
         ),
+        Option(
+            "idle_factor",
+            non_negative,
+            2.0,
+            "the factor instead, for a wait on a local rank idle outside any collective (no CPU, "
+            "no I/O): stuck, not slow; doubled after each such verdict within 30 min (0: off)",
+        ),
         Option("warmup_steps", int, 2, "steps before the adaptive limit applies"),
         Option("warmup_timeout", positive, 900.0, "hang limit during the warm-up steps"),
         Option(
@@ -370,6 +377,7 @@ BOUNDS = {
     "hang_timeout": Bounds(0, _WEEK, lo_open=True),
     "hang_floor": Bounds(0, _WEEK, lo_open=True),
     "hang_factor": Bounds(1, 1000),
+    "idle_factor": Bounds(0, 1000),
     "warmup_steps": Bounds(0, 1_000_000),
     "warmup_timeout": Bounds(0, _WEEK, lo_open=True),
     "warmup_cadence": Bounds(0, _DAY),

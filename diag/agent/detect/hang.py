@@ -6,6 +6,8 @@ actions and logs the events. Rules:
 - a rank closed its journal (ended, or left the process group) while others went on to ops that
   need it: an incident at once, naming it, before any rank that failed after it (leaver.py);
 - a rank's oldest pending op is older than its limit: a hang;
+- a rank waits for local ranks that sit idle outside any collective (no CPU, no I/O) for longer
+  than a smaller multiple of the pace: a hang sooner (overdue.py), backed off when it recurs;
 - a rank outside any collective made no progress for longer than the ceiling: no-progress (a
   rank that others wait for is caught sooner, through their pending ops);
 - a rank waiting in a collective inherits the longest limit among the members it waits for, so
@@ -24,7 +26,7 @@ from diag.agent.detect.culprit import Suspect, SuspectKind, Wait, find_suspects,
 from diag.agent.detect.deadlock import NO_ONE_STANDS_OUT
 from diag.agent.detect.leaver import Leaver, find_leavers
 from diag.agent.detect.observation import Liveness, Observation
-from diag.agent.detect.overdue import Overdue, overdue_ranks
+from diag.agent.detect.overdue import IDLE_BACKOFF_S, Overdue, backed_off, overdue_ranks
 from diag.agent.detect.timeouts import TimeoutPolicy, rank_limit, settled_at, stepless
 from diag.formats.worlds import era
 
@@ -97,6 +99,8 @@ class WatchState:
     # A world recovered in place goes on in the same attempt, each rank only once it has torn
     # down its last generation and formed the next.
     resumed_at: float | None = None
+    # When the idle rule gave a verdict, across attempts (overdue.IDLE_BACKOFF_S).
+    idle_verdicts: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,7 @@ def decide(state: WatchState, obs: Observation, policy: Policy) -> Decision:
     if obs.attempt != state.attempt:
         if state.attempt >= 0:
             events.append(Event(EventKind.NEW_ATTEMPT, f"ranks restarted (attempt {obs.attempt})"))
-        state = WatchState(attempt=obs.attempt)
+        state = WatchState(attempt=obs.attempt, idle_verdicts=state.idle_verdicts)
     if not obs.ranks:
         return Decision(state, events=tuple(events))
     if not state.warned_no_steps:
@@ -142,9 +146,15 @@ def decide(state: WatchState, obs: Observation, policy: Policy) -> Decision:
         else:
             return Decision(_job_end(state, obs, events), events=tuple(events))
 
-    verdict = _rank_exit_verdict(obs) or _hang_verdict(_since(obs, state.resumed_at), policy)
+    recent = tuple(t for t in state.idle_verdicts if obs.now - t < IDLE_BACKOFF_S)
+    verdict = _rank_exit_verdict(obs) or _hang_verdict(
+        _since(obs, state.resumed_at),
+        replace(policy, timeouts=backed_off(policy.timeouts, len(recent))),
+    )
     if verdict is None:
         return Decision(_job_end(state, obs, events), events=tuple(events))
+    if any(o.idle for o in verdict.overdue):
+        state = replace(state, idle_verdicts=(*recent, obs.now))
 
     return open_incident(state, obs, policy, verdict, events)
 

@@ -19,6 +19,18 @@ from diag.agent.detect.timeouts import (
     waits_outside_phases,
 )
 
+# Each verdict of the idle rule in this window doubles its factor: a rank idle for a reason
+# outside any collective on every step (a remote data service, a store barrier) would otherwise
+# be called hung, and recover, again and again. Past the usual limit the rule gives way.
+IDLE_BACKOFF_S = 1800.0
+
+
+def backed_off(policy: TimeoutPolicy, idle_verdicts: int) -> TimeoutPolicy:
+    """`policy` after `idle_verdicts` verdicts of the idle rule within IDLE_BACKOFF_S."""
+    if not idle_verdicts or policy.idle_factor <= 0:
+        return policy
+    return replace(policy, idle_factor=policy.idle_factor * 2.0**idle_verdicts)
+
 
 class OverdueKind(enum.Enum):
     PENDING_OP = "pending-op"
@@ -32,6 +44,8 @@ class Overdue:
     age: float
     limit: Limit
     op: OpView | None = None
+    # The local ranks the wait was judged idle on (the shorter limit of `_idle_wait`), if any.
+    idle: tuple[int, ...] = ()
 
     def describe(self) -> str:
         what = f"in {self.op.describe()}" if self.op else "without progress"
@@ -93,7 +107,7 @@ def _overdue(
         age = obs.now - start
         if age > limit.seconds:
             return Overdue(r.rank, OverdueKind.PENDING_OP, age, limit, op)
-        return None
+        return _idle_wait(r, op, members, obs, policy, start, limit)
     # A rank outside any collective blocks nobody until the others wait for it, and then their
     # pending ops trip the adaptive limit. On its own it may legitimately compute, save or log
     # for a long time, so it is held to the ceiling (or its phase limit, if longer).
@@ -104,6 +118,62 @@ def _overdue(
     if age > limit.seconds:
         return Overdue(r.rank, OverdueKind.NO_PROGRESS, age, limit)
     return None
+
+
+def _idle_wait(
+    r: RankSnapshot,
+    op: OpView,
+    members: tuple[int, ...],
+    obs: Observation,
+    policy: TimeoutPolicy,
+    start: float,
+    limit: Limit,
+) -> Overdue | None:
+    """`r` waits in `op` for local members that sit idle outside any collective: no op, no
+    phase, next to no CPU and no I/O since before the wait's clock began. Such a member is
+    stuck (asleep, blocked on a lock, a queue, a socket), not slow: a slow step computes or
+    reads. The wait is held to `idle_factor` x the same pace instead of `factor` x it; members on
+    other nodes are left to their own agents. None when the rule does not apply or the wait is
+    within it."""
+    if policy.idle_factor <= 0 or r.phase:
+        return None
+    behind: list[RankSnapshot] = []
+    for m in members:
+        other = obs.rank(m) if m != r.rank else None
+        if other is None or any(
+            p.group == op.group and p.group_seq == op.group_seq for p in other.pending
+        ):
+            continue  # another node's, or it joined
+        if not other.alive or other.phase or other.pending or other.idle_since is None:
+            return None  # it computes, reads, is in a phase or waits elsewhere: not idle
+        behind.append(other)
+    if not behind:
+        return None
+    quick = replace(policy, factor=policy.idle_factor)
+    settled = settled_at(obs.ranks, policy)
+    idle = max(
+        (rank_limit(x, quick, obs.pg_timeout, settled, obs.now) for x in (r, *behind)),
+        key=lambda lim: lim.seconds,
+    )
+    if idle.seconds >= limit.seconds:
+        return None  # warm-up or the floor: the idle rule is no quicker
+    since = max(start, *(b.idle_since or start for b in behind))
+    age = obs.now - since
+    if age <= idle.seconds:
+        return None
+    who = ", ".join(str(b.rank) for b in behind)
+    return Overdue(
+        r.rank,
+        OverdueKind.PENDING_OP,
+        age,
+        Limit(
+            idle.seconds,
+            f"{idle.basis}; rank{'s' if len(behind) > 1 else ''} {who} idle (no CPU, no I/O) "
+            f"outside any collective for {age:.1f} s",
+        ),
+        op,
+        tuple(b.rank for b in behind),
+    )
 
 
 def overdue_ranks(

@@ -32,6 +32,10 @@ class TimeoutPolicy:
     ceiling: float = 300.0  # --hang-timeout
     floor: float = 10.0
     factor: float = 5.0  # NVRx uses the same safety factor over observed intervals
+    # The factor for a wait on ranks that sit idle outside any collective (overdue.py): a rank
+    # that uses no CPU and does no I/O while others wait for it is stuck, not slow, so a smaller
+    # multiple of the same pace tells it apart. 0: such waits get `factor` too.
+    idle_factor: float = 2.0
     warmup_steps: int = 2
     warmup_timeout: float = 900.0
     # Seconds of steady op pace that end warm-up for a rank that marks no steps (cadence.py);
@@ -50,6 +54,8 @@ class TimeoutPolicy:
             )
         if self.factor < 1:
             raise ValueError(f"--hang-factor must be >= 1, got {self.factor:g}")
+        if self.idle_factor != 0 and self.idle_factor < 1:
+            raise ValueError(f"--idle-factor must be 0 (off) or >= 1, got {self.idle_factor:g}")
         if self.warmup_cadence < 0:
             raise ValueError(f"--warmup-cadence must be >= 0, got {self.warmup_cadence:g}")
 

@@ -346,6 +346,7 @@ class Observer:
             max_op_seconds=max(t.op_seconds, default=0.0),
             proc_state=info.state if info is not None else "",
             cpu_busy=info.cpu_busy if info is not None else 0.0,
+            idle_since=info.idle_since if info is not None else None,
             cadence=t.cadence if state.step == 0 else None,
             launch_steps=t.launch_steps(state.step),
             launch_step_ends=tuple(t.launch_ends),

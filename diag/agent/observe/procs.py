@@ -20,6 +20,9 @@ import psutil
 log = logging.getLogger(__name__)
 
 _START_TIME_SLACK = 0.05  # psutil rounds create_time to 10 ms ticks
+# Below this share of one core a process is idle: a rank asleep in Python, or blocked on a lock,
+# a queue or a socket, still spends a little on its other threads (heartbeats, gloo's loops).
+IDLE_SHARE = 0.05
 
 
 @dataclass
@@ -29,6 +32,9 @@ class ProcInfo:
     exited_at: float | None = None
     state: str = ""
     cpu_busy: float = 0.0
+    # Since when the process has been idle all along (under IDLE_SHARE of a core, not in D state
+    # or running); None: it used the CPU or did I/O at the last look, or is not known yet.
+    idle_since: float | None = None
 
 
 class ProcessWatch:
@@ -150,6 +156,10 @@ class ProcessWatch:
             # is runnable all along: count the time it waited for a CPU as busy too.
             wanted = (runnable - prev[2]) / (now - prev[0]) if runnable >= prev[2] > 0 else 0.0
             info.cpu_busy = max(0.0, share, min(wanted, 1.0))
+            if info.cpu_busy >= IDLE_SHARE or info.state in ("R", "D"):
+                info.idle_since = None
+            elif info.idle_since is None:
+                info.idle_since = prev[0]  # idle over the whole interval since the last look
         return info
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
-"""The CPU share the culprit rules read: a spinning rank on an oversubscribed node is busy."""
+"""The CPU share the culprit rules read: a spinning rank on an oversubscribed node is busy, a
+sleeping one idle since the first look."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def test_a_spinner_sharing_its_core_is_busy_although_it_gets_half_of_it() -> Non
         share = psutil.Process(a.pid).cpu_percent(interval=0.5) / 100
         assert share < 0.6  # it gets a slice of the core...
         assert info.cpu_busy >= 0.9  # ...but wanted all of it
+        assert info.idle_since is None
     finally:
         for p in (a, b, c):
             p.kill()
@@ -57,10 +59,16 @@ def test_a_sleeping_process_is_not_busy() -> None:
         time.sleep(0.5)
         watch = ProcessWatch()
         watch.watch(p.pid, psutil.Process(p.pid).create_time())
-        watch.refresh(p.pid, time.monotonic())
+        first = time.monotonic()
+        watch.refresh(p.pid, first)
         time.sleep(1.0)
         info = watch.refresh(p.pid, time.monotonic())
         assert info is not None and info.cpu_busy < 0.2
+        # Idle all along since the first look: the idle rule counts from there (overdue.py).
+        assert info.idle_since == first
+        time.sleep(0.5)
+        info = watch.refresh(p.pid, time.monotonic())
+        assert info is not None and info.idle_since == first
     finally:
         p.kill()
         p.wait(timeout=10)
