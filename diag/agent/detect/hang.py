@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from diag.agent.detect.culprit import Suspect, SuspectKind, Wait, find_suspects, waits
 from diag.agent.detect.deadlock import NO_ONE_STANDS_OUT
 from diag.agent.detect.leaver import Leaver, find_leavers
-from diag.agent.detect.observation import Liveness, Observation
+from diag.agent.detect.observation import Liveness, Observation, RankSnapshot
 from diag.agent.detect.overdue import IDLE_BACKOFF_S, Overdue, backed_off, overdue_ranks
 from diag.agent.detect.timeouts import TimeoutPolicy, rank_limit, settled_at, stepless
 from diag.formats.worlds import era
@@ -269,7 +269,9 @@ def _rank_exit_verdict(obs: Observation) -> Verdict | None:
     dead = [r for r in obs.ranks if r.liveness in (Liveness.DIED, Liveness.FAILED)]
     if not dead:
         return None
-    first = min(dead, key=lambda r: (r.exited_at if r.exited_at is not None else obs.now, r.rank))
+    # Exits seen at one wake-up (a busy node wakes the agent late) are told apart by how: a rank
+    # killed without a word comes before one whose exception says its collective broke.
+    first = min(dead, key=lambda r: (_exit_time(r, obs.now), r.liveness != Liveness.DIED, r.rank))
     suspects = [s for s in find_suspects(obs) if s.rank != first.rank]
     how = "failed with an uncaught exception" if first.liveness == Liveness.FAILED else "died"
     lead = Suspect(
@@ -284,6 +286,10 @@ def _rank_exit_verdict(obs: Observation) -> Verdict | None:
     tail = f"; ranks {','.join(map(str, others))} ended after it" if others else ""
     return _exit_verdict(obs, first.rank, (lead, *suspects), f"rank {first.rank} {how}{tail}",
                          first.exited_at)  # fmt: skip
+
+
+def _exit_time(r: RankSnapshot, now: float) -> float:
+    return r.exited_at if r.exited_at is not None else now
 
 
 def _leaver_verdict(obs: Observation, lv: Leaver) -> Verdict:

@@ -204,6 +204,17 @@ def test_dead_rank_is_an_incident_at_once_and_first_to_die_is_culprit() -> None:
     assert "ranks 1 ended after it" in v.summary
 
 
+def test_exits_seen_at_one_wake_up_name_the_rank_killed_before_the_rank_that_failed() -> None:
+    # Rank 1 was killed; rank 0's collective broke and it raised: a late wake-up sees both.
+    o = obs(
+        rank(0, liveness=Liveness.FAILED, exited_at=NOW - 0.1),
+        rank(1, liveness=Liveness.DIED, exited_at=NOW - 0.1),
+        rank(2, pending=(op(42, NOW - 0.5),)),
+    )
+    v = _decide(o).verdict
+    assert v is not None and v.culprit == 1 and "rank 1 died" in v.summary, v
+
+
 def test_eval_phase_on_one_rank_does_not_make_the_waiters_hung() -> None:
     waiting = [rank(r, last=NOW - 100, pending=(op(42, NOW - 100),)) for r in (1, 2, 3)]
     evaluating = rank(0, last=NOW - 100, last_seq=41, phase="eval")
