@@ -49,13 +49,25 @@ def _logs(result: DemoResult) -> str:
 
 def test_hung_rank_is_named_with_stacks_of_every_rank(tmp_path: Path) -> None:
     # A native dump on a loaded 2-core machine can load symbols for longer than the 10 s default.
-    result = _run(tmp_path, "hang", rank=2, agent_args=("--pyspy-timeout", "60"))
+    # Under the demo's 3 s floor both limits would be the floor: steps of a wider model (about
+    # 0.4 s here) and a floor of 0.2 s put the usual limit (5 x the pace) above the idle rule's (2 x).
+    result = _run(
+        tmp_path,
+        "hang",
+        rank=2,
+        agent_args=("--pyspy-timeout", "60", "--hang-floor", "0.2"),
+        job_args=("--hidden", "1024"),
+    )
     assert len(result.incidents) == 1, _logs(result)
     v, incident = result.verdict, result.incidents[0]
     assert v["kind"] == "hang" and v["culprit"] == 2, v
     assert v["suspects"][0]["kind"] == "behind"
     assert sorted(v["waits"][0]["waiting_ranks"]) == [0, 1]
     assert v["limit_expired_s_before_verdict"] < 1.0
+    # Rank 2 sleeps in Python: idle, so its waiters are held to the idle rule's shorter limit.
+    assert {o["rank"] for o in v["overdue"]} <= {0, 1} and v["overdue"], v["overdue"]
+    assert all(o["idle_ranks"] == [2] for o in v["overdue"]), v["overdue"]
+    assert "rank 2 idle (no CPU, no I/O)" in v["overdue"][0]["limit_basis"], v["overdue"]
     dumps = _dumps(incident)
     assert sorted(dumps) == [0, 1, 2]
     assert "inject" in _funcs(dumps[2]) and "time_sleep" in _funcs(dumps[2])

@@ -125,6 +125,7 @@ def verdict_document(
                 "limit_s": round(o.limit.seconds, 3),
                 "limit_basis": o.limit.basis,
                 "op": o.op.describe() if o.op else None,
+                "idle_ranks": list(o.idle),  # the wait was judged on these idle ranks
             }
             for o in verdict.overdue
         ]
