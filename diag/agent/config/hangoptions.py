@@ -40,8 +40,9 @@ HANG_OPTIONS = (
         "idle_factor",
         non_negative,
         2.0,
-        "the factor instead, for a wait on a local rank idle outside any collective (no CPU, "
-        "no I/O): stuck, not slow; doubled after each such verdict within 30 min (0: off)",
+        "the factor instead, for a wait on a local rank idle outside any collective (next to no "
+        "CPU in it or its children, no I/O): stuck, not slow; doubled after each such verdict "
+        "within 30 min (0: off)",
     ),
     Option("warmup_steps", int, 2, "steps before the adaptive limit applies"),
     Option("warmup_timeout", positive, 900.0, "hang limit during the warm-up steps"),

@@ -87,8 +87,9 @@ class RankSnapshot:
     max_op_seconds: float = 0.0  # longest completed op seen recently
     proc_state: str = ""  # /proc state letter: R, S, D, Z, T ...
     cpu_busy: float = 0.0  # share of one core used since the last observation
-    # Since when the process has used next to no CPU and done no I/O (procs.py); None: busy,
-    # or not known (another node's rank, a PID this agent cannot see).
+    # Since when the process and its children have used next to no CPU and it has moved next to
+    # no bytes (observe/idleness.py); None: busy, or not known (another node's rank, a PID this
+    # agent cannot see).
     idle_since: float | None = None
     cadence: Cadence | None = None  # pace of its ops while it has marked no step (cadence.py)
     # This launch's own steps: a restarted or resumed rank counts its step from the checkpoint,

@@ -130,7 +130,8 @@ def _idle_wait(
     limit: Limit,
 ) -> Overdue | None:
     """`r` waits in `op` for local members that sit idle outside any collective: no op, no
-    phase, next to no CPU and no I/O since before the wait's clock began. Such a member is
+    phase, next to no CPU (theirs or their children's) and no I/O since before the wait's clock
+    began (observe/idleness.py). Such a member is
     stuck (asleep, blocked on a lock, a queue, a socket), not slow: a slow step computes or
     reads. The wait is held to `idle_factor` x the same pace instead of `factor` x it; members on
     other nodes are left to their own agents. None when the rule does not apply or the wait is

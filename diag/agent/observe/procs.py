@@ -17,12 +17,11 @@ from dataclasses import dataclass
 
 import psutil
 
+from diag.agent.observe.idleness import Idleness
+
 log = logging.getLogger(__name__)
 
 _START_TIME_SLACK = 0.05  # psutil rounds create_time to 10 ms ticks
-# Below this share of one core a process is idle: a rank asleep in Python, or blocked on a lock,
-# a queue or a socket, still spends a little on its other threads (heartbeats, gloo's loops).
-IDLE_SHARE = 0.05
 
 
 @dataclass
@@ -32,8 +31,8 @@ class ProcInfo:
     exited_at: float | None = None
     state: str = ""
     cpu_busy: float = 0.0
-    # Since when the process has been idle all along (under IDLE_SHARE of a core, not in D state
-    # or running); None: it used the CPU or did I/O at the last look, or is not known yet.
+    # Since when the process has been idle all along (idleness.py; not in D state or running
+    # either); None: it was active at the last look, or is not known yet.
     idle_since: float | None = None
 
 
@@ -44,6 +43,7 @@ class ProcessWatch:
         self._info: dict[int, ProcInfo] = {}
         self._procs: dict[int, psutil.Process] = {}
         self._cpu: dict[int, tuple[float, float, float]] = {}
+        self._idle = Idleness()
 
     def watch(self, pid: int, start_time: float) -> ProcInfo:
         info = self._info.get(pid)
@@ -89,6 +89,7 @@ class ProcessWatch:
         self._info.pop(pid, None)
         self._procs.pop(pid, None)
         self._cpu.pop(pid, None)
+        self._idle.forget(pid)
 
     def wait(self, timeout: float) -> list[int]:
         """Sleeps up to `timeout` seconds or until a watched process exits; returns the PIDs that
@@ -156,10 +157,12 @@ class ProcessWatch:
             # is runnable all along: count the time it waited for a CPU as busy too.
             wanted = (runnable - prev[2]) / (now - prev[0]) if runnable >= prev[2] > 0 else 0.0
             info.cpu_busy = max(0.0, share, min(wanted, 1.0))
-            if info.cpu_busy >= IDLE_SHARE or info.state in ("R", "D"):
-                info.idle_since = None
-            elif info.idle_since is None:
-                info.idle_since = prev[0]  # idle over the whole interval since the last look
+        # At the first look the share is unknown: the look only sets the baseline.
+        active = self._idle.active(proc, now, info.cpu_busy if prev is not None else 0.0)
+        if prev is None or now <= prev[0] or active or info.state in ("R", "D"):
+            info.idle_since = None
+        elif info.idle_since is None:
+            info.idle_since = prev[0]  # idle over the whole interval since the last look
         return info
 
     def close(self) -> None:

@@ -76,3 +76,47 @@ def test_a_sleeping_process_is_not_busy() -> None:
 
 def test_runnable_seconds_of_a_missing_process_are_zero() -> None:
     assert main_thread_runnable_seconds(2**22 + 12345) == 0.0
+
+
+# A rank waiting on its loader's queue while a worker decodes; a rank reading a shard slowly;
+# a rank asleep with an idle child (a loader worker that waits too).
+CHILD_SPINS = (
+    "import subprocess, sys, time\n"
+    "subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+    "time.sleep(60)\n"
+)
+READS = (
+    "import os, time\n"
+    "fd = os.open('/dev/zero', os.O_RDONLY)\n"
+    "while True:\n    os.read(fd, 65536)\n    time.sleep(0.02)\n"
+)
+CHILD_SLEEPS = (
+    "import subprocess, sys, time\n"
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    "time.sleep(60)\n"
+)
+
+
+@pytest.mark.parametrize(
+    "code, idle",
+    [(CHILD_SPINS, False), (READS, False), (CHILD_SLEEPS, True)],
+    ids=["child-computes", "reads-3MB/s", "child-sleeps"],
+)
+def test_idle_means_no_cpu_in_the_process_or_its_children_and_no_bytes_moved(
+    code: str, idle: bool
+) -> None:
+    p = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        time.sleep(1.0)  # the interpreters started, the child spawned
+        watch = ProcessWatch()
+        watch.watch(p.pid, psutil.Process(p.pid).create_time())
+        for _ in range(4):
+            info = watch.refresh(p.pid, time.monotonic())
+            time.sleep(0.5)
+        assert info is not None and info.cpu_busy < 0.2  # the process itself does next to nothing
+        assert (info.idle_since is not None) == idle, info
+    finally:
+        for child in psutil.Process(p.pid).children(recursive=True):
+            child.kill()
+        p.kill()
+        p.wait(timeout=10)
