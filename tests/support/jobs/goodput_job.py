@@ -20,7 +20,7 @@ fires). Each process appends one JSON line per event to O/events.jsonl: start (b
 imports), ready (process group and engine up, before the restore), restored (the step resumed
 from, and `source`: memory, storage, or "" for nothing or a stack that does not say), step
 (with t0, its start, and t, its end after engine.step()), saved (the checkpoint of a step taken,
-t0 its start), fault, ended (inplace: a fault ended this attempt; this process goes on and logs
+t0 its start), formed and engine (the world formed, the engine built), fault, ended (inplace: a fault ended this attempt; this process goes on and logs
 `ready` and `restored` again), done.
 """
 
@@ -203,9 +203,12 @@ def attempt(world: Any, args: argparse.Namespace, out: Path, node: str, faults: 
     rank = dist.get_rank()
     ev = Events(out, pid=os.getpid(), node=node, rank=rank)
     try:
+        # (inplace) the world formed, the engine built: where a recovery's restart goes
+        ev("formed", generation=getattr(world, "generation", 0))
         torch.manual_seed(args.seed)
         h = args.hidden
         engine = tiny_engine(h, tiny_config(2, lr=1e-3))
+        ev("engine")
         saver = Saver(args, engine)
         ev("ready", generation=getattr(world, "generation", 0))
         start, source = saver.load()
