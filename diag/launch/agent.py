@@ -154,7 +154,7 @@ class SpareAgent(SimpleElasticAgent):
             workers.append(core.Worker(p.local_rank, p.rank, state, code, resilient,
                                        p.started_at, p.replacement, p.replacements))  # fmt: skip
         left = core.failures_left(self._remaining_restarts, self._replaced)
-        return core.Facts(tuple(workers), left, self._spares.ready())
+        return core.Facts(tuple(workers), left, self._spares.ready(), self._spares.warm())
 
     def _recovers_in_place(self, p: Proc) -> bool:
         """Whether the dead worker's rank said it runs under diag.trainer.resilient (a key in

@@ -9,12 +9,14 @@ input without an order (the launcher stopped) exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from dataclasses import dataclass
 
 ORDER_MAX = 1 << 20  # bytes: an environment and a command line
+READY_FD_ENV = "DIAG_SPARE_READY_FD"  # the pipe a spare writes a byte to once it has imported
 # What a rank's first engine imports, in the order it does: torch, DeepSpeed, diag's trainer,
 # then what DeepSpeed's first `initialize` imports lazily (measured: dynamo, ~3.5 s, reached from
 # torch.optim's first optimizer; ZeRO's optimizer check imports its Muon module, ~2.6 s). A
@@ -69,6 +71,18 @@ def preload() -> None:
             print(f"diag launch: spare: {name} not imported ({e})", file=sys.stderr)
 
 
+def _say_warm() -> None:
+    """Tells the launcher that the imports are done (a byte on the pipe it passed), so that its
+    log says whether the spare that takes a rank was warm or still importing."""
+    raw = os.environ.pop(READY_FD_ENV, "")
+    if not raw.isdigit():
+        return
+    with contextlib.suppress(OSError):
+        os.write(int(raw), b".")
+    with contextlib.suppress(OSError):
+        os.close(int(raw))
+
+
 def take(order: Order) -> None:
     """Becomes the rank: its environment, argv and script directory, then runs the script."""
     import runpy
@@ -82,6 +96,7 @@ def take(order: Order) -> None:
 
 def main() -> int:
     preload()
+    _say_warm()
     raw = sys.stdin.buffer.readline(ORDER_MAX + 1)
     if not raw.strip():
         return 0  # the launcher closed the pipe without an order: not needed

@@ -47,7 +47,8 @@ class Worker:
 class Facts:
     workers: tuple[Worker, ...]
     failures_left: int  # what --max-restarts still allows (restarts and replacements)
-    spares_ready: int  # warm spares alive on this node
+    spares_ready: int  # spares alive on this node
+    spares_warm: int = 0  # of them, those done importing
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,12 @@ def decide(policy: Policy, facts: Facts, now: float) -> Decision:
             f"{policy.per_rank})",
         )  # fmt: skip
     warm = policy.spares > 0 and facts.spares_ready > 0
-    how = "a warm spare takes its place" if warm else "a new process takes its place (no spare)"
+    if not warm:
+        how = "a new process takes its place (no spare)"
+    elif facts.spares_warm > 0:
+        how = "a warm spare takes its place"
+    else:  # still quicker than a new process, which would import all of it from the start
+        how = "a spare still importing torch and DeepSpeed takes its place"
     return Decision(Action.REPLACE_ONE, f"{what}; {how}", w.local_rank, warm)
 
 

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from diag.launch.spare import Order
+from diag.launch.spare import READY_FD_ENV, Order
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ class Spares:
     size: int
     waiting: list[subprocess.Popen[bytes]] = field(default_factory=list)
     died: int = 0  # spares that exited without an order
+    _ready_fds: dict[int, int] = field(default_factory=dict)  # pid -> read end of its ready pipe
+    _warm: set[int] = field(default_factory=set)  # pids of spares done importing
 
     def fill(self) -> None:
         for p in self.waiting:
@@ -64,23 +66,60 @@ class Spares:
                 log.warning("diag launch: a spare exited with %s before it took a rank",
                             p.returncode)  # fmt: skip
         self.waiting = [p for p in self.waiting if p.poll() is None]
+        self._forget_gone()
         if self.died >= SPARE_DEATHS and self.size:  # not a loop of processes that die at once
             log.warning("diag launch: %d spares died waiting: no more spares (a replacement "
                         "is a new process)", self.died)  # fmt: skip
             self.size = 0
         while len(self.waiting) < self.size:
             cmd = [sys.executable, "-u", "-m", "diag.launch.spare"]
-            self.waiting.append(
-                subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
-            )
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            try:
+                p = subprocess.Popen(
+                    cmd, stdin=subprocess.PIPE, start_new_session=True, pass_fds=(w,),
+                    env={**os.environ, READY_FD_ENV: str(w)},
+                )  # fmt: skip
+            except BaseException:
+                os.close(r)
+                raise
+            finally:
+                os.close(w)
+            self._ready_fds[p.pid] = r
+            self.waiting.append(p)
 
     def ready(self) -> int:
         return sum(1 for p in self.waiting if p.poll() is None)
 
+    def warm(self) -> int:
+        """Spares alive that said their imports are done."""
+        for pid, fd in list(self._ready_fds.items()):
+            try:
+                said = os.read(fd, 1)
+            except BlockingIOError:
+                continue  # still importing
+            except OSError:
+                said = b""
+            if said:
+                self._warm.add(pid)
+            os.close(fd)  # said it, or closed the pipe without a word (it died)
+            del self._ready_fds[pid]
+        return sum(1 for p in self.waiting if p.poll() is None and p.pid in self._warm)
+
+    def _forget_gone(self) -> None:
+        alive = {p.pid for p in self.waiting}
+        for pid in [pid for pid in self._ready_fds if pid not in alive]:
+            os.close(self._ready_fds.pop(pid))
+        self._warm &= alive
+
     def take(self, order: Order) -> subprocess.Popen[bytes] | None:
-        """A spare that took `order`, or None when none is alive (or none accepted it)."""
+        """A spare that took `order`, or None when none is alive (or none accepted it). A warm
+        one first."""
+        self.warm()
+        self.waiting.sort(key=lambda p: p.pid not in self._warm)
         while self.waiting:
             p = self.waiting.pop(0)
+            self._forget_gone()
             if p.poll() is not None or p.stdin is None:
                 continue
             try:
@@ -101,6 +140,7 @@ class Spares:
                     p.stdin.close()
         stop(self.waiting, grace)
         self.waiting = []
+        self._forget_gone()
 
 
 def stop(procs: list[subprocess.Popen[bytes]], grace: float, sig: int = signal.SIGTERM) -> None:

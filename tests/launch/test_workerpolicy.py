@@ -17,7 +17,7 @@ def w(rank: int, state: State = RUN, code: int | None = None, **kw: object) -> W
 
 
 def facts(*workers: Worker, left: int = 3, spares: int = 1) -> Facts:
-    return Facts(tuple(workers), left, spares)
+    return Facts(tuple(workers), left, spares, spares)  # every spare done importing
 
 
 KILLED = w(1, DEAD, -9, resilient=True, started_at=0.0)
@@ -83,3 +83,13 @@ def test_a_replacement_names_the_dead_workers_local_rank_and_whether_a_spare_tak
     )
     cold = decide(Policy(spares=0), f, NOW)
     assert (cold.local_rank, cold.warm) == (2, False)
+
+
+def test_a_spare_still_importing_takes_the_place_and_the_reason_says_so() -> None:
+    dead = Worker(2, 5, DEAD, -9, resilient=True)
+    importing = Facts((w(0), dead, w(1)), failures_left=3, spares_ready=1, spares_warm=0)
+    d = decide(Policy(), importing, NOW)
+    assert (d.action, d.local_rank, d.warm) == (Action.REPLACE_ONE, 2, True)
+    assert d.reason.endswith("a spare still importing torch and DeepSpeed takes its place")
+    warm = Facts((w(0), dead, w(1)), failures_left=3, spares_ready=1, spares_warm=1)
+    assert decide(Policy(), warm, NOW).reason.endswith("a warm spare takes its place")
