@@ -131,20 +131,26 @@ def _idle_wait(
 ) -> Overdue | None:
     """`r` waits in `op` for local members that sit idle outside any collective: no op, no
     phase, next to no CPU (theirs or their children's) and no I/O since before the wait's clock
-    began (observe/idleness.py). Such a member is
-    stuck (asleep, blocked on a lock, a queue, a socket), not slow: a slow step computes or
-    reads. The wait is held to `idle_factor` x the same pace instead of `factor` x it; members on
-    other nodes are left to their own agents. None when the rule does not apply or the wait is
-    within it."""
-    if policy.idle_factor <= 0 or r.phase:
+    began (observe/idleness.py). Such a member is stuck (asleep, blocked on a lock, a queue, a
+    socket), not slow: a slow step computes or reads. The wait is held to `idle_factor` x the
+    same pace instead of `factor` x it; members on other nodes are left to their own agents.
+    None when the rule does not apply or the wait is within it."""
+    # Asked for every waiting rank at every look: while no other local rank idles (a training
+    # job's usual state), it costs one pass over the local ranks, not one over a group's members.
+    if (
+        policy.idle_factor <= 0
+        or r.phase
+        or not any(x.idle_since is not None for x in obs.ranks if x is not r)
+    ):
         return None
     behind: list[RankSnapshot] = []
-    for m in members:
-        other = obs.rank(m) if m != r.rank else None
-        if other is None or any(
-            p.group == op.group and p.group_seq == op.group_seq for p in other.pending
+    for other in obs.ranks:
+        if (
+            other is r
+            or other.rank not in members
+            or any(p.group == op.group and p.group_seq == op.group_seq for p in other.pending)
         ):
-            continue  # another node's, or it joined
+            continue  # not a member, or it joined (members on other nodes are not in obs.ranks)
         if not other.alive or other.phase or other.pending or other.idle_since is None:
             return None  # it computes, reads, is in a phase or waits elsewhere: not idle
         behind.append(other)
@@ -162,6 +168,7 @@ def _idle_wait(
     age = obs.now - since
     if age <= idle.seconds:
         return None
+    behind.sort(key=lambda b: b.rank)
     who = ", ".join(str(b.rank) for b in behind)
     return Overdue(
         r.rank,

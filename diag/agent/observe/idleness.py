@@ -21,6 +21,9 @@ IDLE_SHARE = 0.05
 # Bytes per second through its read and write calls: the control channel's few messages are far
 # below it, a batch from the loader or a download far above.
 IDLE_IO_RATE = 64 * 1024
+# Children looked at, at most: a rank with more (it forks freely) is taken as active rather than
+# have the agent read thousands of /proc entries at every look.
+MAX_CHILDREN = 256
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class Idleness:
 def _io_bytes(proc: psutil.Process) -> int | None:
     try:
         io = proc.io_counters()
-    except (psutil.Error, OSError, AttributeError):
+    except (psutil.Error, OSError, AttributeError, ValueError):
         return None
     chars = getattr(io, "read_chars", None), getattr(io, "write_chars", None)
     return None if None in chars else int(chars[0]) + int(chars[1])  # type: ignore[arg-type]
@@ -71,7 +74,9 @@ def _children_cpu(proc: psutil.Process) -> dict[tuple[int, float], float] | None
     out: dict[tuple[int, float], float] = {}
     try:
         children = proc.children(recursive=True)
-    except (psutil.Error, OSError):
+    except (psutil.Error, OSError, ValueError):
+        return None
+    if len(children) > MAX_CHILDREN:
         return None
     for child in children:
         try:
@@ -79,6 +84,6 @@ def _children_cpu(proc: psutil.Process) -> dict[tuple[int, float], float] | None
             out[(child.pid, child.create_time())] = t.user + t.system
         except psutil.NoSuchProcess:
             continue  # gone since the listing: whatever it did is no longer anyone's work
-        except (psutil.Error, OSError):
+        except (psutil.Error, OSError, ValueError):
             return None
     return out

@@ -120,3 +120,25 @@ def test_idle_means_no_cpu_in_the_process_or_its_children_and_no_bytes_moved(
             child.kill()
         p.kill()
         p.wait(timeout=10)
+
+
+def test_a_rank_with_more_children_than_the_agent_reads_is_active(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from diag.agent.observe import idleness
+
+    monkeypatch.setattr(idleness, "MAX_CHILDREN", 0)  # its one sleeping child is one too many
+    p = subprocess.Popen([sys.executable, "-c", CHILD_SLEEPS], start_new_session=True)
+    try:
+        time.sleep(1.0)
+        watch = ProcessWatch()
+        watch.watch(p.pid, psutil.Process(p.pid).create_time())
+        for _ in range(3):
+            info = watch.refresh(p.pid, time.monotonic())
+            time.sleep(0.5)
+        assert info is not None and info.cpu_busy < 0.2 and info.idle_since is None, info
+    finally:
+        for child in psutil.Process(p.pid).children(recursive=True):
+            child.kill()
+        p.kill()
+        p.wait(timeout=10)
