@@ -7,6 +7,7 @@
 #
 #     OUT=/some/dir scripts/gpu_check.sh           # on the GPU machine (python3 with torch)
 #     GPU_CHECK_LOCAL=1 scripts/gpu_check.sh       # here: the project's .venv, nothing installed
+#     GPU_CHECK_STEPS=tests_gpu_resilient,goodput_gpu scripts/gpu_check.sh   # those steps alone
 #
 # OUT is the output folder given by the environment (default ./gpu-out). It receives three
 # files: gpu.log (everything printed), results.json (each step's status and the numbers) and
@@ -35,12 +36,16 @@ else
 fi
 
 left() { echo $((budget - (SECONDS - t_start))); }
+only="${GPU_CHECK_STEPS:-}"  # comma-separated step names; empty: every step
 
 # step NAME LIMIT_S CMD...: runs CMD with its output in the log and in steps/NAME.log, under
 # `timeout` (the smaller of LIMIT_S and what is left of the budget), and records its status.
 step() {
     local name=$1 limit=$2
     shift 2
+    if [[ -n "$only" && ",$only," != *",$name,"* ]]; then
+        return
+    fi
     local remaining
     remaining=$(left)
     if ((remaining < 15)); then
@@ -141,7 +146,7 @@ step tests_gpu 200 "$py" -m pytest -m gpu -q -p no:cacheprovider --timeout 180 \
 incident_timeline="$(find "$work/pytest" -type d -name timeline -path '*collective_held*' 2> /dev/null | head -1)"
 if [[ -n "$incident_timeline" ]]; then
     step merge 60 "$py" -m diag.cli.main merge --path "$incident_timeline"
-else
+elif [[ -z "$only" || ",$only," == *",merge,"* ]]; then
     echo "=== [merge] skipped: no incident from the hang test"
     printf '%s\t%s\t0\t%s\n' merge skipped "no incident" >> "$work/status.tsv"
 fi
@@ -152,6 +157,14 @@ step tests_gpu_resume 200 "$py" -m pytest -m gpu -q -p no:cacheprovider --timeou
     --basetemp "$work/pytest-resume" --junitxml "$work/junit-gpu-resume.xml" \
     tests/trainer/flash/test_flash_gpu.py -k resumes
 
+
+# 3b. In-place recovery on NCCL: two ranks on the one GPU, each its own "node" (NCCL_HOSTID),
+# their communicators aborted from another thread while one waits in a collective, four
+# recoveries in the same processes (losses against an uninterrupted run, GPU memory and handles
+# held), and the agent's verdict ending an NCCL wait.
+step tests_gpu_resilient 240 "$py" -m pytest -m gpu -q -s -p no:cacheprovider --timeout 400 \
+    --basetemp "$work/pytest-resilient" --junitxml "$work/junit-gpu-resilient.xml" \
+    tests/trainer/resilient/test_resilient_gpu.py
 
 # 4. Flash checkpoint on CUDA: ~3.2 GB of ZeRO-2 state (200 M parameters, fp32 Adam), against
 # engine.save_checkpoint and DLRover's flash checkpoint on the same engine (--dlrover: its row

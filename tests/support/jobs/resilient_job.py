@@ -9,13 +9,16 @@ For each ZeRO stage, in the same processes: an uninterrupted run (O/z<stage>/ref
 unless --no-reference), then the run with faults: --hang-rank hangs in Python right after the
 flash save of step K_i for its i-th hang (--hang-mode sleep: a long time.sleep; spin: a busy
 Python loop; gil: stuck in C with the GIL held, for the agent to stop; kill: SIGKILL, for diag
-launch to replace the rank; --hang-modes gives one per
+launch to replace the rank; interrupt: asleep, after `diag.trainer.resilient.interrupt` from
+another thread, as the agent's verdict arrives over the control channel; --hang-modes gives one per
 stage); its peers' next collective times out after --timeout seconds (or fails at once on a
 killed peer) and every rank recovers in place. A replacement runs the script from the top and
 joins the run going on (it skips the reference): with kill, give one stage. Rank 0 appends each step's loss (with the
 generation) to O/z<stage>/loss.jsonl; every rank appends to O/z<stage>/attempts-<rank>.jsonl, at
 the start of each attempt, where it started from and what the process holds (threads, fds,
-sockets, shared-memory entries, RSS), and writes O/z<stage>/result-<rank>.json at the end.
+sockets, shared-memory entries, RSS, and on a GPU the memory its allocator holds), and writes
+O/z<stage>/result-<rank>.json at the end. On a GPU (DeepSpeed's accelerator) the inputs go to the
+engine's device and the wrapper forms NCCL groups.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-rank", type=int, default=1)
     p.add_argument(
         "--hang-modes", default="sleep",
-        help="sleep, spin or kill (SIGKILL: the launcher replaces the rank), one per stage "
+        help="sleep, spin, gil, interrupt or kill (SIGKILL: the launcher replaces the rank), one per stage "
         "(cycled); within a stage, one per hang joined by '+' (cycled): kill+sleep",
     )  # fmt: skip
     p.add_argument("--timeout", type=float, default=3.0, help="collective timeout, seconds")
@@ -85,9 +88,22 @@ def probe(path: Path, record: dict) -> None:
         run_dir_entries=len(os.listdir(run_dir)) if run_dir else 0,
         rss=proc.memory_info().rss,
         thread_names=names,
+        **_cuda_held(),
     )
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _cuda_held() -> dict[str, int]:
+    """The GPU memory this process's allocator holds (a leaked engine keeps its parameters and
+    optimizer state there); nothing without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.synchronize()
+    return {"cuda_allocated": torch.cuda.memory_allocated(),
+            "cuda_reserved": torch.cuda.memory_reserved()}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +162,7 @@ def stage(args: argparse.Namespace, zero: int, out: Path, name: str, hangs: list
             })  # fmt: skip
         for step in range(start + 1, args.steps + 1):
             gen = torch.Generator().manual_seed(args.seed * 1000 + step * 10 + world.rank)
-            x = torch.randn(4, h, generator=gen)
+            x = torch.randn(4, h, generator=gen).to(engine.device)
             loss = (engine(x) - x).float().pow(2).mean()
             engine.backward(loss)
             engine.step()
@@ -210,7 +226,14 @@ def hang(mode: str) -> None:
         # The regex engine backtracks in C for ever and never lets go of the GIL: no signal
         # handler and no other thread of this process (its control client) runs again.
         re.match(r"(a+)+$", "a" * 64 + "!")
-    if mode == "sleep":
+    if mode == "interrupt":
+        import threading
+
+        from diag.trainer.resilient import interrupt
+
+        why = "the agent's verdict (as the control channel delivers it)"
+        threading.Timer(0.5, interrupt, args=(why,)).start()
+    if mode in ("sleep", "interrupt"):
         time.sleep(3600)
     else:
         n = 0

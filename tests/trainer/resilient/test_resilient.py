@@ -19,12 +19,10 @@ from pathlib import Path
 import jobrun
 import pytest
 from repo import SUPPORT
+from resilientchecks import check_no_leaks, check_stage, lines
 
 JOB = SUPPORT / "jobs" / "resilient_job.py"
 TIMEOUT_S = "3"  # the collective timeout that notices the hung rank (no agent here)
-RSS_NOISE = 32 << 20  # allocator noise a recovery may leave; a leaked engine is far more
-HELD = ("threads", "os_threads", "fds", "sockets", "shm_maps", "run_dir_entries")
-SLACK = 1  # one more than after the first recovery: a connection still closing, not a leak
 
 
 @dataclass
@@ -59,52 +57,6 @@ def run() -> Iterator[Run]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
-
-
-def check_stage(run: Run, zero: int, hangs: list[int], steps: int) -> dict[int, list[dict]]:
-    """The stage's losses, restores and results as a recovery must leave them; returns each
-    rank's attempts."""
-    out = run.stage(zero)
-    ref = {d["step"]: float.fromhex(d["loss"]) for d in _lines(out / "reference.jsonl")}
-    got = _lines(out / "loss.jsonl")
-    assert [d["step"] for d in got] == list(range(1, steps + 1)), got  # each step once
-    for d in got:  # bit for bit in practice; the bound is the issue's
-        assert abs(float.fromhex(d["loss"]) - ref[d["step"]]) <= 1e-5, (zero, d, ref[d["step"]])
-    assert {d["gen"] for d in got if d["step"] > hangs[-1]} == {len(hangs)}
-    attempts = {}
-    for rank in (0, 1):
-        result = json.loads((out / f"result-{rank}.json").read_text())
-        assert result["recoveries"] == len(hangs) == result["generation"], result
-        a = _lines(out / f"attempts-{rank}.jsonl")
-        assert [x["start"] for x in a] == [0, *hangs], a
-        assert all(x["loaded_from"] == "memory" for x in a[1:]), a
-        assert all(x["fault"] for x in a[1:]), a
-        attempts[rank] = a
-    assert json.loads((out / "result-1.json").read_text())["hung"] == hangs
-    return attempts
-
-
-def check_no_leaks(attempts: dict[int, list[dict]], base: int = 2) -> dict[str, float]:
-    """From attempt `base` on, no later attempt holds more than it held (a leak of one per
-    recovery shows by the second after it); returns the RSS growth, recorded. Before it: the
-    launch has not yet started the lazy threads of a save, and at ZeRO 3 a rank whose forward
-    or backward pass a fault interrupted keeps up to two earlier generations' engines (bounded:
-    the same two, however many recoveries follow; what holds them is not found yet)."""
-    growth = {}
-    for rank, a in attempts.items():
-        first, last = a[base], a[-1]
-        for key in HELD:
-            held = [x[key] for x in a[base:]]
-            assert max(held) <= first[key] + SLACK, (rank, key, held, a[-1]["thread_names"])
-        growth[f"rank {rank} rss growth over {len(a) - 1 - base} recoveries (MiB)"] = round(
-            (last["rss"] - first["rss"]) / 2**20, 2
-        )
-        assert last["rss"] - first["rss"] < RSS_NOISE, (rank, a)
-    return growth
-
-
 @pytest.mark.slow
 def test_a_rank_hung_in_python_recovers_in_place_at_every_zero_stage(run: Run) -> None:
     steps, hangs = 8, [2, 3, 5, 6]
@@ -114,13 +66,13 @@ def test_a_rank_hung_in_python_recovers_in_place_at_every_zero_stage(run: Run) -
     )  # fmt: skip
     assert rc == 0, run.log()
     for zero in (1, 2, 3):
-        attempts = check_stage(run, zero, hangs, steps)
+        attempts = check_stage(run.stage(zero), hangs, steps)
         if zero != 3:  # ZeRO 3's bounded retention needs more recoveries to tell: the long tier
             print(f"zero {zero}:", check_no_leaks(attempts))
     # Both ends of a fault were seen: the rank whose collective timed out, the one interrupted.
-    faults = " ".join(x["fault"] for x in _lines(run.stage(2) / "attempts-1.jsonl"))
+    faults = " ".join(x["fault"] for x in lines(run.stage(2) / "attempts-1.jsonl"))
     assert "interrupted" in faults, faults
-    faults = " ".join(x["fault"] for x in _lines(run.stage(2) / "attempts-0.jsonl"))
+    faults = " ".join(x["fault"] for x in lines(run.stage(2) / "attempts-0.jsonl"))
     assert "timed_out" in faults, faults
     assert not list(run.run_dir.iterdir())  # the slots removed at the end
 
@@ -154,7 +106,7 @@ def test_the_agents_hang_verdict_recovers_a_rank_in_place(run: Run) -> None:
     agent_log = (run.root / "agent.log").read_text(errors="replace")
     assert rc == 0, run.log() + agent_log[-3000:]
     assert agent_rc == 3, agent_log[-3000:]  # an incident, handled
-    attempts = check_stage(run, 2, hangs, steps)
+    attempts = check_stage(run.stage(2), hangs, steps)
     for rank in (0, 1):
         assert (
             "the agent's verdict: hang: rank 1 is the likely culprit" in attempts[rank][1]["fault"]
@@ -176,5 +128,5 @@ def test_twenty_recoveries_in_one_process_leak_nothing(run: Run) -> None:
     )  # fmt: skip
     assert rc == 0, run.log()
     for zero, base in ((2, 2), (3, 8)):  # ZeRO 3: past its bounded retention (check_no_leaks)
-        attempts = check_stage(run, zero, hangs, steps)
+        attempts = check_stage(run.stage(zero), hangs, steps)
         print(f"zero {zero}, 20 recoveries:", check_no_leaks(attempts, base))
