@@ -91,6 +91,11 @@ class JobSpec:
     timeout: float = 3600.0
     replicas: bool = True  # diag: each node's agent holds the other's flash checkpoint
     replica_interval: float = 0.05  # s between the agents' looks for a newer step to send
+    device: str = "cpu"  # cpu: gloo; cuda: NCCL, every rank on GPU 0 (nproc 1: see nccl_env)
+
+    @property
+    def world(self) -> int:
+        return len(NODES) * self.nproc
 
 
 @dataclass
@@ -115,6 +120,23 @@ class Outcome:
 
 # The agent's line for where it took the node's snapshots from (agent.replica.replicator).
 _PULLED = re.compile(r"replica restore: (\w+)(?: step (\d+))?")
+
+
+def nccl_env(run_id: str, node: str, root: Path) -> dict[str, str]:
+    """A node's NCCL settings when the ranks of both nodes share GPU 0 of this machine."""
+    trace = str(root / f"nccl-trace-{node}-rank")
+    return {
+        # NCCL refuses two ranks of one host on one GPU ("Duplicate GPU detected"): a host id of
+        # its own per node makes them two hosts, joined by NCCL's socket transport over the
+        # loopback (which NCCL skips unless named), with no InfiniBand to look for.
+        "NCCL_HOSTID": f"{run_id}-{node}",
+        "NCCL_SOCKET_IFNAME": "lo",
+        "NCCL_IB_DISABLE": "1",
+        # A collective timeout's flight-recorder dump lands with the run, not in /tmp (the
+        # setting under both of its names).
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace,
+        "TORCH_FR_DUMP_TEMP_FILE": trace,
+    }
 
 
 def _listening(port: int) -> bool:
@@ -145,6 +167,8 @@ class GoodputJob:
                 # DLRover names its shared memory and sockets after the job: one per node.
                 ELASTIC_JOB_NAME=f"{self.run_id}-{name}",
             )  # fmt: skip
+            if spec.device == "cuda":
+                env.update(nccl_env(self.run_id, name, root))
             self.nodes.append(Node(name, run, env))
         self.ring = ""
         if spec.stack in ("diag", "inplace") and spec.replicas:
@@ -232,7 +256,7 @@ class GoodputJob:
         job = [str(JOB), "--stack", s.stack, "--steps", str(s.steps), "--hidden", str(s.hidden),
                "--every", str(s.every), "--save-dir", str(self.save), "--out", str(self.out),
                "--faults", str(self.root / "faults.json"), "--pg-timeout", str(s.pg_timeout),
-               *(["--wait-saves"] if s.wait_saves else [])]  # fmt: skip
+               "--device", s.device, *(["--wait-saves"] if s.wait_saves else [])]  # fmt: skip
         host = "true" if node.name == NODES[0] else "false"
         if s.stack == "dlrover":
             return [sys.executable, str(DLROVER_RUN), "--nnodes", "2", "--nproc_per_node",
@@ -391,7 +415,7 @@ class GoodputJob:
                     self.log(f"  fault {r['kind']} on rank {r['rank']} at step {r['step']}")
                 elif r["ev"] == "done":
                     done.add(r["pid"])
-            if len(done) >= 2 * self.spec.nproc:
+            if len(done) >= self.spec.world:
                 break
             if pending and self.healthy >= pending[0].step:
                 f = pending.pop(0)

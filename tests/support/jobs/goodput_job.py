@@ -1,9 +1,10 @@
-"""The job of the goodput bench (bench/goodput.py) and its test: a DeepSpeed ZeRO-2 CPU model whose
-data depends only on the step, checkpointed the way one of three stacks does it, that injects the
-faults of a schedule on itself and logs what it does with wall-clock times.
+"""The job of the goodput bench (bench/goodput.py) and its test: a DeepSpeed ZeRO-2 model (on CPU
+with gloo; --device cuda: on the rank's GPU with NCCL) whose data depends only on the step,
+checkpointed the way one of three stacks does it, that injects the faults of a schedule on itself
+and logs what it does with wall-clock times.
 
     torchrun ... tests/support/jobs/goodput_job.py --stack diag --save-dir D --out O --faults F \
-        [--steps 60] [--hidden 64] [--every 10]
+        [--steps 60] [--hidden 64] [--every 10] [--device cpu|cuda]
 
 --stack default: `engine.save_checkpoint` every --every steps, resume from `latest`; diag: a
 `FlashCheckpointer` saving every step to memory (the agent also writes every --every-th to D),
@@ -53,6 +54,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--faults", default="", help="JSON file of faults this job injects itself")
     p.add_argument("--pg-timeout", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL")
     p.add_argument(
         "--wait-saves", action="store_true", help="a flash save's copy done before `saved`"
     )
@@ -178,16 +180,19 @@ def main(argv: list[str] | None = None) -> int:
     from dsengine import no_jit_ops
 
     no_jit_ops()
+    backend = "nccl" if args.device == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=args.pg_timeout)
     c10d.default_pg_timeout = timeout  # DeepSpeed's own groups take the module's default
+    if backend == "nccl":  # (NCCL groups take their own: 10 min)
+        c10d.default_pg_nccl_timeout = timeout
     faults = json.loads(Path(args.faults).read_text()) if args.faults else []
     if args.stack == "inplace":
         from diag.trainer.resilient import resilient
 
         # The wrapper forms the process group (and each next generation) itself.
-        resilient(timeout_s=args.pg_timeout)(attempt)(args, out, node, faults)
+        resilient(backend=backend, timeout_s=args.pg_timeout)(attempt)(args, out, node, faults)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout)
         attempt(None, args, out, node, faults)
         dist.destroy_process_group()
     return 0
@@ -220,10 +225,12 @@ def attempt(world: Any, args: argparse.Namespace, out: Path, node: str, faults: 
                 ev("fault", id=fault["id"], kind=fault["kind"], step=step)
                 _fire(fault["kind"])
             gen = torch.Generator().manual_seed(args.seed * 100003 + step * 10 + rank)
-            x = torch.randn(4, h, generator=gen)
+            x = torch.randn(4, h, generator=gen).to(engine.device)  # the same data on any device
             loss = (engine(x) - x).pow(2).mean()
             engine.backward(loss)
             engine.step()  # a drain saves and leaves in here
+            if x.is_cuda:  # the step ends when its kernels have run, not when they are queued
+                torch.cuda.synchronize()
             t1 = time.time()
             ev("step", step=step, t0=t0, t=t1)
             if saver.save(step):
