@@ -2,6 +2,7 @@
 
     nice -n 19 .venv/bin/python bench/goodput.py --quick          # a short try (small model)
     nice -n 19 .venv/bin/python bench/goodput.py --svg goodput.svg  # the full run (many minutes)
+    python3 bench/goodput.py --device cuda --stacks default,inplace  # on a machine with a GPU
 
 The job (tests/support/jobs/goodput_job.py): DeepSpeed ZeRO-2 on CPU (gloo), 4 ranks as 2 "nodes" on
 this machine, each node with its own launcher, run directory and shared memory, meeting in a c10d
@@ -10,7 +11,16 @@ state (fp32 weights and Adam's two moments); a fixed number of steps. The schedu
 of each kind at seeded steps and ranks: kill (SIGKILL a rank), hang (a rank sleeps in Python), gil
 (a rank spins in C with the GIL held), preempt (node-b's launcher and agent get SIGTERM, SIGKILL
 after --grace, then it comes back) and lost (node-b's processes killed, its run directory and
-shared memory wiped; it comes back empty). The stacks:
+shared memory wiped; it comes back empty). --nproc-per-node sets the ranks per node (2; the
+schedule picks its ranks among them all).
+
+--device cuda runs the same job with NCCL on one GPU: one rank per node, both on GPU 0. NCCL
+refuses two ranks of one host on one GPU, so each node gets a host id of its own (NCCL_HOSTID)
+and the two talk over NCCL's socket transport on the loopback (goodputkit.nccl_env); the
+timings are then those of NCCL's collectives, its timeouts and CUDA's start-up, not of a real
+network. The torchft and dlrover stacks run on CPU only.
+
+The stacks:
 
 - default: torchrun --max-restarts, `engine.save_checkpoint` every --every steps, collective
   timeouts of 60 s (torch's defaults are 30 min for gloo and 10 min for NCCL), resume from
@@ -49,7 +59,8 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -58,7 +69,7 @@ import repo  # noqa: E402  (tests/support: where every helper folder is)
 
 repo.on_sys_path()
 
-from goodputkit import KINDS, Fault, GoodputJob, JobSpec, read_events, schedule  # noqa: E402
+from goodputkit import KINDS, NODES, Fault, GoodputJob, JobSpec, read_events, schedule  # noqa: E402
 from goodputsvg import draw  # noqa: E402
 from goodputtimes import PARTS, RunTimes, analyse  # noqa: E402
 from scratch import private_tmpdir  # noqa: E402
@@ -68,6 +79,7 @@ from torchfttimes import analyse_torchft  # noqa: E402
 from torchfttimes import table as torchft_table  # noqa: E402
 
 STACKS = ("default", "diag", "dlrover", "inplace", "torchft")
+CPU_ONLY = ("dlrover", "torchft")  # their jobs and harnesses assume gloo on CPU
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,6 +97,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cuda: NCCL, one rank per node, every rank on GPU 0",
+    )  # fmt: skip
+    p.add_argument("--nproc-per-node", type=int, help="ranks per node (default 2; cuda: 1)")
+    p.add_argument(
         "--agent-arg", dest="agent_args", action="append", default=[],
         help="an option for each node's diag agent (the diag and inplace stacks), as one word: "
         "--agent-arg=--hang-factor=2; repeat for more",
@@ -100,6 +117,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a.steps = a.steps or (40 if a.quick else 50)
     a.hidden = a.hidden or (256 if a.quick else 2900)
     a.every = a.every or (5 if a.quick else 15)
+    if a.nproc_per_node is None:
+        a.nproc_per_node = 1 if a.device == "cuda" else 2
+    if a.nproc_per_node < 1:
+        p.error("--nproc-per-node: at least 1")
+    if a.device == "cuda" and a.nproc_per_node != 1:
+        p.error("--device cuda runs one rank per node (both nodes share GPU 0): --nproc-per-node 1")
+    a.world = len(NODES) * a.nproc_per_node
     return a
 
 
@@ -108,11 +132,14 @@ def log(msg: str) -> None:
 
 
 def run_stack(args: argparse.Namespace, stack: str, root: Path) -> RunTimes | str:
-    faults = schedule(args.seed, args.steps, tuple(args.kinds.split(",")))
+    faults = schedule(args.seed, args.steps, tuple(args.kinds.split(",")), args.world)
     spec = JobSpec(
-        stack, args.steps, args.hidden, args.every, grace=args.grace, timeout=args.timeout,
-        replicas=args.replicas, agent_args=tuple(args.agent_args),
+        stack, args.steps, args.hidden, args.every, nproc=args.nproc_per_node, grace=args.grace,
+        timeout=args.timeout, replicas=args.replicas, agent_args=tuple(args.agent_args),
+        device=args.device,
     )  # fmt: skip
+    if args.device != "cpu" and stack in CPU_ONLY:
+        return f"not run: CPU only (--device {args.device})"
     if stack == "dlrover":
         try:
             import dlrover  # noqa: F401
@@ -120,6 +147,8 @@ def run_stack(args: argparse.Namespace, stack: str, root: Path) -> RunTimes | st
             return "not run: dlrover is not installed"
     if stack == "torchft" and importlib.util.find_spec("torchft") is None:
         return f"not run: torchft is not installed ({TORCHFT_INSTALL})"
+    # Before the run: a run cut short is read (--from) with its own ranks per node.
+    (root / "spec.json").write_text(json.dumps(asdict(spec)))
     job = (TorchftJob if stack == "torchft" else GoodputJob)(spec, faults, root, log)
     try:
         outcome = job.run()
@@ -130,11 +159,16 @@ def run_stack(args: argparse.Namespace, stack: str, root: Path) -> RunTimes | st
     )
     if not outcome.finished:
         log(f"{stack}: {outcome.why}")
-    return kept_run(root, spec.pg_timeout)
+    return kept_run(root, spec.pg_timeout, spec.nproc)
 
 
-def kept_run(root: Path, pg_timeout: float = 60.0, world: int = 4) -> RunTimes | str:
-    """The times of a run kept under `root`: its events, its faults, its outcome."""
+def kept_run(root: Path, pg_timeout: float = 60.0, nproc: int = 2) -> RunTimes | str:
+    """The times of a run kept under `root`: its events, its faults, its outcome (with the run's
+    own ranks per node and timeout where it kept them)."""
+    if (root / "spec.json").exists():
+        kept = json.loads((root / "spec.json").read_text())
+        pg_timeout, nproc = kept["pg_timeout"], kept["nproc"]
+    world = len(NODES) * nproc
     faults = [Fault(**f) for f in json.loads((root / "faults.json").read_text())]
     events = read_events(root)
     if (root / "outcome.json").exists():
@@ -144,7 +178,7 @@ def kept_run(root: Path, pg_timeout: float = 60.0, world: int = 4) -> RunTimes |
         last = max(e["t"] for e in events)
         done = {e["pid"] for e in events if e["ev"] == "done"}
         outcome = {"t0": t0, "wall": last - t0, "why": "" if len(done) >= world else "cut short"}
-    how = analyse_torchft if root.name == "torchft" else analyse
+    how = partial(analyse_torchft, nproc=nproc) if root.name == "torchft" else analyse
     times = how(
         events, faults, outcome["t0"], outcome["wall"], world, root / "timeline", pg_timeout
     )
@@ -165,6 +199,14 @@ def _state_gb(root: Path) -> float:
     return sum(f.stat().st_size for f in tags[-1].rglob("*") if f.is_file()) / 1e9
 
 
+def _ranks(args: argparse.Namespace) -> str:
+    """The ranks and device, where they are not the default's (4 ranks on CPU)."""
+    if args.device == "cpu" and args.nproc_per_node == 2:
+        return ""
+    backend = "NCCL" if args.device == "cuda" else "gloo"
+    return f"; {args.world} ranks ({args.nproc_per_node} per node) on {args.device}, {backend}"
+
+
 def report(args: argparse.Namespace, runs: dict[str, RunTimes | str], gb: dict[str, float]) -> None:
     names = list(runs)
     print()
@@ -175,6 +217,7 @@ def report(args: argparse.Namespace, runs: dict[str, RunTimes | str], gb: dict[s
         f"({max(gb.values(), default=0):.2f} GB of state on storage), seed {args.seed}, "
         f"storage every {args.every} steps, grace {args.grace:g} s"
         + ("" if args.replicas else ", diag without replicas")
+        + _ranks(args)
     )
     print()
     print("| | " + " | ".join(names) + " |")
@@ -272,7 +315,7 @@ def ratios(args: argparse.Namespace, runs: dict[str, RunTimes | str], default: R
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     stacks = [s for s in args.stacks.split(",") if s]
-    faults = schedule(args.seed, args.steps, tuple(args.kinds.split(",")))
+    faults = schedule(args.seed, args.steps, tuple(args.kinds.split(",")), args.world)
     log("schedule: " + ", ".join(f"{f.kind}@{f.step}" + (f"/r{f.rank}" if f.rank >= 0 else "/node-b")
                                  for f in faults))  # fmt: skip
     top = args.runs_from or args.keep or Path(tempfile.mkdtemp(prefix="diag-goodput-"))
@@ -281,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs_from:
         for stack in stacks:
             root = top / stack
-            runs[stack] = kept_run(root) if (root / "faults.json").exists() else "not run"
+            found = (root / "faults.json").exists()
+            runs[stack] = kept_run(root, nproc=args.nproc_per_node) if found else "not run"
             gb[stack] = _state_gb(root)
         stacks = []
     try:
