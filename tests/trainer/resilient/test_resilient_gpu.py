@@ -29,7 +29,7 @@ from pathlib import Path
 import jobrun
 import pytest
 import torch
-from repo import SUPPORT
+from repo import SUPPORT, pythonpath
 from resilientchecks import check_no_leaks, check_stage, lines
 
 pytestmark = [
@@ -57,7 +57,7 @@ class GpuRun:
         for node in (0, 1):
             env = dict(
                 os.environ, DIAG_RUN_DIR=str(self.run_dir), OMP_NUM_THREADS="1",
-                PYTHONPATH=str(SUPPORT),
+                PYTHONPATH=pythonpath(os.environ.get("PYTHONPATH", "")),
                 NCCL_HOSTID=f"diag-test-{run_id}-node{node}", NCCL_SOCKET_IFNAME="lo",
                 NCCL_IB_DISABLE="1",
             )  # fmt: skip
@@ -122,7 +122,7 @@ def test_nccl_groups_aborted_from_another_thread_recover_in_place(gpu_run: GpuRu
     steps, hangs = 11, [3, 5, 7, 9]
     rc = gpu_run.launch(
         "--zero", "2,3", "--steps", str(steps), "--hang-steps", ",".join(map(str, hangs)),
-        "--hang-modes", "interrupt", "--timeout", "120", timeout=400,
+        "--hang-modes", "interrupt", "--timeout", "120", timeout=200,
     )  # fmt: skip
     assert rc == 0, gpu_run.log()
     for zero, base in ((2, 2), (3, 2)):
@@ -157,7 +157,7 @@ def test_the_agents_verdict_aborts_an_nccl_wait(gpu_run: GpuRun) -> None:
     try:
         rc = gpu_run.launch(
             "--zero", "2", "--steps", str(steps), "--hang-steps", "5", "--attach",
-            "--timeout", "120", timeout=300,
+            "--timeout", "120", timeout=150,
         )  # fmt: skip
         agent_rc = jobrun.finish(agent, 60)
     finally:
