@@ -31,6 +31,7 @@ INTERRUPT_SIGNAL = signal.SIGRTMIN + 5  # unused by torch, Python and diag's gra
 POLL_S = 0.05
 _UNRELEASED: list[Graveyard] = []  # kept to the process's end: freeing them would block
 FORM_TIMEOUT_S = 300.0  # every rank joins a generation within this (a slow one tears down first)
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 class Interrupted(BaseException):
@@ -125,8 +126,8 @@ class Membership:
         import torch.distributed as dist
 
         s = self.spec
-        if s.backend == "nccl":  # the watcher aborts a hung communicator, not NCCL's watchdog
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        if s.backend == "nccl":
+            _watchdog_hands_off()
         timeout = datetime.timedelta(seconds=s.timeout_s)
         _default_timeouts(timeout)
         # What a replacement reads to join this generation (every rank writes the same value).
@@ -155,6 +156,11 @@ class Membership:
             told, reason = self._faulted == self.generation, self._reason
         posted = told or self._posted(self._store, self.generation)
         return posted, told, reason
+
+    def fault_reason(self) -> str:
+        """The fault this rank was told of for its generation ("" if none)."""
+        with self._lock:
+            return self._reason
 
     def post(self, reason: str) -> None:
         """Tells every rank that this generation had a fault (idempotent: the first one stays)."""
@@ -278,6 +284,18 @@ class Membership:
             reason = self._reason
         if raise_now:
             raise Interrupted(reason)
+
+
+def _watchdog_hands_off() -> None:
+    """NCCL's watchdog leaves a failed communicator to the watcher (read by each NCCL group as it
+    is made). torchrun hands its workers 1 (tear down), and torch's own default, 3, tears down
+    too: either ends the whole process with SIGABRT at the first error a peer's abort causes
+    (its sockets close), before this rank's watcher has seen the fault (measured on an H200)."""
+    was = os.environ.get(NCCL_ERROR_HANDLING)
+    if was != "0":
+        os.environ[NCCL_ERROR_HANDLING] = "0"
+        log.info("diag: %s=0 (was %s): a recovery in place aborts the communicators itself",
+                 NCCL_ERROR_HANDLING, was)  # fmt: skip
 
 
 def _default_timeouts(timeout: datetime.timedelta) -> None:

@@ -159,7 +159,7 @@ def _run(
                 raise RecoveryError(d.reason) from error
             log.warning("diag: rank %d recovers in place: %s (%s)", spec.rank, d.reason,
                         _short(error))  # fmt: skip
-            fault_text = f"{d.reason}: {_short(error)}"
+            fault_text = _fault_text(d.reason, error, member.fault_reason())
             history = recovered(history, d, fault_at)
     finally:
         restore_waits()
@@ -206,6 +206,14 @@ def _default_backend() -> str:
     import torch
 
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _fault_text(decided: str, error: BaseException, posted: str) -> str:
+    """Why the attempt ended, for the next: the decision, the error, and the fault as posted
+    when the error does not say it (an NCCL wait ends with "communicator was aborted", the
+    reason being another rank's, or the agent's)."""
+    text = f"{decided}: {_short(error)}"
+    return f"{text} ({posted})" if posted and posted not in str(error) else text
 
 
 def _short(error: BaseException) -> str:
