@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import logging
 import signal
 import time
@@ -36,7 +37,9 @@ MEMBER_LOOK_S = 0.5  # between looks for a worker under `resilient`, until one i
 
 class SpareAgent(SimpleElasticAgent):
     def __init__(self, spec: WorkerSpec, rules: core.Policy, shutdown_timeout: int = 30) -> None:
-        super().__init__(spec, shutdown_timeout=shutdown_timeout)
+        # torch before 2.13 has no `shutdown_timeout` here (2.11's agent takes the spec alone).
+        takes = "shutdown_timeout" in inspect.signature(SimpleElasticAgent.__init__).parameters
+        super().__init__(spec, **({"shutdown_timeout": shutdown_timeout} if takes else {}))
         self._rules = rules
         self._procs: dict[int, Proc] = {}  # local rank -> the process holding it now
         self._spares = Spares(rules.spares)

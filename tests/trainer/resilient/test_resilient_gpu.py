@@ -116,16 +116,16 @@ def _costs(run: GpuRun, zero: int) -> list[float]:
 
 
 def test_nccl_groups_aborted_from_another_thread_recover_in_place(gpu_run: GpuRun) -> None:
-    """Four recoveries in the same processes at ZeRO 2 and 3, each begun by
+    """Four recoveries in the same processes at ZeRO 2, each begun by
     `resilient.interrupt` on the hung rank (what the agent's verdict calls), with rank 0 blocked
     in an NCCL collective."""
     steps, hangs = 11, [3, 5, 7, 9]
     rc = gpu_run.launch(
-        "--zero", "2,3", "--steps", str(steps), "--hang-steps", ",".join(map(str, hangs)),
+        "--zero", "2", "--steps", str(steps), "--hang-steps", ",".join(map(str, hangs)),
         "--hang-modes", "interrupt", "--timeout", "120", timeout=200,
     )  # fmt: skip
     assert rc == 0, gpu_run.log()
-    for zero, base in ((2, 2), (3, 2)):
+    for zero, base in ((2, 2),):
         attempts = check_stage(gpu_run.stage(zero), hangs, steps)
         print(f"zero {zero}:", check_no_leaks(attempts, base))
         for rank, a in attempts.items():
