@@ -15,6 +15,7 @@ rank failing alone in the middle of DeepSpeed's load (and again at every restart
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import pickle
@@ -288,8 +289,11 @@ def _on_cpu(storage: Any, location: str) -> Any:
 def load_from_memory(
     engine: Any, place: Place, step: int, index: FileIndex, staged: dict[str, Any]
 ) -> tuple[Any, Any]:
-    """engine.load_checkpoint of `step`, served from what `stage` read (each file once: DeepSpeed
-    keeps what it loads), and from shared memory for any file it did not."""
+    """engine.load_checkpoint of `step`, served from what `stage` read, and from shared memory for
+    any file it did not. A file asked for again gets what was read (DeepSpeed's state-dict loader
+    opens the model states twice, once for their keys: a second copy out of the slot cost a quarter
+    of a restore), in a top-level dict of its own, so that a key one reader takes out stays for
+    the other; the tensors are shared, as the second reader only copies them into the model."""
     name = f".{safe_job_name(place.job)}-rank{place.rank:05d}.load"
     shadow = place.run_dir / name
     try:
@@ -305,7 +309,7 @@ def load_from_memory(
 
         def load(rel: str, map_location: Any) -> Any:
             if rel in staged:
-                return staged.pop(rel)
+                return _own_top(staged[rel])
             path, entry = index[rel]
             try:
                 return _read(path, entry, step, map_location)
@@ -315,7 +319,12 @@ def load_from_memory(
         with swapped_engine(engine, loading_engine(str(shadow), load)), reshard.direct():
             return engine.load_checkpoint(str(shadow), tag=step_tag(step))
     finally:
+        staged.clear()  # what DeepSpeed kept stays with it
         _remove_shadow(place.run_dir, name)
+
+
+def _own_top(state: Any) -> Any:
+    return copy.copy(state) if isinstance(state, dict) else state
 
 
 def _open_for_load(path: Path) -> SlotFile:
