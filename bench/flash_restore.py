@@ -31,7 +31,6 @@ from scratch import private_tmpdir
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = "bench-restore"
-ROOMS = ("agent", "cli", "collector", "formats", "proto", "trainer", "viewer")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -138,19 +137,10 @@ def persist(args: argparse.Namespace) -> int:
     return 0
 
 
-def link_tree(tree: Path, where: Path) -> Path:
-    """A directory that imports `diag` from `tree` (package-dir maps diag.<room> to <room>/),
-    ahead of the editable install on sys.path."""
-    pkg = where / "diag"
-    pkg.mkdir(parents=True)
-    for room in ROOMS:
-        (pkg / room).symlink_to(tree.resolve() / room)
-    return where
-
-
 def child(args: argparse.Namespace, role: str, tree: Path, run_dir: Path, work: Path) -> dict:
-    links = link_tree(tree, Path(tempfile.mkdtemp(prefix="bench-restore-tree-")))
-    env = dict(os.environ, PYTHONPATH=str(links), MASTER_ADDR="127.0.0.1", RANK="0",
+    # The tree's own `diag` package, ahead of the editable install (its finder comes after the
+    # path's on sys.meta_path).
+    env = dict(os.environ, PYTHONPATH=str(tree.resolve()), MASTER_ADDR="127.0.0.1", RANK="0",
                WORLD_SIZE="1", LOCAL_RANK="0", MASTER_PORT=str(_free_port()))  # fmt: skip
     cmd = [
         sys.executable, __file__, "--other", str(args.other), "--role", role,
@@ -158,19 +148,16 @@ def child(args: argparse.Namespace, role: str, tree: Path, run_dir: Path, work: 
         "--layers", str(args.layers), "--hidden", str(args.hidden),
         "--repeats", str(args.repeats),
     ]  # fmt: skip
-    try:
-        before = set(work.glob("measured-*.json"))
-        done = subprocess.run(cmd, env=env, timeout=1800, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{role} with {tree} failed:\n{done.stderr[-4000:]}")
-        if role == "write":
-            return json.loads((work / "written.json").read_text())
-        (new,) = set(work.glob("measured-*.json")) - before
-        got = json.loads(new.read_text())
-        new.unlink()
-        return dict(got)
-    finally:
-        shutil.rmtree(links, ignore_errors=True)
+    before = set(work.glob("measured-*.json"))
+    done = subprocess.run(cmd, env=env, timeout=1800, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{role} with {tree} failed:\n{done.stderr[-4000:]}")
+    if role == "write":
+        return json.loads((work / "written.json").read_text())
+    (new,) = set(work.glob("measured-*.json")) - before
+    got = json.loads(new.read_text())
+    new.unlink()
+    return dict(got)
 
 
 def _free_port() -> int:
