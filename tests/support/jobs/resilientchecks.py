@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 RSS_NOISE = 32 << 20  # allocator noise a recovery may leave; a leaked engine is far more
 HELD = ("threads", "os_threads", "fds", "sockets", "shm_maps", "run_dir_entries")
@@ -55,3 +56,43 @@ def check_no_leaks(attempts: dict[int, list[dict]], base: int = 2) -> dict[str, 
         )
         assert last["rss"] - first["rss"] < RSS_NOISE, (rank, a)
     return growth
+
+
+def recover_at_the_agents_verdict(run: Any, launch_timeout: float) -> tuple[dict, str]:
+    """The job at ZeRO 2 (attached), rank 1 hung after step 5, its collectives' timeout 120 s:
+    what ends the hang is `diag agent --on-hang recover` (hang limit 4 s), started here. `run`
+    launches the job (`launch`, `stage`, `log`, `root`, `run_dir`: the CPU and GPU tests' runs).
+    Checks the outcome; returns each rank's attempts and the agent's log."""
+    import os
+    import sys
+
+    import jobrun
+
+    steps, hangs = 10, [5]
+    agent = jobrun.start(
+        [
+            sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run.run_dir),
+            "--timeline", str(run.root / "timeline"), "--hang-timeout", "4", "--hang-floor", "4",
+            "--warmup-timeout", "8", "--on-hang", "recover", "--until", "job-end",
+            "--interval", "0.25", "--stop-grace", "5", "--native-stacks", "false",
+        ],
+        run.root / "agent.log",
+        dict(os.environ, DIAG_RUN_DIR=str(run.run_dir)),
+    )  # fmt: skip
+    try:
+        rc = run.launch(
+            "--zero", "2", "--steps", str(steps), "--hang-steps", "5", "--attach",
+            "--timeout", "120", timeout=launch_timeout,
+        )  # fmt: skip
+        agent_rc = jobrun.finish(agent, 60)
+    finally:
+        jobrun.stop(agent)
+    agent_log = (run.root / "agent.log").read_text(errors="replace")
+    assert rc == 0, run.log() + agent_log[-3000:]
+    assert agent_rc == 3, agent_log[-3000:]  # an incident, handled
+    attempts = check_stage(run.stage(2), hangs, steps)
+    for rank in (0, 1):
+        fault = attempts[rank][1]["fault"]
+        assert "the agent's verdict: hang: rank 1 is the likely culprit" in fault, fault
+    assert "recover in place: 2 of 2 ranks took it" in agent_log, agent_log[-3000:]
+    return attempts, agent_log

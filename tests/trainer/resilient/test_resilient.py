@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from pathlib import Path
 import jobrun
 import pytest
 from repo import SUPPORT
-from resilientchecks import check_no_leaks, check_stage, lines
+from resilientchecks import check_no_leaks, check_stage, lines, recover_at_the_agents_verdict
 
 JOB = SUPPORT / "jobs" / "resilient_job.py"
 TIMEOUT_S = "3"  # the collective timeout that notices the hung rank (no agent here)
@@ -90,37 +89,9 @@ def test_the_agents_hang_verdict_recovers_a_rank_in_place(run: Run) -> None:
     120 s, so what ends the hang (rank 1 asleep, rank 0 blocked in an all-reduce) is the agent's
     verdict, sent over the control channel: the hung rank is interrupted, the blocked one's wait
     ends, and both train on from the step they hold in memory."""
-    steps, hangs = 10, [5]
-    timeline = run.root / "timeline"
-    agent = jobrun.start(
-        [
-            sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(run.run_dir),
-            "--timeline", str(timeline), "--hang-timeout", "4", "--hang-floor", "4",
-            "--warmup-timeout", "8", "--on-hang", "recover", "--until", "job-end",
-            "--interval", "0.25", "--stop-grace", "5", "--native-stacks", "false",
-        ],
-        run.root / "agent.log",
-        dict(os.environ, DIAG_RUN_DIR=str(run.run_dir)),
-    )  # fmt: skip
-    try:
-        rc = run.launch(
-            "--zero", "2", "--steps", str(steps), "--hang-steps", "5", "--attach",
-            "--timeout", "120", timeout=240,
-        )  # fmt: skip
-        agent_rc = jobrun.finish(agent, 60)
-    finally:
-        jobrun.stop(agent)
-    agent_log = (run.root / "agent.log").read_text(errors="replace")
-    assert rc == 0, run.log() + agent_log[-3000:]
-    assert agent_rc == 3, agent_log[-3000:]  # an incident, handled
-    attempts = check_stage(run.stage(2), hangs, steps)
-    for rank in (0, 1):
-        assert (
-            "the agent's verdict: hang: rank 1 is the likely culprit" in attempts[rank][1]["fault"]
-        )
-    assert "recover in place: 2 of 2 ranks took it" in agent_log, agent_log[-3000:]
+    _, agent_log = recover_at_the_agents_verdict(run, 240)
     assert "stopping rank" not in agent_log
-    (incident,) = timeline.glob("*-hang-*")
+    (incident,) = (run.root / "timeline").glob("*-hang-*")
     assert json.loads((incident / "verdict.json").read_text())["culprit"] == 1
 
 

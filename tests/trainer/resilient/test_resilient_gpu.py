@@ -30,7 +30,7 @@ import jobrun
 import pytest
 import torch
 from repo import SUPPORT, pythonpath
-from resilientchecks import check_no_leaks, check_stage, lines
+from resilientchecks import check_no_leaks, check_stage, lines, recover_at_the_agents_verdict
 
 pytestmark = [
     pytest.mark.gpu,
@@ -149,32 +149,6 @@ def test_nccl_groups_aborted_from_another_thread_recover_in_place(gpu_run: GpuRu
 def test_the_agents_verdict_aborts_an_nccl_wait(gpu_run: GpuRun) -> None:
     """`diag agent --on-hang recover` watching both ranks (attached): the NCCL collectives'
     timeout is 120 s, so what ends the wait is the agent's verdict over the control channel."""
-    steps, hangs = 10, [5]
-    timeline = gpu_run.root / "timeline"
-    agent = jobrun.start(
-        [
-            sys.executable, "-m", "diag.cli.main", "agent", "--run-dir", str(gpu_run.run_dir),
-            "--timeline", str(timeline), "--hang-timeout", "4", "--hang-floor", "4",
-            "--warmup-timeout", "8", "--on-hang", "recover", "--until", "job-end",
-            "--interval", "0.25", "--stop-grace", "5", "--native-stacks", "false",
-        ],
-        gpu_run.root / "agent.log",
-        dict(os.environ, DIAG_RUN_DIR=str(gpu_run.run_dir)),
-    )  # fmt: skip
-    try:
-        rc = gpu_run.launch(
-            "--zero", "2", "--steps", str(steps), "--hang-steps", "5", "--attach",
-            "--timeout", "120", timeout=150,
-        )  # fmt: skip
-        agent_rc = jobrun.finish(agent, 60)
-    finally:
-        jobrun.stop(agent)
-    agent_log = (gpu_run.root / "agent.log").read_text(errors="replace")
-    assert rc == 0, gpu_run.log() + agent_log[-3000:]
-    assert agent_rc == 3, agent_log[-3000:]  # an incident, handled
-    attempts = check_stage(gpu_run.stage(2), hangs, steps)
-    for rank in (0, 1):
-        assert "the agent's verdict: hang" in attempts[rank][1]["fault"], attempts[rank]
-    assert "recover in place: 2 of 2 ranks took it" in agent_log, agent_log[-3000:]
+    attempts, _ = recover_at_the_agents_verdict(gpu_run, 150)
     print("the hang to the next step (s)", _costs(gpu_run, 2),
           "recovery (s)", [round(a[1]["recovery_s"], 2) for a in attempts.values()])  # fmt: skip
