@@ -162,9 +162,11 @@ step tests_gpu_resume 200 "$py" -m pytest -m gpu -q -p no:cacheprovider --timeou
 # their communicators aborted from another thread while one waits in a collective, four
 # recoveries in the same processes (losses against an uninterrupted run, GPU memory and handles
 # held), and the agent's verdict ending an NCCL wait.
-step tests_gpu_resilient 240 "$py" -m pytest -m gpu -q -s -p no:cacheprovider --timeout 400 \
+# The agent's verdict first: the four-recovery test is an open question (xfail, up to 240 s).
+step tests_gpu_resilient 330 "$py" -m pytest -m gpu -q -s -p no:cacheprovider --timeout 300 \
     --basetemp "$work/pytest-resilient" --junitxml "$work/junit-gpu-resilient.xml" \
-    tests/trainer/resilient/test_resilient_gpu.py
+    tests/trainer/resilient/test_resilient_gpu.py::test_the_agents_verdict_aborts_an_nccl_wait \
+    tests/trainer/resilient/test_resilient_gpu.py::test_nccl_groups_aborted_from_another_thread_recover_in_place
 
 # 4. Flash checkpoint on CUDA: ~3.2 GB of ZeRO-2 state (200 M parameters, fp32 Adam), against
 # engine.save_checkpoint and DLRover's flash checkpoint on the same engine (--dlrover: its row
