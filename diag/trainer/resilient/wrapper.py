@@ -29,7 +29,13 @@ from typing import Any, TypeVar
 from diag.trainer.attach import in_attempt, new_world
 from diag.trainer.control import immediate
 from diag.trainer.resilient.attempt import destroy_engines, end_attempt, forget_deepspeed_state
-from diag.trainer.resilient.membership import Interrupted, Membership, RecoveryError, WorldSpec
+from diag.trainer.resilient.membership import (
+    Interrupted,
+    Membership,
+    RecoveryError,
+    WorldSpec,
+    reason_text,
+)
 from diag.trainer.resilient.recovery import (
     Action,
     Decision,
@@ -213,7 +219,9 @@ def _fault_text(decided: str, error: BaseException, posted: str) -> str:
     when the error does not say it (an NCCL wait ends with "communicator was aborted", the
     reason being another rank's, or the agent's)."""
     text = f"{decided}: {_short(error)}"
-    return f"{text} ({posted})" if posted and posted not in str(error) else text
+    if not posted or posted in str(error):
+        return text
+    return f"{text} ({reason_text(posted.encode())})"  # bounded: it came over a channel
 
 
 def _short(error: BaseException) -> str:

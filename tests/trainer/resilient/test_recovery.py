@@ -103,3 +103,19 @@ def test_a_posted_reason_is_bounded_and_printable() -> None:
     assert reason_text(b"a\x1b[2Jb\nc\xff") == "a?[2Jb?c\ufffd"
     long = reason_text(b"x" * 100_000)
     assert len(long) == REASON_MAX + len(" [cut]") and long.endswith(" [cut]")
+
+
+def test_the_next_attempt_is_told_the_posted_reason_once_and_bounded() -> None:
+    from diag.trainer.resilient.membership import REASON_MAX, Interrupted
+    from diag.trainer.resilient.wrapper import _fault_text
+
+    why = "the agent's verdict: hang: rank 1 is the likely culprit"
+    aborted = RuntimeError("NCCL communicator was aborted on rank 0.")
+    text = _fault_text("interrupted in generation 0", aborted, why)
+    assert text.endswith(f"communicator was aborted on rank 0. ({why})"), text
+    # An error that carries the reason already says it once.
+    text = _fault_text("interrupted in generation 0", Interrupted(why), why)
+    assert text.count(why) == 1, text
+    assert _fault_text("timed out", aborted, "") == "timed out: RuntimeError: " + str(aborted)
+    long = _fault_text("x", aborted, "\x1b" + "y" * 100_000)
+    assert len(long) < REASON_MAX + 200 and "\x1b" not in long, len(long)
